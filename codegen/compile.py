@@ -1,0 +1,92 @@
+"""Compile one specialization for one architecture with CuTeDSL; no GPU needed.
+
+Returns the cubin and the facts the manifest records about it: the kernel
+symbol (read from the compiled object, never predicted), the PTX parameters
+checked against the declared signature, block dims from `.reqntid`, shared
+memory, registers and stack.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+
+from cuteaot.runtime.errors import BuildError
+from cuteaot.runtime.keys import KernelKey
+from cuteaot.runtime.kernels import FAMILIES
+
+from .kernels import activation, topk_sum
+from .ptx import check_abi, parse_entry
+from .resources import read_resources
+
+# family -> function(spec) returning (kernel object, fake arguments for cute.compile)
+BUILDERS = {
+    "moe_activation": activation.build,
+    "moe_topk_sum": topk_sum.build,
+}
+# Dynamic shared memory per family (bytes); these kernels use none.
+DYNAMIC_SMEM = {"moe_activation": 0, "moe_topk_sum": 0}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    cubin: bytes
+    record: dict  # manifest fields except file / sha256 / bytes
+
+
+def _compiler_version(ptx: str) -> str:
+    m = re.search(r"Cuda compilation tools, release ([\d.]+), (V[\d.]+)", ptx)
+    return f"{m[1]} {m[2]}" if m else "unknown"
+
+
+def compile_kernel(key: KernelKey, arch: str) -> CompiledKernel:
+    spec_cls = FAMILIES.get(key.family)
+    if spec_cls is None or key.family not in BUILDERS:
+        raise BuildError(f"no codegen for kernel family {key.family!r}")
+    spec = spec_cls.from_facts(key.facts)
+    if spec.key() != key:
+        raise BuildError(f"{key.describe()} is not a current {key.family} key (version {spec_cls.VERSION})")
+    kernel_obj, fake_args = BUILDERS[key.family](spec)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = cute.compile(
+            kernel_obj, *fake_args, options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump}"
+        )
+    seconds = time.perf_counter() - start
+    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+    if not ptx or not cubin:
+        raise BuildError(f"CuTeDSL returned no PTX/cubin for {key.describe()} on {arch}")
+    symbols = list(compiled.kernel_info)
+    if len(symbols) != 1:
+        raise BuildError(f"{key.describe()}: expected exactly one device kernel, CuTeDSL produced {symbols}")
+    symbol = symbols[0]
+    entry = parse_entry(ptx, symbol)
+    check_abi(entry, spec.SIGNATURE, f"{key.describe()} on {arch}")
+    if entry.reqntid is None:
+        raise BuildError(f"{symbol}: PTX has no .reqntid; the launch block would be unknown")
+    res = read_resources(cubin, symbol)
+    return CompiledKernel(
+        cubin=cubin,
+        record={
+            "key": key.digest,
+            "family": key.family,
+            "version": key.version,
+            "facts": dict(key.facts),
+            "arch": arch,
+            "symbol": symbol,
+            "params": spec.SIGNATURE.to_json(),
+            "block": list(entry.reqntid),
+            "dynamic_smem_bytes": DYNAMIC_SMEM[key.family],
+            "static_smem_bytes": res.static_smem_bytes,
+            "registers": res.registers,
+            "stack_bytes": res.stack_bytes,
+            "local_bytes": res.local_bytes,
+            "min_blocks_per_sm": entry.minnctapersm,
+            "compiler": _compiler_version(ptx),
+            "compile_seconds": round(seconds, 3),
+        },
+    )

@@ -1,0 +1,58 @@
+"""Registers, stack and shared memory of a compiled kernel, read from its cubin.
+
+Uses `cuobjdump --dump-resource-usage` (PyPI `nvidia-cuda-cuobjdump`).  The
+cubin does not keep ptxas's spill counters; spilled registers live in the
+stack frame, so `stack_bytes == 0` and `local_bytes == 0` mean no spills.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cuteaot.runtime.errors import BuildError
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    stack_bytes: int
+    local_bytes: int
+    static_smem_bytes: int
+
+
+def cuobjdump_path() -> str:
+    for base in map(Path, sys.path):
+        candidate = base / "nvidia" / "cu13" / "bin" / "cuobjdump"
+        if candidate.is_file():
+            return str(candidate)
+    found = shutil.which("cuobjdump")
+    if found is None:
+        raise BuildError("cuobjdump not found: `pip install nvidia-cuda-cuobjdump` (part of cuteaot[codegen])")
+    return found
+
+
+def read_resources(cubin: bytes, symbol: str) -> Resources:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run(
+            [cuobjdump_path(), "--dump-resource-usage", f.name], capture_output=True, text=True
+        )
+    if proc.returncode != 0:
+        raise BuildError(f"cuobjdump failed on {symbol}: {proc.stderr.strip()}")
+    block = re.search(r"Function " + re.escape(symbol) + r":\s*\n\s*(?P<line>[^\n]+)", proc.stdout)
+    if block is None:
+        raise BuildError(f"cuobjdump lists no resource usage for {symbol}")
+    fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", block["line"]))
+    return Resources(
+        registers=int(fields["REG"]),
+        stack_bytes=int(fields["STACK"]),
+        local_bytes=int(fields["LOCAL"]),
+        static_smem_bytes=int(fields["SHARED"]),
+    )

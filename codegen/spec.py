@@ -1,0 +1,251 @@
+"""YAML specs -> frozen dataclasses, with strict validation.
+
+A spec names a bundle, its target device profiles and the MoE problems to
+serve.  Unknown keys, wrong types and impossible combinations are errors that
+name the file, the line, the field and what is allowed.
+
+    bundle: qwen3-30b-a3b
+    targets: [h200, b200]
+    moe:
+      - name: qwen3-30b-a3b
+        hidden_size: 2048
+        intermediate_size: 768
+        num_experts: 128
+        top_k: 8
+        activation: silu            # silu | swigluoai | relu2
+        swiglu: {limit: 7.0}        # optional; alpha/beta for swigluoai only
+        dtype: [bf16, fp16]         # one value or a list to enumerate
+        fast_math: true             # one value or a list to enumerate
+        tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from cuteaot.runtime.devices import PROFILES, DeviceProfile
+from cuteaot.runtime.errors import BadInputError, SpecError
+from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
+from cuteaot.runtime.types import Activation, DType
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class MoeProblem:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    activation: Activation
+    swiglu_alpha: Optional[float]
+    swiglu_beta: Optional[float]
+    swiglu_limit: Optional[float]
+    dtypes: tuple[DType, ...]
+    fast_math: tuple[bool, ...]
+    tokens: tuple[int, ...]
+
+    def activation_spec(self, dtype: DType, fast_math: bool) -> ActivationSpec:
+        return ActivationSpec.create(
+            self.activation, dtype, self.intermediate_size, fast_math=fast_math,
+            swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta, swiglu_limit=self.swiglu_limit,
+        )
+
+    def topk_sum_spec(self, dtype: DType) -> TopKSumSpec:
+        return TopKSumSpec(dtype, self.top_k, self.hidden_size)
+
+
+@dataclass(frozen=True)
+class BundleSpec:
+    bundle: str
+    targets: tuple[DeviceProfile, ...]
+    moe: tuple[MoeProblem, ...]
+    file: str
+    sha256: str
+
+
+class _Node:
+    """A YAML value with the line it came from (1-based)."""
+
+    __slots__ = ("value", "line")
+
+    def __init__(self, value: Any, line: int):
+        self.value = value
+        self.line = line
+
+
+def _convert(node: yaml.Node, file: str) -> _Node:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, _Node] = {}
+        key_lines: dict[str, int] = {}
+        for k, v in node.value:
+            key = yaml.safe_load(yaml.serialize(k)) if not isinstance(k, yaml.ScalarNode) else k.value
+            if key in out:
+                raise SpecError(file, k.start_mark.line + 1, str(key), f"duplicate key (first on line {key_lines[key]})")
+            key_lines[key] = k.start_mark.line + 1
+            out[key] = _convert(v, file)
+        return _Node(out, line)
+    if isinstance(node, yaml.SequenceNode):
+        return _Node([_convert(v, file) for v in node.value], line)
+    return _Node(yaml.safe_load(yaml.serialize(node)), line)
+
+
+class _Reader:
+    def __init__(self, file: str):
+        self.file = file
+
+    def fail(self, node: _Node | None, field: str, message: str) -> SpecError:
+        return SpecError(self.file, node.line if node else None, field, message)
+
+    def mapping(self, node: _Node, field: str, required: set[str], optional: set[str]) -> dict[str, _Node]:
+        if not isinstance(node.value, dict):
+            raise self.fail(node, field, f"expected a mapping, got {type(node.value).__name__}")
+        for key, child in node.value.items():
+            if key not in required | optional:
+                allowed = ", ".join(sorted(required | optional))
+                raise self.fail(child, f"{field}.{key}" if field else key, f"unknown key; allowed keys: {allowed}")
+        missing = sorted(required - node.value.keys())
+        if missing:
+            raise self.fail(node, field or "(top level)", f"missing required key(s): {', '.join(missing)}")
+        return node.value
+
+    def integer(self, node: _Node, field: str, minimum: int = 1) -> int:
+        if not isinstance(node.value, int) or isinstance(node.value, bool):
+            raise self.fail(node, field, f"expected an integer, got {node.value!r}")
+        if node.value < minimum:
+            raise self.fail(node, field, f"must be >= {minimum}, got {node.value}")
+        return node.value
+
+    def number(self, node: _Node, field: str) -> float:
+        if not isinstance(node.value, (int, float)) or isinstance(node.value, bool):
+            raise self.fail(node, field, f"expected a number, got {node.value!r}")
+        return float(node.value)
+
+    def boolean(self, node: _Node, field: str) -> bool:
+        if not isinstance(node.value, bool):
+            raise self.fail(node, field, f"expected true or false, got {node.value!r}")
+        return node.value
+
+    def name(self, node: _Node, field: str) -> str:
+        if not isinstance(node.value, str) or not _NAME.match(node.value):
+            raise self.fail(node, field, f"expected a lower-case name ([a-z0-9._-]), got {node.value!r}")
+        return node.value
+
+    def choice(self, node: _Node, field: str, enum):
+        allowed = [e.value for e in enum]
+        if node.value not in allowed:
+            raise self.fail(node, field, f"must be one of {allowed}, got {node.value!r}")
+        return enum(node.value)
+
+    def one_or_list(self, node: _Node, field: str, read) -> tuple:
+        items = node.value if isinstance(node.value, list) else [node]
+        if not items:
+            raise self.fail(node, field, "must not be an empty list")
+        values = tuple(read(item, field) for item in items)
+        if len(set(values)) != len(values):
+            raise self.fail(node, field, f"lists a value twice: {[getattr(v, 'value', v) for v in values]}")
+        return values
+
+
+def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
+    m = r.mapping(
+        node, field,
+        required={"name", "hidden_size", "intermediate_size", "num_experts", "top_k", "activation", "dtype", "tokens"},
+        optional={"swiglu", "fast_math"},
+    )
+    activation = r.choice(m["activation"], f"{field}.activation", Activation)
+    swiglu: dict[str, float] = {}
+    if "swiglu" in m:
+        allowed = {"alpha", "beta", "limit"} if activation is Activation.SWIGLUOAI else {"limit"}
+        if activation is Activation.RELU2:
+            raise r.fail(m["swiglu"], f"{field}.swiglu", "relu2 is not gated and takes no swiglu parameters")
+        sw = r.mapping(m["swiglu"], f"{field}.swiglu", set(), allowed)
+        swiglu = {k: r.number(v, f"{field}.swiglu.{k}") for k, v in sw.items()}
+    tokens_node = m["tokens"]
+    if not isinstance(tokens_node.value, list) or not tokens_node.value:
+        raise r.fail(tokens_node, f"{field}.tokens", "expected a non-empty list of token counts")
+    tokens = tuple(r.integer(t, f"{field}.tokens") for t in tokens_node.value)
+    if list(tokens) != sorted(set(tokens)):
+        raise r.fail(tokens_node, f"{field}.tokens", f"must be strictly ascending, got {list(tokens)}")
+    num_experts = r.integer(m["num_experts"], f"{field}.num_experts")
+    top_k = r.integer(m["top_k"], f"{field}.top_k")
+    if top_k > num_experts:
+        raise r.fail(m["top_k"], f"{field}.top_k", f"top_k {top_k} exceeds num_experts {num_experts}")
+    fast_math = r.one_or_list(m["fast_math"], f"{field}.fast_math", r.boolean) if "fast_math" in m else (True,)
+    problem = MoeProblem(
+        name=r.name(m["name"], f"{field}.name"),
+        hidden_size=r.integer(m["hidden_size"], f"{field}.hidden_size"),
+        intermediate_size=r.integer(m["intermediate_size"], f"{field}.intermediate_size"),
+        num_experts=num_experts,
+        top_k=top_k,
+        activation=activation,
+        swiglu_alpha=swiglu.get("alpha"),
+        swiglu_beta=swiglu.get("beta"),
+        swiglu_limit=swiglu.get("limit"),
+        dtypes=r.one_or_list(m["dtype"], f"{field}.dtype", lambda n, f: r.choice(n, f, DType)),
+        fast_math=fast_math,
+        tokens=tokens,
+    )
+    # The kernel families' own validity checks decide what combinations can be built.
+    checks = [
+        ("intermediate_size", lambda: problem.activation_spec(problem.dtypes[0], True)),
+        ("hidden_size", lambda: problem.topk_sum_spec(problem.dtypes[0])),
+    ]
+    for name, check in checks:
+        try:
+            check()
+        except BadInputError as exc:
+            raise r.fail(m.get(name, node), f"{field}.{name}", str(exc)) from None
+    return problem
+
+
+def load_spec(path: str | Path) -> BundleSpec:
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(file, None, "(file)", f"cannot read spec: {exc}") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise SpecError(file, mark.line + 1 if mark else None, "(syntax)", str(exc)) from None
+    if root is None:
+        raise SpecError(file, 1, "(top level)", "the spec is empty")
+    r = _Reader(file)
+    top = r.mapping(_convert(root, file), "", required={"bundle", "targets", "moe"}, optional={"description"})
+    targets_node = top["targets"]
+    if not isinstance(targets_node.value, list) or not targets_node.value:
+        raise r.fail(targets_node, "targets", f"expected a non-empty list of device profiles from {sorted(PROFILES)}")
+    targets = []
+    for t in targets_node.value:
+        if t.value not in PROFILES:
+            raise r.fail(t, "targets", f"unknown device profile {t.value!r}; known: {sorted(PROFILES)}")
+        if PROFILES[t.value] in targets:
+            raise r.fail(t, "targets", f"{t.value!r} is listed twice")
+        targets.append(PROFILES[t.value])
+    moe_node = top["moe"]
+    if not isinstance(moe_node.value, list) or not moe_node.value:
+        raise r.fail(moe_node, "moe", "expected a non-empty list of MoE problems")
+    problems = [_problem(r, p, f"moe[{i}]") for i, p in enumerate(moe_node.value)]
+    seen: dict[str, int] = {}
+    for i, p in enumerate(problems):
+        if p.name in seen:
+            raise r.fail(moe_node.value[i], f"moe[{i}].name", f"duplicate problem name {p.name!r} (also moe[{seen[p.name]}])")
+        seen[p.name] = i
+    return BundleSpec(
+        bundle=r.name(top["bundle"], "bundle"),
+        targets=tuple(targets),
+        moe=tuple(problems),
+        file=file,
+        sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )

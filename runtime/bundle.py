@@ -1,0 +1,219 @@
+"""Loading a bundle onto a GPU and resolving calls to precompiled kernels.
+
+Nothing here can compile: cubins are loaded with `cuLibraryLoadData`, kernels
+are found by the symbol the build read from the compiled object, and a call
+resolves by dictionary lookup on its specialization key.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from cuda.bindings import driver
+
+from .abi import ArgBuffer, Signature
+from .devices import PROFILES, DeviceProfile, match_profile
+from .errors import (
+    ArchNotInBundleError,
+    BundleError,
+    LaunchError,
+    NoDeviceError,
+    UnknownSpecializationError,
+)
+from .keys import KernelKey
+from .manifest import KernelRecord, kernel_records, read_cubin, read_manifest
+
+_DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+
+
+def check_cu(result: tuple, what: str):
+    """Unpack a cuda-python result tuple, raising LaunchError on any CUresult but success."""
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise LaunchError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The raw `cudaStream_t` of torch's current stream on the device."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+class LoadedKernel:
+    """A kernel loaded into one device's context, ready to launch."""
+
+    def __init__(self, record: KernelRecord, function, signature: Signature | None = None):
+        self.record = record
+        self.function = function
+        self.block = record.block
+        self.smem = record.dynamic_smem_bytes
+        self._tls = threading.local()
+
+    def args(self, signature: Signature) -> ArgBuffer:
+        """This thread's argument buffer for the kernel (created on first use)."""
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            if not signature.matches_json(self.record.params):
+                raise BundleError(
+                    f"kernel {self.record.key.describe()} was built with parameters {self.record.params}, "
+                    f"but this runtime declares {signature.to_json()}; rebuild the bundle"
+                )
+            buf = self._tls.buf = ArgBuffer(signature)
+        return buf
+
+    def launch(self, grid: tuple[int, int, int], params_address: int, stream: int) -> None:
+        err = driver.cuLaunchKernel(
+            self.function, grid[0], grid[1], grid[2], *self.block, self.smem, stream, params_address, 0
+        )[0]
+        if err != driver.CUresult.CUDA_SUCCESS:
+            check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid={grid})")
+
+
+@dataclass(frozen=True)
+class _Nearest:
+    digest: str
+    differing: dict
+
+
+class Bundle:
+    """A bundle's kernels for one device, loaded and indexed by specialization key."""
+
+    def __init__(self, path: Path, manifest: dict, profile: DeviceProfile, device: torch.device):
+        self.path = path
+        self.manifest = manifest
+        self.name: str = manifest["bundle"]
+        self.profile = profile
+        self.arch = profile.arch
+        self.device = device
+        self.device_index: int = device.index
+        self.id = f"{self.name}@{path.resolve()}#cuda:{device.index}"
+        self._kernels: dict[str, LoadedKernel] = {}
+        self._libraries: list = []
+        self.plans: dict = {}  # per-call-site launch plans cached by the ops modules
+
+    # -- loading ----------------------------------------------------------------
+    def _load(self, records: list[KernelRecord]) -> None:
+        for record in records:
+            data = read_cubin(self.path, record)
+            library = check_cu(
+                driver.cuLibraryLoadData(data, None, None, 0, None, None, 0),
+                f"cuLibraryLoadData({record.file})",
+            )
+            self._libraries.append(library)
+            kernel = check_cu(
+                driver.cuLibraryGetKernel(library, record.symbol.encode()),
+                f"cuLibraryGetKernel({record.symbol})",
+            )
+            function = check_cu(driver.cuKernelGetFunction(kernel), f"cuKernelGetFunction({record.symbol})")
+            self._check_function(function, record)
+            self._kernels[record.digest] = LoadedKernel(record, function)
+
+    def _check_function(self, function, record: KernelRecord) -> None:
+        attr = driver.CUfunction_attribute
+        regs = check_cu(driver.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, function), "cuFuncGetAttribute")
+        if regs != record.registers:
+            raise BundleError(
+                f"{record.file}: the driver reports {regs} registers for {record.symbol}, the manifest "
+                f"{record.registers}; the bundle does not describe its own cubin"
+            )
+        if record.dynamic_smem_bytes > _DEFAULT_DYNAMIC_SMEM_LIMIT:
+            check_cu(
+                driver.cuFuncSetAttribute(
+                    function, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, record.dynamic_smem_bytes
+                ),
+                f"raising the dynamic shared memory limit of {record.symbol}",
+            )
+
+    # -- resolution -------------------------------------------------------------
+    def kernel(self, key: KernelKey) -> LoadedKernel:
+        """The loaded kernel for `key`, or UnknownSpecializationError naming the nearest built."""
+        found = self._kernels.get(key.digest)
+        if found is None:
+            raise self._unknown(key)
+        return found
+
+    def has(self, key: KernelKey) -> bool:
+        return key.digest in self._kernels
+
+    def _unknown(self, key: KernelKey) -> UnknownSpecializationError:
+        same_family = [k.record.key for k in self._kernels.values() if k.record.key.family == key.family]
+        scored = []
+        for other in same_family:
+            names = set(key.facts) | set(other.facts)
+            diff = {n: other.facts.get(n) for n in sorted(names) if key.facts.get(n) != other.facts.get(n)}
+            scored.append((len(diff), other.canonical, diff))
+        scored.sort(key=lambda t: (t[0], t[1]))
+        lines = [f"  differs in {d}" for _, _, d in scored[:3]]
+        nearest = "\n".join(lines) if lines else f"  (the bundle has no {key.family} kernels for {self.arch})"
+        return UnknownSpecializationError(
+            f"bundle {self.name!r} ({self.path}) has no kernel {key.describe()} for {self.arch}.\n"
+            f"Nearest built specializations:\n{nearest}\n"
+            "Add the problem to the bundle's spec and rebuild (`make kernels`)."
+        )
+
+    def __len__(self) -> int:
+        return len(self._kernels)
+
+    def __repr__(self) -> str:
+        return f"Bundle({self.name!r}, {self.arch}, {len(self)} kernels, profile={self.profile.name})"
+
+
+_BUNDLES: dict[str, Bundle] = {}
+
+
+def registered_bundle(bundle_id: str) -> Bundle:
+    """The loaded bundle with this id (torch custom ops refer to bundles by id)."""
+    try:
+        return _BUNDLES[bundle_id]
+    except KeyError:
+        raise BundleError(f"no bundle with id {bundle_id!r} is loaded in this process") from None
+
+
+def load_bundle(path: str | Path, device: torch.device | str | int | None = None) -> Bundle:
+    """Load the kernels of a bundle for the given (default: current) CUDA device.
+
+    Checks the schema version, matches the live GPU to one of the bundle's device
+    profiles, verifies the sha256 of every cubin it loads and loads them with
+    `cuLibraryLoadData`.  Never compiles anything.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if not torch.cuda.is_available():
+        raise NoDeviceError("no CUDA device is visible; a bundle can be verified (`cuteaot verify`) but not loaded")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise NoDeviceError(f"bundles load onto CUDA devices, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    targets = [PROFILES[t["name"]] for t in manifest["targets"] if t["name"] in PROFILES]
+    profile = match_profile(
+        targets,
+        name=props.name,
+        capability=(props.major, props.minor),
+        sm_count=props.multi_processor_count,
+    )
+    if profile is None:
+        raise ArchNotInBundleError(
+            f"bundle {manifest['bundle']!r} targets {[t['name'] for t in manifest['targets']]}, none of which "
+            f"matches the live GPU {props.name!r} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs); "
+            "add its profile to the spec's targets and rebuild"
+        )
+    records = [r for r in kernel_records(manifest) if r.arch == profile.arch]
+    bundle = Bundle(path, manifest, profile, device)
+    with torch.cuda.device(device):
+        torch.empty(1, device=device)  # make torch create (and bind) the primary context
+        bundle._load(records)
+    _BUNDLES[bundle.id] = bundle
+    return bundle

@@ -1,0 +1,161 @@
+"""The bundle manifest: reading, structural checks and integrity verification.
+
+`docs/manifest.md` documents every field; `manifest.schema.json` beside this
+file is the full JSON Schema (the tests validate built manifests against it).
+The runtime checks only what it relies on, without third-party packages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import IntegrityError, SchemaMismatchError
+from .keys import KernelKey
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+
+_KERNEL_FIELDS = {
+    "key": str,
+    "family": str,
+    "version": int,
+    "facts": dict,
+    "arch": str,
+    "file": str,
+    "sha256": str,
+    "bytes": int,
+    "symbol": str,
+    "params": list,
+    "block": list,
+    "dynamic_smem_bytes": int,
+    "registers": int,
+}
+_TOP_FIELDS = {
+    "schema_version": int,
+    "bundle": str,
+    "toolchain": dict,
+    "source_fingerprint": str,
+    "spec": dict,
+    "targets": list,
+    "kernels": list,
+    "resolution": list,
+}
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One compiled kernel for one architecture, as the manifest records it."""
+
+    key: KernelKey
+    arch: str
+    file: str
+    sha256: str
+    bytes: int
+    symbol: str
+    params: list
+    block: tuple[int, int, int]
+    dynamic_smem_bytes: int
+    registers: int
+    raw: dict  # the whole record, for display
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest
+
+
+def _require(obj: dict, fields: dict, where: str) -> None:
+    for name, typ in fields.items():
+        if name not in obj:
+            raise SchemaMismatchError(f"{where}: field {name!r} is missing; rebuild the bundle with this cuteaot")
+        if not isinstance(obj[name], typ) or (typ is int and isinstance(obj[name], bool)):
+            raise SchemaMismatchError(
+                f"{where}: field {name!r} must be {typ.__name__}, got {type(obj[name]).__name__}"
+            )
+
+
+def read_manifest(bundle_dir: str | Path) -> dict:
+    """Parse and structurally check `<bundle_dir>/manifest.json`."""
+    path = Path(bundle_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise SchemaMismatchError(f"{path} does not exist: {bundle_dir} is not a cuteaot bundle (run `make kernels`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SchemaMismatchError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise SchemaMismatchError(f"{path}: expected a JSON object at the top level")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SchemaMismatchError(
+            f"{path}: schema_version is {version!r}, this runtime reads {SCHEMA_VERSION}; "
+            "rebuild the bundle with the matching cuteaot version"
+        )
+    _require(manifest, _TOP_FIELDS, str(path))
+    for i, kernel in enumerate(manifest["kernels"]):
+        _require(kernel, _KERNEL_FIELDS, f"{path}: kernels[{i}]")
+        if KernelKey(kernel["family"], kernel["version"], kernel["facts"]).digest != kernel["key"]:
+            raise SchemaMismatchError(f"{path}: kernels[{i}]: key does not match its family/version/facts")
+    return manifest
+
+
+def kernel_records(manifest: dict) -> list[KernelRecord]:
+    return [
+        KernelRecord(
+            key=KernelKey(k["family"], k["version"], k["facts"]),
+            arch=k["arch"],
+            file=k["file"],
+            sha256=k["sha256"],
+            bytes=k["bytes"],
+            symbol=k["symbol"],
+            params=k["params"],
+            block=tuple(k["block"]),
+            dynamic_smem_bytes=k["dynamic_smem_bytes"],
+            registers=k["registers"],
+            raw=k,
+        )
+        for k in manifest["kernels"]
+    ]
+
+
+def read_cubin(bundle_dir: str | Path, record: KernelRecord) -> bytes:
+    """The cubin's bytes, after checking size and sha256 against the manifest."""
+    path = Path(bundle_dir) / record.file
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{path}: cubin listed in the manifest is missing") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != record.bytes or digest != record.sha256:
+        raise IntegrityError(
+            f"{path}: cubin is corrupt (sha256 {digest[:16]}…, {len(data)} bytes; "
+            f"manifest says {record.sha256[:16]}…, {record.bytes} bytes); rebuild or re-copy the bundle"
+        )
+    return data
+
+
+def verify_bundle(bundle_dir: str | Path) -> dict:
+    """Check schema, every cubin's checksum and the resolution table; no GPU needed.
+
+    Returns the manifest.  Raises SchemaMismatchError or IntegrityError.
+    """
+    manifest = read_manifest(bundle_dir)
+    records = kernel_records(manifest)
+    for record in records:
+        read_cubin(bundle_dir, record)
+    if manifest.get("shard") is not None:
+        return manifest  # a shard holds part of the kernels; `cuteaot merge` checks the whole
+    built = {(r.arch, r.digest) for r in records}
+    arch_of = {t["name"]: t["arch"] for t in manifest["targets"]}
+    for row in manifest["resolution"]:
+        arch = arch_of.get(row["profile"])
+        for role, digest in row["kernels"].items():
+            if (arch, digest) not in built:
+                raise IntegrityError(
+                    f"{bundle_dir}: resolution row {row['problem']}/{row['profile']} needs {role} "
+                    f"kernel {digest[:12]} for {arch}, which the bundle does not contain"
+                )
+    return manifest

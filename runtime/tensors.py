@@ -1,0 +1,45 @@
+"""Argument checks shared by every runtime op; all raise BadInputError before any launch."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import BadInputError
+
+INT32_MAX = 2**31 - 1
+
+
+def check_tensor(
+    t: object,
+    name: str,
+    *,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    device: torch.device,
+    align: int = 16,
+) -> torch.Tensor:
+    """Check dtype, shape, device, contiguity and base alignment of a kernel operand."""
+    if not isinstance(t, torch.Tensor):
+        raise BadInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise BadInputError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise BadInputError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise BadInputError(f"{name} must be on {device} (the bundle's device), got {t.device}")
+    if not t.is_contiguous():
+        raise BadInputError(f"{name} must be contiguous (row-major), got strides {t.stride()}; call .contiguous()")
+    if t.data_ptr() % align:
+        raise BadInputError(
+            f"{name} must start at a {align}-byte aligned address (kernels use {align}-byte vector access), "
+            f"got {t.data_ptr():#x}; slices at odd offsets must be copied"
+        )
+    return t
+
+
+def check_rank(t: object, name: str, rank: int, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise BadInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise BadInputError(f"{name} must be {rank}-D {what}, got shape {tuple(t.shape)}")
+    return t
