@@ -1,0 +1,27 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SPEC = ROOT / "specs" / "tiny.yaml"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_dir() -> Path:
+    """The tiny bundle built by `make kernels SPEC=specs/tiny.yaml` (or CUTEAOT_TEST_BUNDLE)."""
+    path = Path(os.environ.get("CUTEAOT_TEST_BUNDLE", ROOT / "generated" / "tiny"))
+    if not (path / "manifest.json").is_file():
+        pytest.fail(f"{path} is not built: run `cuteaot build specs/tiny.yaml` first")
+    return path
