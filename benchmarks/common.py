@@ -23,17 +23,28 @@ def host_us_per_call(fn, calls: int = 2000, reps: int = 7) -> float:
     return statistics.median(samples)
 
 
-def device_us(fn, iters: int = 50, reps: int = 11) -> float:
-    """Median over reps of device time per call, CUDA events around `iters` back-to-back calls."""
-    for _ in range(5):
-        fn()
+def device_us(calls, iters: int = 20, reps: int = 11) -> float:
+    """Median over reps of device time per call: `iters` calls captured in one CUDA graph,
+    replays timed with CUDA events (no host launch cost in the number).  `calls` is one
+    callable or a list that the graph rotates through (distinct input buffers, so that
+    large problems are not served from L2)."""
+    calls = calls if isinstance(calls, list) else [calls]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(iters):
+            calls[i % len(calls)]()
+    graph.replay()
     torch.cuda.synchronize()
     samples = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(iters):
-            fn()
+        graph.replay()
         b.record()
         b.synchronize()
         samples.append(a.elapsed_time(b) / iters * 1e3)
@@ -45,5 +56,17 @@ def hbm_copy_bandwidth(gib: float = 4.0) -> float:
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    us = device_us(lambda: dst.copy_(src), iters=5, reps=7)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            dst.copy_(src)
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / 5 * 1e3)
+    us = statistics.median(samples)
     return 2 * n * 2 / (us * 1e-6)

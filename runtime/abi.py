@@ -9,6 +9,8 @@ arguments with it.
 from __future__ import annotations
 
 import ctypes
+import functools
+import struct
 from dataclasses import dataclass
 from enum import Enum
 
@@ -56,26 +58,37 @@ class Signature:
         return self.to_json() == recorded
 
 
-class ArgBuffer:
-    """Storage for one launch's arguments plus the `void*[]` that cuLaunchKernel reads.
+_STRUCT_CODES = {ParamKind.PTR: "Q", ParamKind.I32: "i", ParamKind.F32: "f"}
 
-    Built once per launch plan; a launch only overwrites the values.  The driver
-    copies the parameters during cuLaunchKernel, so reusing the buffer for the
-    next launch (also during CUDA-graph capture) is safe.  Not shared between
-    threads: callers keep one per thread.
+
+class ArgBuffer:
+    """One launch's packed arguments plus the `void*[]` that cuLaunchKernel reads.
+
+    The values live in one byte buffer laid out with each parameter's alignment;
+    `kernelParams[i]` points at parameter i inside it.  A launch packs all values
+    with a single `struct.pack_into` and passes `address`.  The driver copies the
+    parameters during cuLaunchKernel, so the buffer can be reused for the next
+    launch (also during CUDA-graph capture).  Not shared between threads: the
+    driver call releases the GIL, so callers keep one buffer per thread.
     """
 
-    __slots__ = ("_slots", "_array", "address")
+    __slots__ = ("_buffer", "_array", "address", "pack")
 
     def __init__(self, signature: Signature):
-        self._slots = [p.kind.ctype() for p in signature.params]
-        self._array = (ctypes.c_void_p * len(self._slots))(
-            *[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in self._slots]
-        )
+        fmt, offsets, offset = "=", [], 0
+        for p in signature.params:
+            pad = -offset % p.kind.align
+            fmt += "x" * pad + _STRUCT_CODES[p.kind]
+            offsets.append(offset + pad)
+            offset += pad + p.kind.size
+        layout = struct.Struct(fmt)
+        self._buffer = ctypes.create_string_buffer(max(layout.size, 1))
+        base = ctypes.addressof(self._buffer)
+        self._array = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self.address = ctypes.addressof(self._array)
+        self.pack = functools.partial(layout.pack_into, self._buffer, 0)
 
     def set(self, *values: int | float) -> int:
         """Store the values (in signature order); return the `void**` address to launch with."""
-        for slot, value in zip(self._slots, values, strict=True):
-            slot.value = value
+        self.pack(*values)
         return self.address

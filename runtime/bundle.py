@@ -8,7 +8,6 @@ resolves by dictionary lookup on its specialization key.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,7 +52,7 @@ def current_stream_handle(device_index: int) -> int:
 class LoadedKernel:
     """A kernel loaded into one device's context, ready to launch."""
 
-    def __init__(self, record: KernelRecord, function, signature: Signature | None = None):
+    def __init__(self, record: KernelRecord, function):
         self.record = record
         self.function = function
         self.block = record.block
@@ -62,28 +61,24 @@ class LoadedKernel:
 
     def args(self, signature: Signature) -> ArgBuffer:
         """This thread's argument buffer for the kernel (created on first use)."""
-        buf = getattr(self._tls, "buf", None)
-        if buf is None:
+        try:
+            return self._tls.buf
+        except AttributeError:
             if not signature.matches_json(self.record.params):
                 raise BundleError(
                     f"kernel {self.record.key.describe()} was built with parameters {self.record.params}, "
                     f"but this runtime declares {signature.to_json()}; rebuild the bundle"
-                )
+                ) from None
             buf = self._tls.buf = ArgBuffer(signature)
-        return buf
+            return buf
 
-    def launch(self, grid: tuple[int, int, int], params_address: int, stream: int) -> None:
-        err = driver.cuLaunchKernel(
-            self.function, grid[0], grid[1], grid[2], *self.block, self.smem, stream, params_address, 0
-        )[0]
-        if err != driver.CUresult.CUDA_SUCCESS:
-            check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid={grid})")
-
-
-@dataclass(frozen=True)
-class _Nearest:
-    digest: str
-    differing: dict
+    def launch(self, grid_x: int, params_address: int, stream: int, grid_y: int = 1, grid_z: int = 1) -> None:
+        bx, by, bz = self.block
+        (err,) = driver.cuLaunchKernel(
+            self.function, grid_x, grid_y, grid_z, bx, by, bz, self.smem, stream, params_address, 0
+        )
+        if err:  # CUresult is an int; CUDA_SUCCESS == 0
+            check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid=({grid_x}, {grid_y}, {grid_z}))")
 
 
 class Bundle:

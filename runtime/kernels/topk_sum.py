@@ -14,7 +14,7 @@ from ..abi import Param, ParamKind, Signature
 from ..bundle import Bundle, current_stream_handle, registered_bundle
 from ..errors import BadInputError
 from ..keys import KernelKey
-from ..tensors import INT32_MAX, check_rank, check_tensor
+from ..tensors import INT32_MAX, check_rank, check_tensor, operand_ok
 from ..types import DType
 
 VECTOR = 8  # elements per thread: one 16-byte load per route
@@ -57,10 +57,6 @@ class TopKSumSpec:
     def from_facts(cls, facts: dict) -> "TopKSumSpec":
         return cls(DType(facts["dtype"]), facts["top_k"], facts["hidden_size"])
 
-    def grid(self, tokens: int, threads: int) -> tuple[int, int, int]:
-        vectors = tokens * (self.hidden_size // VECTOR)
-        return ((vectors + threads - 1) // threads, 1, 1)
-
     def check_shapes(self, fc2: torch.Tensor, out: torch.Tensor) -> int:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
         tokens = fc2.shape[0]
@@ -85,18 +81,41 @@ class _TopKSumPlan:
         self.spec = spec
         self.kernel = bundle.kernel(spec.key())
         self.device = bundle.device
+        self.device_index = bundle.device_index
         self.dtype = spec.dtype.torch
         self.threads = self.kernel.block[0]
+        self.top_k, self.hidden = spec.top_k, spec.hidden_size
+        self.vectors_per_row = spec.hidden_size // VECTOR
 
-    def __call__(self, fc2: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(self, fc2: torch.Tensor, fc2_shape: torch.Size, out: torch.Tensor) -> None:
+        tokens, dtype, dev = fc2_shape[0], self.dtype, self.device_index
+        if not (
+            fc2_shape[1] == self.top_k
+            and fc2_shape[2] == self.hidden
+            and isinstance(out, torch.Tensor)
+            and out.shape == (tokens, self.hidden)
+            and fc2.dtype == dtype
+            and out.dtype == dtype
+            and fc2.get_device() == dev
+            and out.get_device() == dev
+            and fc2.is_contiguous()
+            and out.is_contiguous()
+            and tokens <= INT32_MAX
+        ):
+            self._explain(fc2, out)
+        fp, op = fc2.data_ptr(), out.data_ptr()
+        if (fp | op) & 15:
+            self._explain(fc2, out)
+        if tokens:
+            grid = (tokens * self.vectors_per_row + self.threads - 1) // self.threads
+            self.kernel.launch(grid, self.kernel.args(TopKSumSpec.SIGNATURE).set(fp, op, tokens), current_stream_handle(dev))
+
+    def _explain(self, fc2: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec
         tokens = spec.check_shapes(fc2, out)
         check_tensor(fc2, "fc2", dtype=self.dtype, shape=(tokens, spec.top_k, spec.hidden_size), device=self.device)
         check_tensor(out, "out", dtype=self.dtype, shape=(tokens, spec.hidden_size), device=self.device)
-        if tokens == 0:
-            return
-        args = self.kernel.args(spec.SIGNATURE).set(fc2.data_ptr(), out.data_ptr(), tokens)
-        self.kernel.launch(spec.grid(tokens, self.threads), args, current_stream_handle(self.device.index))
+        raise BadInputError("fc2/out failed validation")  # unreachable unless the two checks disagree
 
 
 def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,14 +125,15 @@ def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = N
             out = fc2.new_empty((fc2.shape[0], fc2.shape[2]))
         torch.ops.cuteaot.moe_topk_sum(fc2, out, bundle.id)
         return out
-    check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
-    cache_key = ("moe_topk_sum", fc2.dtype, fc2.shape[1], fc2.shape[2])
-    plan = bundle.plans.get(cache_key)
+    if not isinstance(fc2, torch.Tensor) or fc2.dim() != 3:
+        check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
+    shape = fc2.shape
+    plan = bundle.plans.get(("moe_topk_sum", fc2.dtype, shape[1], shape[2]))
     if plan is None:
-        plan = bundle.plans[cache_key] = _TopKSumPlan(bundle, spec_for_call(fc2))
+        plan = bundle.plans[("moe_topk_sum", fc2.dtype, shape[1], shape[2])] = _TopKSumPlan(bundle, spec_for_call(fc2))
     if out is None:
-        out = torch.empty((fc2.shape[0], fc2.shape[2]), dtype=fc2.dtype, device=fc2.device)
-    plan(fc2, out)
+        out = torch.empty((shape[0], shape[2]), dtype=fc2.dtype, device=fc2.device)
+    plan(fc2, shape, out)
     return out
 
 

@@ -1,0 +1,86 @@
+"""Runtime pieces that need no GPU: argument checks, fake ops, device profile matching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cuteaot.runtime  # noqa: F401  (registers the torch ops)
+from cuteaot.runtime import PROFILES, BadInputError
+from cuteaot.runtime.devices import match_profile
+from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
+from cuteaot.runtime.kernels.activation import spec_for_call
+from cuteaot.runtime.tensors import check_tensor
+
+
+def test_activation_spec_validation_messages():
+    with pytest.raises(BadInputError, match="multiple of 8"):
+        ActivationSpec.create("silu", "bf16", 100)
+    with pytest.raises(BadInputError, match="swigluoai only"):
+        ActivationSpec.create("silu", "bf16", 128, swiglu_alpha=1.0)
+    with pytest.raises(BadInputError, match="not relu2"):
+        ActivationSpec.create("relu2", "bf16", 128, swiglu_limit=1.0)
+    with pytest.raises(BadInputError, match="positive finite"):
+        ActivationSpec.create("silu", "bf16", 128, swiglu_limit=-1.0)
+    with pytest.raises(BadInputError, match="one of"):
+        ActivationSpec.create("gelu", "bf16", 128)
+    with pytest.raises(BadInputError, match=r"top_k must be an int in \[1, 32\]"):
+        TopKSumSpec("bf16", 33, 256)
+
+
+def test_call_spec_checks_dtype_and_halves():
+    with pytest.raises(BadInputError, match="bfloat16 or float16"):
+        spec_for_call(torch.float32, 256, "silu", True, None, None, None)
+    with pytest.raises(BadInputError, match="halves"):
+        spec_for_call(torch.bfloat16, 251, "silu", True, None, None, None)
+    assert spec_for_call(torch.float16, 256, "relu2", True, None, None, None).intermediate_size == 256
+
+
+def test_check_tensor_messages():
+    cpu = torch.device("cpu")
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    check_tensor(x, "x", dtype=torch.bfloat16, shape=(4, 8), device=cpu)
+    with pytest.raises(BadInputError, match="dtype"):
+        check_tensor(x, "x", dtype=torch.float16, shape=(4, 8), device=cpu)
+    with pytest.raises(BadInputError, match="shape"):
+        check_tensor(x, "x", dtype=torch.bfloat16, shape=(4, 9), device=cpu)
+    with pytest.raises(BadInputError, match="contiguous"):
+        check_tensor(x.t(), "x", dtype=torch.bfloat16, shape=(8, 4), device=cpu)
+    with pytest.raises(BadInputError, match="aligned"):
+        check_tensor(torch.zeros(33, dtype=torch.bfloat16)[1:].view(4, 8), "x", dtype=torch.bfloat16,
+                     shape=(4, 8), device=cpu)
+    with pytest.raises(BadInputError, match="torch.Tensor"):
+        check_tensor([1, 2], "x", dtype=torch.bfloat16, shape=(2,), device=cpu)
+
+
+def test_fake_ops_check_shapes_without_a_gpu():
+    with FakeTensorMode():
+        x = torch.empty(7, 256, dtype=torch.bfloat16)
+        out = torch.empty(7, 128, dtype=torch.bfloat16)
+        torch.ops.cuteaot.moe_activation(x, out, "no-bundle-needed", "silu", True, None, None, None)
+        with pytest.raises(BadInputError, match="shape"):
+            torch.ops.cuteaot.moe_activation(x, torch.empty(7, 256, dtype=torch.bfloat16), "b", "silu", True,
+                                             None, None, None)
+        fc2 = torch.empty(7, 4, 384, dtype=torch.float16)
+        torch.ops.cuteaot.moe_topk_sum(fc2, torch.empty(7, 384, dtype=torch.float16), "b")
+        with pytest.raises(BadInputError, match="dtype"):
+            torch.ops.cuteaot.moe_topk_sum(fc2, torch.empty(7, 384, dtype=torch.bfloat16), "b")
+
+
+def test_custom_ops_are_registered_with_mutation_schema():
+    import re
+
+    for op in (torch.ops.cuteaot.moe_activation, torch.ops.cuteaot.moe_topk_sum):
+        schema = str(op.default._schema)
+        assert re.search(r"Tensor\(a\d*!\) out", schema) and "str bundle_id" in schema, schema
+
+
+def test_profile_matching():
+    targets = [PROFILES["h200"], PROFILES["rtx-pro-6000"]]
+    assert match_profile(targets, name="NVIDIA H200", capability=(9, 0), sm_count=132).name == "h200"
+    # an H100 SXM has the H200's planning facts: the h200 kernels serve it
+    assert match_profile(targets, name="NVIDIA H100 80GB HBM3", capability=(9, 0), sm_count=132).name == "h200"
+    # a different SM count (e.g. H100 PCIe, 114 SMs) changes persistent grids: refused
+    assert match_profile(targets, name="NVIDIA H100 PCIe", capability=(9, 0), sm_count=114) is None
+    assert match_profile(targets, name="NVIDIA B200", capability=(10, 0), sm_count=148) is None

@@ -1,0 +1,123 @@
+"""Spec parsing and validation: every error names file, line and field."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from cuteaot.codegen.spec import load_spec
+from cuteaot.runtime import Activation, DType, SpecError
+
+GOOD = """\
+bundle: demo
+targets: [h200]
+moe:
+  - name: m
+    hidden_size: 256
+    intermediate_size: 128
+    num_experts: 8
+    top_k: 2
+    activation: silu
+    dtype: bf16
+    tokens: [1, 8]
+"""
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "spec.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _error(tmp_path, text) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_spec(_write(tmp_path, text))
+    return info.value
+
+
+def test_good_spec_loads(tmp_path):
+    spec = load_spec(_write(tmp_path, GOOD))
+    assert spec.bundle == "demo" and [t.name for t in spec.targets] == ["h200"]
+    (p,) = spec.moe
+    assert p.activation is Activation.SILU and p.dtypes == (DType.BF16,) and p.fast_math == (True,)
+    assert p.tokens == (1, 8) and p.swiglu_limit is None
+
+
+def test_tiny_spec_loads(tmp_path):
+    from tests.conftest import TINY_SPEC
+
+    spec = load_spec(TINY_SPEC)
+    assert {p.activation for p in spec.moe} == set(Activation)
+
+
+def test_unknown_key_names_line_and_allowed_keys(tmp_path):
+    err = _error(tmp_path, GOOD.replace("    top_k: 2\n", "    top_k: 2\n    topk: 2\n"))
+    assert err.line == 9 and err.field == "moe[0].topk"
+    assert "unknown key" in str(err) and "top_k" in str(err) and str(err).startswith(str(tmp_path))
+
+
+def test_wrong_type(tmp_path):
+    err = _error(tmp_path, GOOD.replace("top_k: 2", "top_k: eight"))
+    assert err.line == 8 and err.field == "moe[0].top_k" and "expected an integer" in str(err)
+
+
+def test_bool_is_not_an_integer(tmp_path):
+    err = _error(tmp_path, GOOD.replace("num_experts: 8", "num_experts: true"))
+    assert err.field == "moe[0].num_experts"
+
+
+def test_intermediate_not_vectorisable(tmp_path):
+    err = _error(tmp_path, GOOD.replace("intermediate_size: 128", "intermediate_size: 100"))
+    assert err.line == 6 and err.field == "moe[0].intermediate_size" and "multiple of 8" in str(err)
+
+
+def test_top_k_above_experts(tmp_path):
+    err = _error(tmp_path, GOOD.replace("top_k: 2", "top_k: 9"))
+    assert err.field == "moe[0].top_k" and "exceeds num_experts" in str(err)
+
+
+def test_enum_values_listed(tmp_path):
+    err = _error(tmp_path, GOOD.replace("activation: silu", "activation: gelu"))
+    assert err.line == 9 and "swigluoai" in str(err) and "relu2" in str(err)
+
+
+def test_swiglu_alpha_only_for_swigluoai(tmp_path):
+    err = _error(tmp_path, GOOD.replace("    dtype: bf16\n", "    swiglu: {alpha: 1.0}\n    dtype: bf16\n"))
+    assert err.field == "moe[0].swiglu.alpha" and "allowed keys: limit" in str(err)
+
+
+def test_relu2_takes_no_swiglu(tmp_path):
+    text = GOOD.replace("activation: silu", "activation: relu2").replace("    dtype: bf16\n", "    swiglu: {limit: 1.0}\n    dtype: bf16\n")
+    assert "not gated" in str(_error(tmp_path, text))
+
+
+def test_unknown_target(tmp_path):
+    err = _error(tmp_path, GOOD.replace("[h200]", "[h200, a100]"))
+    assert err.line == 2 and "a100" in str(err) and "h200" in str(err)
+
+
+def test_tokens_must_ascend(tmp_path):
+    assert "strictly ascending" in str(_error(tmp_path, GOOD.replace("[1, 8]", "[8, 1]")))
+
+
+def test_missing_key(tmp_path):
+    err = _error(tmp_path, GOOD.replace("    tokens: [1, 8]\n", ""))
+    assert "missing required key(s): tokens" in str(err) and err.line == 4
+
+
+def test_duplicate_problem_and_duplicate_key(tmp_path):
+    dup = GOOD + GOOD.split("moe:\n")[1]
+    assert "duplicate problem name" in str(_error(tmp_path, dup))
+    assert "duplicate key" in str(_error(tmp_path, GOOD.replace("bundle: demo\n", "bundle: demo\nbundle: x\n")))
+
+
+def test_dtype_list_enumerates_and_rejects_repeats(tmp_path):
+    spec = load_spec(_write(tmp_path, GOOD.replace("dtype: bf16", "dtype: [bf16, fp16]")))
+    assert spec.moe[0].dtypes == (DType.BF16, DType.FP16)
+    assert "twice" in str(_error(tmp_path, GOOD.replace("dtype: bf16", "dtype: [bf16, bf16]")))
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    err = _error(tmp_path, GOOD.replace("targets: [h200]", "targets: [h200"))
+    assert err.line is not None and err.field == "(syntax)"
