@@ -8,19 +8,23 @@ import time
 import torch
 
 
-def host_us_per_call(fn, calls: int = 2000, reps: int = 7) -> float:
-    """Median over reps of host wall time per call (the GPU keeps up with tiny kernels)."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
+def host_us_per_call(fns: dict, calls: int = 2000, reps: int = 15) -> dict:
+    """Host wall time per call for each named callable: rounds interleave the callables
+    (so drift of the host hits all alike) and the median over rounds is reported.
+    The GPU keeps up with these tiny kernels, so this is the host's launch cost."""
+    for fn in fns.values():
+        for _ in range(500):
             fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    samples: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def device_us(calls, iters: int = 20, reps: int = 11) -> float:

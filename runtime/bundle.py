@@ -52,33 +52,43 @@ def current_stream_handle(device_index: int) -> int:
 class LoadedKernel:
     """A kernel loaded into one device's context, ready to launch."""
 
-    def __init__(self, record: KernelRecord, function):
+    def __init__(self, record: KernelRecord, function, context):
         self.record = record
         self.function = function
+        self.context = context  # the device's primary context the function belongs to
         self.block = record.block
         self.smem = record.dynamic_smem_bytes
         self._tls = threading.local()
 
-    def args(self, signature: Signature) -> ArgBuffer:
-        """This thread's argument buffer for the kernel (created on first use)."""
-        try:
-            return self._tls.buf
-        except AttributeError:
-            if not signature.matches_json(self.record.params):
-                raise BundleError(
-                    f"kernel {self.record.key.describe()} was built with parameters {self.record.params}, "
-                    f"but this runtime declares {signature.to_json()}; rebuild the bundle"
-                ) from None
-            buf = self._tls.buf = ArgBuffer(signature)
-            return buf
+    def bind(self, signature: Signature) -> None:
+        """Declare the runtime's signature for this kernel; refuses one the build did not check."""
+        if not signature.matches_json(self.record.params):
+            raise BundleError(
+                f"kernel {self.record.key.describe()} was built with parameters {self.record.params}, "
+                f"but this runtime declares {signature.to_json()}; rebuild the bundle"
+            )
+        self._signature = signature
 
-    def launch(self, grid_x: int, params_address: int, stream: int, grid_y: int = 1, grid_z: int = 1) -> None:
+    def _first_launch_on_thread(self) -> ArgBuffer:
+        # A thread that has not touched CUDA yet has no current context (torch binds one
+        # lazily): bind the device's primary context, as torch would.
+        if not int(check_cu(driver.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):
+            check_cu(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        # One buffer per thread: cuLaunchKernel releases the GIL while it reads the arguments.
+        self._tls.buf = ArgBuffer(self._signature)
+        return self._tls.buf
+
+    def launch(self, grid_x: int, stream: int, *values: int | float) -> None:
+        """Launch on `stream` with a (grid_x, 1, 1) grid; `values` in signature order (see `bind`)."""
+        try:
+            buf = self._tls.buf
+        except AttributeError:
+            buf = self._first_launch_on_thread()
+        buf.pack(*values)
         bx, by, bz = self.block
-        (err,) = driver.cuLaunchKernel(
-            self.function, grid_x, grid_y, grid_z, bx, by, bz, self.smem, stream, params_address, 0
-        )
+        (err,) = driver.cuLaunchKernel(self.function, grid_x, 1, 1, bx, by, bz, self.smem, stream, buf.address, 0)
         if err:  # CUresult is an int; CUDA_SUCCESS == 0
-            check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid=({grid_x}, {grid_y}, {grid_z}))")
+            check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid=({grid_x}, 1, 1))")
 
 
 class Bundle:
@@ -99,6 +109,7 @@ class Bundle:
 
     # -- loading ----------------------------------------------------------------
     def _load(self, records: list[KernelRecord]) -> None:
+        context = check_cu(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
         for record in records:
             data = read_cubin(self.path, record)
             library = check_cu(
@@ -112,7 +123,7 @@ class Bundle:
             )
             function = check_cu(driver.cuKernelGetFunction(kernel), f"cuKernelGetFunction({record.symbol})")
             self._check_function(function, record)
-            self._kernels[record.digest] = LoadedKernel(record, function)
+            self._kernels[record.digest] = LoadedKernel(record, function, context)
 
     def _check_function(self, function, record: KernelRecord) -> None:
         attr = driver.CUfunction_attribute

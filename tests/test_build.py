@@ -6,8 +6,10 @@ import json
 import shutil
 import time
 
-import jsonschema
 import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("cutlass", reason="the build needs CuTeDSL (cuteaot[codegen])")
 
 from cuteaot.codegen.build import build, merge
 from cuteaot.codegen.cli import main as cli

@@ -170,6 +170,7 @@ class _ActivationPlan:
         self.device_index = bundle.device_index
         self.dtype = spec.dtype.torch
         self.threads = self.kernel.block[0]
+        self.kernel.bind(ActivationSpec.SIGNATURE)
         self.width, self.inter = spec.input_width, spec.intermediate_size
         self.vectors_per_row = spec.intermediate_size // VECTOR
 
@@ -194,7 +195,7 @@ class _ActivationPlan:
             self._explain(x, out)
         if rows:
             grid = (rows * self.vectors_per_row + self.threads - 1) // self.threads
-            self.kernel.launch(grid, self.kernel.args(ActivationSpec.SIGNATURE).set(xp, op, rows), current_stream_handle(dev))
+            self.kernel.launch(grid, current_stream_handle(dev), xp, op, rows)
 
     def _explain(self, x: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec

@@ -84,6 +84,7 @@ class _TopKSumPlan:
         self.device_index = bundle.device_index
         self.dtype = spec.dtype.torch
         self.threads = self.kernel.block[0]
+        self.kernel.bind(TopKSumSpec.SIGNATURE)
         self.top_k, self.hidden = spec.top_k, spec.hidden_size
         self.vectors_per_row = spec.hidden_size // VECTOR
 
@@ -108,7 +109,7 @@ class _TopKSumPlan:
             self._explain(fc2, out)
         if tokens:
             grid = (tokens * self.vectors_per_row + self.threads - 1) // self.threads
-            self.kernel.launch(grid, self.kernel.args(TopKSumSpec.SIGNATURE).set(fp, op, tokens), current_stream_handle(dev))
+            self.kernel.launch(grid, current_stream_handle(dev), fp, op, tokens)
 
     def _explain(self, fc2: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec

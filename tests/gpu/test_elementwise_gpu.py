@@ -130,6 +130,29 @@ def test_two_streams_concurrently(bundle):
         assert relative_error(out, activation_reference(x, f)) <= TOL["fp16"]
 
 
+def test_launch_from_another_thread(bundle):
+    """Each thread gets its own argument buffer (the driver call releases the GIL)."""
+    import threading
+
+    f = next(f for f in _facts(bundle, "moe_activation") if f["activation"] == "relu2" and f["dtype"] == "bf16")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    xs = [_fc1(128, f, gen) for _ in range(4)]
+    outs = [torch.full((128, f["intermediate_size"]), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in xs]
+
+    def work(i):
+        for _ in range(50):
+            moe_activation(bundle, xs[i], outs[i], **_act_kwargs(f))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for x, out in zip(xs, outs):
+        assert relative_error(out, activation_reference(x, f)) <= TOL["bf16"]
+
+
 def test_bad_inputs_raise_before_launch(bundle):
     f = next(f for f in _facts(bundle, "moe_activation") if f["activation"] == "silu" and f["dtype"] == "bf16"
              and f["swiglu_limit"] is None and f["fast_math"])
