@@ -44,14 +44,3 @@ def check_rank(t: object, name: str, rank: int, what: str) -> torch.Tensor:
         raise BadInputError(f"{name} must be {rank}-D {what}, got shape {tuple(t.shape)}")
     return t
 
-
-def operand_ok(t: object, shape: tuple[int, ...], dtype: torch.dtype, device_index: int) -> bool:
-    """Fast path of check_tensor: True when `t` passes every check (no message built)."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dtype == dtype
-        and t.shape == shape
-        and t.get_device() == device_index
-        and t.is_contiguous()
-        and not t.data_ptr() & 15
-    )

@@ -25,7 +25,7 @@ from ..abi import Param, ParamKind, Signature
 from ..bundle import Bundle, current_stream_handle, registered_bundle
 from ..errors import BadInputError
 from ..keys import KernelKey
-from ..tensors import INT32_MAX, check_rank, check_tensor, operand_ok
+from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import (
     SWIGLUOAI_DEFAULT_ALPHA,
     SWIGLUOAI_DEFAULT_BETA,
@@ -181,8 +181,8 @@ class _ActivationPlan:
             x_shape[1] == self.width
             and isinstance(out, torch.Tensor)
             and out.shape == (rows, self.inter)
-            and x.dtype == dtype
-            and out.dtype == dtype
+            and x.dtype is dtype  # torch dtypes are singletons
+            and out.dtype is dtype  # torch dtypes are singletons
             and x.get_device() == dev
             and out.get_device() == dev
             and x.is_contiguous()

@@ -14,7 +14,7 @@ from ..abi import Param, ParamKind, Signature
 from ..bundle import Bundle, current_stream_handle, registered_bundle
 from ..errors import BadInputError
 from ..keys import KernelKey
-from ..tensors import INT32_MAX, check_rank, check_tensor, operand_ok
+from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import DType
 
 VECTOR = 8  # elements per thread: one 16-byte load per route
@@ -95,8 +95,8 @@ class _TopKSumPlan:
             and fc2_shape[2] == self.hidden
             and isinstance(out, torch.Tensor)
             and out.shape == (tokens, self.hidden)
-            and fc2.dtype == dtype
-            and out.dtype == dtype
+            and fc2.dtype is dtype  # torch dtypes are singletons
+            and out.dtype is dtype  # torch dtypes are singletons
             and fc2.get_device() == dev
             and out.get_device() == dev
             and fc2.is_contiguous()
