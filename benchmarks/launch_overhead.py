@@ -98,7 +98,6 @@ def main() -> None:
             "topk_sum_roofline_us": sum_bytes / bw * 1e6,
             "topk_sum_torch_us": device_us([lambda i=i: torch.sum(fc2[i], dim=1, out=os_[i]) for i in r]),
         })
-        del xs, oa, fc2, os_
     results["device"] = rows_device
     results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 

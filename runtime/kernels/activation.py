@@ -22,10 +22,11 @@ from typing import Optional
 import torch
 
 from ..abi import Param, ParamKind, Signature
-from ..bundle import Bundle, current_stream_handle, registered_bundle
+from ..bundle import Bundle, registered_bundle
 from ..errors import BadInputError
 from ..keys import KernelKey
 from ..tensors import INT32_MAX, check_rank, check_tensor
+from .rowwise import RowwisePlan
 from ..types import (
     SWIGLUOAI_DEFAULT_ALPHA,
     SWIGLUOAI_DEFAULT_BETA,
@@ -160,49 +161,16 @@ class ActivationSpec:
         return rows
 
 
-class _ActivationPlan:
-    """A resolved kernel plus what a launch needs; built once per (bundle, spec)."""
-
+class _ActivationPlan(RowwisePlan):
     def __init__(self, bundle: Bundle, spec: ActivationSpec):
-        self.spec = spec
-        self.kernel = bundle.kernel(spec.key())
-        self.device = bundle.device
-        self.device_index = bundle.device_index
-        self.dtype = spec.dtype.torch
-        self.threads = self.kernel.block[0]
-        self.kernel.bind(ActivationSpec.SIGNATURE)
-        self.width, self.inter = spec.input_width, spec.intermediate_size
-        self.vectors_per_row = spec.intermediate_size // VECTOR
+        self.in_tail, self.out_width = (spec.input_width,), spec.intermediate_size
+        super().__init__(bundle, spec, VECTOR)
 
-    def __call__(self, x: torch.Tensor, x_shape: torch.Size, out: torch.Tensor) -> None:
-        rows, dtype, dev = x_shape[0], self.dtype, self.device_index
-        # One cheap pass on the hot path; the detailed checks only run to explain a failure.
-        if not (
-            x_shape[1] == self.width
-            and isinstance(out, torch.Tensor)
-            and out.shape == (rows, self.inter)
-            and x.dtype is dtype  # torch dtypes are singletons
-            and out.dtype is dtype  # torch dtypes are singletons
-            and x.get_device() == dev
-            and out.get_device() == dev
-            and x.is_contiguous()
-            and out.is_contiguous()
-            and rows <= INT32_MAX
-        ):
-            self._explain(x, out)
-        xp, op = x.data_ptr(), out.data_ptr()
-        if (xp | op) & 15:
-            self._explain(x, out)
-        if rows:
-            grid = (rows * self.vectors_per_row + self.threads - 1) // self.threads
-            self.kernel.launch(grid, current_stream_handle(dev), xp, op, rows)
-
-    def _explain(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def explain(self, x: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec
         rows = spec.check_shapes(x, out)
         check_tensor(x, "fc1", dtype=self.dtype, shape=(rows, spec.input_width), device=self.device)
         check_tensor(out, "out", dtype=self.dtype, shape=(rows, spec.intermediate_size), device=self.device)
-        raise BadInputError("fc1/out failed validation")  # unreachable unless the two checks disagree
 
 
 def spec_for_call(dtype: torch.dtype, width: int, activation: str, fast_math: bool, alpha, beta, limit) -> ActivationSpec:
@@ -261,7 +229,7 @@ def moe_activation(
     if plan is None:
         plan = _plan(bundle, fc1.dtype, shape[1], activation, fast_math, swiglu_alpha, swiglu_beta, swiglu_limit)
     if out is None:
-        out = torch.empty((shape[0], plan.inter), dtype=fc1.dtype, device=fc1.device)
+        out = torch.empty((shape[0], plan.out_width), dtype=fc1.dtype, device=fc1.device)
     plan(fc1, shape, out)
     return out
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from ..abi import Param, ParamKind, Signature
-from ..bundle import Bundle, current_stream_handle, registered_bundle
+from ..bundle import Bundle, registered_bundle
 from ..errors import BadInputError
 from ..keys import KernelKey
 from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import DType
+from .rowwise import RowwisePlan
 
 VECTOR = 8  # elements per thread: one 16-byte load per route
 MAX_TOP_K = 32  # the route loop is unrolled
@@ -76,47 +77,16 @@ def spec_for_call(fc2: torch.Tensor) -> TopKSumSpec:
     return TopKSumSpec(dt, fc2.shape[1], fc2.shape[2])
 
 
-class _TopKSumPlan:
+class _TopKSumPlan(RowwisePlan):
     def __init__(self, bundle: Bundle, spec: TopKSumSpec):
-        self.spec = spec
-        self.kernel = bundle.kernel(spec.key())
-        self.device = bundle.device
-        self.device_index = bundle.device_index
-        self.dtype = spec.dtype.torch
-        self.threads = self.kernel.block[0]
-        self.kernel.bind(TopKSumSpec.SIGNATURE)
-        self.top_k, self.hidden = spec.top_k, spec.hidden_size
-        self.vectors_per_row = spec.hidden_size // VECTOR
+        self.in_tail, self.out_width = (spec.top_k, spec.hidden_size), spec.hidden_size
+        super().__init__(bundle, spec, VECTOR)
 
-    def __call__(self, fc2: torch.Tensor, fc2_shape: torch.Size, out: torch.Tensor) -> None:
-        tokens, dtype, dev = fc2_shape[0], self.dtype, self.device_index
-        if not (
-            fc2_shape[1] == self.top_k
-            and fc2_shape[2] == self.hidden
-            and isinstance(out, torch.Tensor)
-            and out.shape == (tokens, self.hidden)
-            and fc2.dtype is dtype  # torch dtypes are singletons
-            and out.dtype is dtype  # torch dtypes are singletons
-            and fc2.get_device() == dev
-            and out.get_device() == dev
-            and fc2.is_contiguous()
-            and out.is_contiguous()
-            and tokens <= INT32_MAX
-        ):
-            self._explain(fc2, out)
-        fp, op = fc2.data_ptr(), out.data_ptr()
-        if (fp | op) & 15:
-            self._explain(fc2, out)
-        if tokens:
-            grid = (tokens * self.vectors_per_row + self.threads - 1) // self.threads
-            self.kernel.launch(grid, current_stream_handle(dev), fp, op, tokens)
-
-    def _explain(self, fc2: torch.Tensor, out: torch.Tensor) -> None:
+    def explain(self, fc2: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec
         tokens = spec.check_shapes(fc2, out)
         check_tensor(fc2, "fc2", dtype=self.dtype, shape=(tokens, spec.top_k, spec.hidden_size), device=self.device)
         check_tensor(out, "out", dtype=self.dtype, shape=(tokens, spec.hidden_size), device=self.device)
-        raise BadInputError("fc2/out failed validation")  # unreachable unless the two checks disagree
 
 
 def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Launch plan shared by the row-wise element-wise families (activation, top-k sum).
+
+Their kernels take `(src, out, rows)`, read `src` of shape (rows, *in_tail) and
+write `out` of shape (rows, out_width), VECTOR elements per thread:
+grid = ceil(rows * out_width / VECTOR / threads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..bundle import Bundle, current_stream_handle
+from ..errors import BadInputError
+from ..tensors import INT32_MAX
+
+
+class RowwisePlan:
+    """A resolved kernel plus what a launch needs; built once per (bundle, spec).
+
+    Subclasses set `in_tail` / `out_width` and implement `explain`, which runs the
+    detailed checks (with messages) only when the one-pass check failed.
+    """
+
+    in_tail: tuple[int, ...]
+    out_width: int
+
+    def __init__(self, bundle: Bundle, spec, vector: int):
+        self.spec = spec
+        self.kernel = bundle.kernel(spec.key())
+        self.kernel.bind(spec.SIGNATURE)
+        self.device, self.device_index = bundle.device, bundle.device_index
+        self.dtype = spec.dtype.torch
+        self.threads = self.kernel.block[0]
+        self.vectors_per_row = self.out_width // vector
+
+    def __call__(self, src: torch.Tensor, src_shape: torch.Size, out: torch.Tensor) -> None:
+        rows, dtype, dev = src_shape[0], self.dtype, self.device_index
+        # One cheap pass on the hot path; the detailed checks only run to explain a failure.
+        if not (
+            src_shape == (rows,) + self.in_tail
+            and isinstance(out, torch.Tensor)
+            and out.shape == (rows, self.out_width)
+            and src.dtype is dtype  # torch dtypes are singletons
+            and out.dtype is dtype
+            and src.get_device() == dev
+            and out.get_device() == dev
+            and src.is_contiguous()
+            and out.is_contiguous()
+            and rows <= INT32_MAX
+        ):
+            self._fail(src, out)
+        sp, op = src.data_ptr(), out.data_ptr()
+        if (sp | op) & 15:
+            self._fail(src, out)
+        if rows:
+            grid = (rows * self.vectors_per_row + self.threads - 1) // self.threads
+            self.kernel.launch(grid, current_stream_handle(dev), sp, op, rows)
+
+    def _fail(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        self.explain(src, out)
+        raise BadInputError("operands failed validation")  # unreachable unless the two checks disagree
+
+    def explain(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
