@@ -47,10 +47,6 @@ class Param:
 class Signature:
     params: tuple[Param, ...]
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(p.name for p in self.params)
-
     def to_json(self) -> list[dict]:
         return [p.to_json() for p in self.params]
 
