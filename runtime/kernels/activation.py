@@ -26,7 +26,6 @@ from ..bundle import Bundle, registered_bundle
 from ..errors import BadInputError
 from ..keys import KernelKey
 from ..tensors import INT32_MAX, check_rank, check_tensor
-from .rowwise import RowwisePlan
 from ..types import (
     SWIGLUOAI_DEFAULT_ALPHA,
     SWIGLUOAI_DEFAULT_BETA,
@@ -34,6 +33,7 @@ from ..types import (
     Activation,
     DType,
 )
+from .rowwise import RowwisePlan
 
 VECTOR = 8  # elements per thread: one 16-byte load per operand
 
@@ -190,13 +190,11 @@ def spec_for_call(dtype: torch.dtype, width: int, activation: str, fast_math: bo
     )
 
 
-def _plan(bundle: Bundle, dtype, width: int, activation, fast_math, alpha, beta, limit) -> _ActivationPlan:
-    """Resolve (once per distinct call signature) and cache the launch plan."""
-    cache_key = ("moe_activation", dtype, width, activation, fast_math, alpha, beta, limit)
-    plan = bundle.plans.get(cache_key)
-    if plan is None:
-        spec = spec_for_call(dtype, width, activation, fast_math, alpha, beta, limit)
-        plan = bundle.plans[cache_key] = _ActivationPlan(bundle, spec)
+def _new_plan(bundle: Bundle, cache_key: tuple) -> _ActivationPlan:
+    """Resolve a call signature seen for the first time and cache its launch plan."""
+    _, dtype, width, activation, fast_math, alpha, beta, limit = cache_key
+    plan = _ActivationPlan(bundle, spec_for_call(dtype, width, activation, fast_math, alpha, beta, limit))
+    bundle.plans[cache_key] = plan
     return plan
 
 
@@ -225,9 +223,8 @@ def moe_activation(
     if not isinstance(fc1, torch.Tensor) or fc1.dim() != 2:
         check_rank(fc1, "fc1", 2, "(rows, columns)")
     shape = fc1.shape
-    plan = bundle.plans.get(("moe_activation", fc1.dtype, shape[1], activation, fast_math, swiglu_alpha, swiglu_beta, swiglu_limit))
-    if plan is None:
-        plan = _plan(bundle, fc1.dtype, shape[1], activation, fast_math, swiglu_alpha, swiglu_beta, swiglu_limit)
+    cache_key = ("moe_activation", fc1.dtype, shape[1], activation, fast_math, swiglu_alpha, swiglu_beta, swiglu_limit)
+    plan = bundle.plans.get(cache_key) or _new_plan(bundle, cache_key)
     if out is None:
         out = torch.empty((shape[0], plan.out_width), dtype=fc1.dtype, device=fc1.device)
     plan(fc1, shape, out)

@@ -99,9 +99,10 @@ def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = N
     if not isinstance(fc2, torch.Tensor) or fc2.dim() != 3:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
     shape = fc2.shape
-    plan = bundle.plans.get(("moe_topk_sum", fc2.dtype, shape[1], shape[2]))
+    cache_key = ("moe_topk_sum", fc2.dtype, shape[1], shape[2])
+    plan = bundle.plans.get(cache_key)
     if plan is None:
-        plan = bundle.plans[("moe_topk_sum", fc2.dtype, shape[1], shape[2])] = _TopKSumPlan(bundle, spec_for_call(fc2))
+        plan = bundle.plans[cache_key] = _TopKSumPlan(bundle, spec_for_call(fc2))
     if out is None:
         out = torch.empty((shape[0], shape[2]), dtype=fc2.dtype, device=fc2.device)
     plan(fc2, shape, out)
