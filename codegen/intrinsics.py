@@ -1,0 +1,615 @@
+"""Inline-PTX device helpers for the W4A16 kernels: one `@dsl_user_op` per instruction.
+
+Conventions used by every helper here:
+
+* A "pair" (bf16x2 / half2) is one u32 register: element 0 in the low 16 bits,
+  element 1 in the high 16 bits -- the order mma.sync fragments use.
+* Shared-memory addresses are u32 offsets in the shared window (`Int32`, from
+  `shared_ptr_to_u32`); global addresses are 64-bit generic addresses (`Int64`,
+  from `gmem_address`).
+* Every helper that touches memory or synchronises is emitted with side effects,
+  so the compiler never hoists, merges or reorders it across barriers; pure
+  arithmetic helpers are emitted without, so they schedule freely.
+
+The weight/scale decodes are bit tricks with fixed power-of-two offsets (no
+exponent-bias correction, which would cost an extra instruction per pair):
+
+====================================  ===========================  ==============
+decode                                result                       compensation
+====================================  ===========================  ==============
+e2m1 -> bf16 (`dequant_e2m1x4_bf16`)  w * 2**-126                  global scale
+e2m1 -> fp16 (`dequant_e2m1x4_f16`)   w * 2**-14                   global scale
+S0E5M3 scale -> bf16 / fp16           s * 2**7 (exact, s >= 2**-6) global scale
+e8m0 scale -> bf16 / fp16             2**(e - 127) * 2**7          global scale
+====================================  ===========================  ==============
+
+so a product weight * scale carries 2**-119 (bf16) or 2**-7 (fp16); weight
+preparation multiplies the per-expert global scale by 2**119 / 2**7 to undo it
+(see docs/layouts.md, `runtime/weights.py`).
+"""
+
+from __future__ import annotations
+
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import Float32, Int32, Int64, T, Uint32, dsl_user_op
+
+import cutlass.cute as cute
+
+# Fixed power-of-two offsets of the bit-trick decodes (see the module docstring).
+E2M1_BF16_DECODE_EXP = -126
+E2M1_F16_DECODE_EXP = -14
+SCALE_DECODE_EXP = 7
+
+
+def _ir(values, loc, ip):
+    return [v.ir_value(loc=loc, ip=ip) for v in values]
+
+
+def _asm(n_out: int, out_type, args, ptx: str, constraints: str, *, effects: bool, loc, ip):
+    """Emit one inline-asm block; returns a list of `n_out` raw ir values."""
+    if n_out == 0:
+        ret = None
+    elif n_out == 1:
+        ret = out_type()
+    else:
+        ret = llvm.StructType.get_literal([out_type()] * n_out)
+    res = llvm.inline_asm(
+        ret, args, ptx, constraints, has_side_effects=effects, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    if n_out == 0:
+        return []
+    if n_out == 1:
+        return [res]
+    return [llvm.extractvalue(out_type(), res, [i], loc=loc, ip=ip) for i in range(n_out)]
+
+
+def _u32(vals):
+    return tuple(Uint32(v) for v in vals) if len(vals) > 1 else Uint32(vals[0])
+
+
+def _f32(vals):
+    return tuple(Float32(v) for v in vals) if len(vals) > 1 else Float32(vals[0])
+
+
+# ----------------------------------------------------------------------------- addresses
+
+
+def shared_ptr_to_u32(ptr: cute.Pointer) -> Int32:
+    """Shared-window address of a shared-memory pointer."""
+    return ptr.toint()
+
+
+def gmem_address(ptr: cute.Pointer) -> Int64:
+    """64-bit address of a global-memory pointer (add byte offsets as Int64)."""
+    return ptr.toint()
+
+
+# ----------------------------------------------------------------------------- decodes
+
+
+@dsl_user_op
+def dequant_e2m1x4_bf16(x: Uint32, *, loc=None, ip=None):
+    """Nibbles 2,6 and 3,7 of x -> two bf16x2 holding w * 2**-126.
+
+    Returns (p, q): p = (nib2, nib6), q = (nib3, nib7) as (low, high) halves.
+    An e2m1 nibble s|e1 e0|m is moved so s lands on the bf16 sign bit and
+    e1 e0 m on bf16 bits 8..6 (the two low exponent bits and the top mantissa
+    bit); with the bf16 bias of 127 instead of 1 that is w * 2**-126, and the
+    zero / subnormal codes decode to 0 and 2**-127 consistently.
+        q = (x & 0x80008000) | ((x & 0x70007000) >> 6)
+        p = the same on x << 4
+    """
+    out = _asm(
+        2, T.i32, _ir([Uint32(x)], loc, ip),
+        "{\n .reg .b32 t, s;\n"
+        " and.b32 s, $2, 0x80008000;\n and.b32 t, $2, 0x70007000;\n shr.b32 t, t, 6;\n or.b32 $1, s, t;\n"
+        " shl.b32 t, $2, 4;\n and.b32 s, t, 0x80008000;\n and.b32 t, t, 0x70007000;\n shr.b32 t, t, 6;\n"
+        " or.b32 $0, s, t;\n}",
+        "=r,=r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+@dsl_user_op
+def dequant_e2m1x4_f16(x: Uint32, *, loc=None, ip=None):
+    """As `dequant_e2m1x4_bf16` for fp16 pairs: w * 2**-14 (e1 e0 m on bits 11..9)."""
+    out = _asm(
+        2, T.i32, _ir([Uint32(x)], loc, ip),
+        "{\n .reg .b32 t, s;\n"
+        " and.b32 s, $2, 0x80008000;\n and.b32 t, $2, 0x70007000;\n shr.b32 t, t, 3;\n or.b32 $1, s, t;\n"
+        " shl.b32 t, $2, 4;\n and.b32 s, t, 0x80008000;\n and.b32 t, t, 0x70007000;\n shr.b32 t, t, 3;\n"
+        " or.b32 $0, s, t;\n}",
+        "=r,=r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+@dsl_user_op
+def dequant_s0e5m3x4_bf16(q: Uint32, *, loc=None, ip=None):
+    """Four S0E5M3 scale bytes -> (bytes 0,2), (bytes 1,3) as bf16x2 holding s * 2**7.
+
+    A prepared scale byte is s * 2**7 with 5 exponent bits (bias 15) and 3
+    mantissa bits and no sign; for s >= 2**-6 its top exponent bit is 1, so
+    putting byte bit 7 on bf16 bit 14 and bits 6..0 on bits 10..4 gives the
+    bf16 exponent e5 + 112 -- exactly the same value (bias 127 = 15 + 112).
+        hi pair = ((q & 0x80008000) >> 1) | ((q & 0x7F007F00) >> 4)
+        lo pair = the same on q << 8
+    """
+    out = _asm(
+        2, T.i32, _ir([Uint32(q)], loc, ip),
+        "{\n .reg .b32 t, s;\n"
+        " and.b32 s, $2, 0x80008000;\n shr.b32 s, s, 1;\n and.b32 t, $2, 0x7F007F00;\n shr.b32 t, t, 4;\n"
+        " or.b32 $1, s, t;\n"
+        " shl.b32 t, $2, 8;\n and.b32 s, t, 0x80008000;\n shr.b32 s, s, 1;\n and.b32 t, t, 0x7F007F00;\n"
+        " shr.b32 t, t, 4;\n or.b32 $0, s, t;\n}",
+        "=r,=r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+@dsl_user_op
+def dequant_s0e5m3x4_f16(q: Uint32, *, loc=None, ip=None):
+    """Four S0E5M3 scale bytes -> (bytes 0,2), (bytes 1,3) as half2 holding s * 2**7 (exact:
+    S0E5M3 is fp16 without the sign and the low 7 mantissa bits)."""
+    out = _asm(
+        2, T.i32, _ir([Uint32(q)], loc, ip),
+        "{\n .reg .b32 t;\n and.b32 t, $2, 0xFF00FF00;\n shr.b32 $1, t, 1;\n"
+        " and.b32 t, $2, 0x00FF00FF;\n shl.b32 $0, t, 7;\n}",
+        "=r,=r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+@dsl_user_op
+def dequant_e8m0x4_bf16(q: Uint32, *, loc=None, ip=None):
+    """Four e8m0 (MX) scale bytes -> (bytes 0,2), (bytes 1,3) as bf16x2 holding 2**(e-127) * 2**7.
+
+    The bf16 exponent field is e + 7, saturated at 255 (inf); e = 0xFF (NaN) decodes to inf.
+    """
+    out = _asm(
+        2, T.i32, _ir([Uint32(q)], loc, ip),
+        "{\n .reg .b32 t, top;\n mov.b32 top, 0x00FF00FF;\n"
+        " and.b32 t, $2, 0x00FF00FF;\n add.u32 t, t, 0x00070007;\n min.u16x2 t, t, top;\n"
+        " shl.b32 $0, t, 7;\n"
+        " shr.b32 t, $2, 8;\n and.b32 t, t, 0x00FF00FF;\n add.u32 t, t, 0x00070007;\n"
+        " min.u16x2 t, t, top;\n shl.b32 $1, t, 7;\n}",
+        "=r,=r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+@dsl_user_op
+def dequant_e8m0x4_f16(q: Uint32, *, loc=None, ip=None):
+    """Four e8m0 scale bytes -> (bytes 0,2), (bytes 1,3) as half2 holding 2**(e-127) * 2**7.
+
+    The fp16 exponent field is e - 105, clamped to [0, 31]: exact for
+    106 <= e <= 135, zero below (scale < 2**-21), inf above (scale >= 2**9).
+    """
+    out = _asm(
+        2, T.i32, _ir([Uint32(q)], loc, ip),
+        "{\n .reg .b32 t, lo, top;\n mov.b32 lo, 0x00690069;\n mov.b32 top, 0x001F001F;\n"
+        " and.b32 t, $2, 0x00FF00FF;\n max.u16x2 t, t, lo;\n sub.u32 t, t, lo;\n"
+        " min.u16x2 t, t, top;\n shl.b32 $0, t, 10;\n"
+        " shr.b32 t, $2, 8;\n and.b32 t, t, 0x00FF00FF;\n max.u16x2 t, t, lo;\n"
+        " sub.u32 t, t, lo;\n min.u16x2 t, t, top;\n shl.b32 $1, t, 10;\n}",
+        "=r,=r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+def nf3_codebook_pools(codebook) -> tuple[int, int, int, int]:
+    """Eight bf16 code points -> four u32 byte pools for `dequant_nf3x8_bf16` (host side).
+
+    pool0/pool1 hold the low bytes of entries 0-3 / 4-7, pool2/pool3 the high
+    bytes, so `prmt(pool0, pool1, c)` is the low byte of entry c (c < 8).
+    """
+    import struct
+
+    if len(codebook) != 8:
+        raise ValueError(f"an NF3 codebook has 8 entries, got {len(codebook)}")
+    bits = []
+    for v in codebook:
+        f = struct.unpack("<I", struct.pack("<f", float(v)))[0]
+        # round to nearest even bf16
+        f += 0x7FFF + ((f >> 16) & 1)
+        bits.append((f >> 16) & 0xFFFF)
+    lo = [b & 0xFF for b in bits]
+    hi = [b >> 8 for b in bits]
+    word = lambda bs: bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24  # noqa: E731
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+@dsl_user_op
+def dequant_nf3x8_bf16(lo16: Uint32, hi8: Uint32, pool0, pool1, pool2, pool3, *, loc=None, ip=None):
+    """Eight 3-bit codes -> four bf16x2 codebook values (c0,c1), (c2,c3), (c4,c5), (c6,c7).
+
+    Code i = (bit i of hi8) << 2 | (bits 2i..2i+1 of lo16).  The codes are
+    spread into prmt selector nibbles and looked up in the byte pools of
+    `nf3_codebook_pools` (low and high bytes separately), then interleaved.
+    """
+    args = _ir([Uint32(lo16), Uint32(hi8), Uint32(pool0), Uint32(pool1), Uint32(pool2), Uint32(pool3)], loc, ip)
+    out = _asm(
+        4, T.i32, args,
+        "{\n .reg .b32 l, h, s0, s1, t, a, b, c, d;\n"
+        # spread 8 two-bit fields of lo16 into the low 2 bits of 8 nibbles
+        " and.b32 l, $4, 0xFFFF;\n"
+        " shl.b32 t, l, 8;\n or.b32 l, l, t;\n and.b32 l, l, 0x00FF00FF;\n"
+        " shl.b32 t, l, 4;\n or.b32 l, l, t;\n and.b32 l, l, 0x0F0F0F0F;\n"
+        " shl.b32 t, l, 2;\n or.b32 l, l, t;\n and.b32 l, l, 0x33333333;\n"
+        " and.b32 t, l, 0x0C0C0C0C;\n shl.b32 t, t, 2;\n and.b32 l, l, 0x03030303;\n or.b32 l, l, t;\n"
+        # spread 8 bits of hi8 into bit 2 of 8 nibbles
+        " and.b32 h, $5, 0xFF;\n"
+        " shl.b32 t, h, 12;\n or.b32 h, h, t;\n and.b32 h, h, 0x000F000F;\n"
+        " shl.b32 t, h, 6;\n or.b32 h, h, t;\n and.b32 h, h, 0x03030303;\n"
+        " shl.b32 t, h, 3;\n or.b32 h, h, t;\n and.b32 h, h, 0x11111111;\n"
+        " shl.b32 h, h, 2;\n or.b32 s0, l, h;\n"
+        " shr.b32 s1, s0, 16;\n"
+        " prmt.b32 a, $6, $7, s0;\n prmt.b32 b, $8, $9, s0;\n"
+        " prmt.b32 c, $6, $7, s1;\n prmt.b32 d, $8, $9, s1;\n"
+        " prmt.b32 $0, a, b, 0x5140;\n prmt.b32 $1, a, b, 0x7362;\n"
+        " prmt.b32 $2, c, d, 0x5140;\n prmt.b32 $3, c, d, 0x7362;\n}",
+        "=r,=r,=r,=r,r,r,r,r,r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
+
+
+# ----------------------------------------------------------------------------- pair arithmetic
+
+
+@dsl_user_op
+def bf16x2_mul(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Element-wise bf16x2 product (round to nearest; subnormals kept)."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(a), Uint32(b)], loc, ip), "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f16x2_mul(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Element-wise half2 product (round to nearest)."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(a), Uint32(b)], loc, ip), "mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def pair_broadcast_lane(x: Uint32, lane: int, *, loc=None, ip=None) -> Uint32:
+    """(x.lo, x.lo) for lane 0, (x.hi, x.hi) for lane 1 -- one prmt."""
+    selector = {0: "0x1010", 1: "0x3232"}[int(lane)]
+    return _u32(_asm(1, T.i32, _ir([Uint32(x)], loc, ip), f"prmt.b32 $0, $1, $1, {selector};", "=r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_to_bf16x2_broadcast(x: Float32, *, loc=None, ip=None) -> Uint32:
+    """(bf16(x), bf16(x)), round to nearest."""
+    return _u32(_asm(1, T.i32, _ir([Float32(x)], loc, ip), "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_to_f16x2_broadcast(x: Float32, *, loc=None, ip=None) -> Uint32:
+    """(half(x), half(x)), round to nearest."""
+    return _u32(_asm(1, T.i32, _ir([Float32(x)], loc, ip), "cvt.rn.f16x2.f32 $0, $1, $1;", "=r,f",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def pack_f32x2_bf16x2(x0: Float32, x1: Float32, *, loc=None, ip=None) -> Uint32:
+    """(bf16(x0), bf16(x1)) with x0 in the low half (cvt takes the high operand first)."""
+    return _u32(_asm(1, T.i32, _ir([Float32(x0), Float32(x1)], loc, ip), "cvt.rn.bf16x2.f32 $0, $2, $1;",
+                     "=r,f,f", effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def pack_f32x2_f16x2(x0: Float32, x1: Float32, *, loc=None, ip=None) -> Uint32:
+    """(half(x0), half(x1)) with x0 in the low half."""
+    return _u32(_asm(1, T.i32, _ir([Float32(x0), Float32(x1)], loc, ip), "cvt.rn.f16x2.f32 $0, $2, $1;",
+                     "=r,f,f", effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bf16x2_to_f32x2(x: Uint32, *, loc=None, ip=None):
+    """(float(x.lo), float(x.hi)) -- exact."""
+    return _f32(_asm(
+        2, T.f32, _ir([Uint32(x)], loc, ip),
+        "{\n .reg .b32 t;\n shl.b32 t, $2, 16;\n mov.b32 $0, t;\n and.b32 t, $2, 0xFFFF0000;\n mov.b32 $1, t;\n}",
+        "=f,=f,r", effects=False, loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def f16x2_to_f32x2(x: Uint32, *, loc=None, ip=None):
+    """(float(x.lo), float(x.hi)) -- exact."""
+    return _f32(_asm(
+        2, T.f32, _ir([Uint32(x)], loc, ip),
+        "{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, $2;\n cvt.f32.f16 $0, lo;\n cvt.f32.f16 $1, hi;\n}",
+        "=f,=f,r", effects=False, loc=loc, ip=ip,
+    ))
+
+
+# ----------------------------------------------------------------------------- tensor cores
+
+
+def _mma(kind: str, d, a, b, loc, ip):
+    args = _ir([Float32(v) for v in d] + [Uint32(v) for v in a] + [Uint32(v) for v in b], loc, ip)
+    return _f32(_asm(
+        4, T.f32, args,
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+        "{$0, $1, $2, $3}, {$8, $9, $10, $11}, {$12, $13}, {$4, $5, $6, $7};",
+        "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r", effects=False, loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def mma_bf16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
+    """D += A(16x16, row) * B(16x8, col), bf16 inputs, f32 accumulate.
+
+    Fragments (g = lane // 4, t = lane % 4): a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2],
+    a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10]; b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g];
+    d0, d1 = D[g, 2t:2t+2], d2, d3 = D[g+8, 2t:2t+2].
+    """
+    return _mma("bf16", (d0, d1, d2, d3), (a0, a1, a2, a3), (b0, b1), loc, ip)
+
+
+@dsl_user_op
+def mma_f16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
+    """As `mma_bf16_m16n8k16` with fp16 inputs."""
+    return _mma("f16", (d0, d1, d2, d3), (a0, a1, a2, a3), (b0, b1), loc, ip)
+
+
+# The swapped-operand form used by the M <= 8 path is the same instruction with
+# the dequantised weight fragments as A (16 output features x 16 k) and the
+# activations as B (16 k x 8 tokens): D[n, token] += W[n, k] * X[token, k].
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+
+@dsl_user_op
+def ldmatrix_x4(addr: Int32, *, loc=None, ip=None):
+    """ldmatrix .x4 (four 8x8 b16 matrices; lane i supplies the row address of matrix i // 8)."""
+    return _u32(_asm(4, T.i32, _ir([Int32(addr)], loc, ip),
+                     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ldmatrix_x2(addr: Int32, *, loc=None, ip=None):
+    """ldmatrix .x2 (two 8x8 b16 matrices; lanes 0-15 supply row addresses)."""
+    return _u32(_asm(2, T.i32, _ir([Int32(addr)], loc, ip),
+                     "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0, $1}, [$2];", "=r,=r,r",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_u32(addr: Int32, *, loc=None, ip=None) -> Uint32:
+    return _u32(_asm(1, T.i32, _ir([Int32(addr)], loc, ip), "ld.shared.b32 $0, [$1];", "=r,r",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_i32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(1, T.i32, _ir([Int32(addr)], loc, ip), "ld.shared.b32 $0, [$1];", "=r,r",
+                      effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def ld_shared_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    return _f32(_asm(1, T.f32, _ir([Int32(addr)], loc, ip), "ld.shared.f32 $0, [$1];", "=f,r",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_v2_u32(addr: Int32, *, loc=None, ip=None):
+    return _u32(_asm(2, T.i32, _ir([Int32(addr)], loc, ip), "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_v4_u32(addr: Int32, *, loc=None, ip=None):
+    return _u32(_asm(4, T.i32, _ir([Int32(addr)], loc, ip), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                     "=r,=r,=r,=r,r", effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_v4_f32(addr: Int32, *, loc=None, ip=None):
+    return _f32(_asm(4, T.f32, _ir([Int32(addr)], loc, ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+                     "=f,=f,=f,=f,r", effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_shared_u32(addr: Int32, v: Uint32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int32(addr), Uint32(v)], loc, ip), "st.shared.b32 [$0], $1;", "r,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_i32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int32(addr), Int32(v)], loc, ip), "st.shared.b32 [$0], $1;", "r,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int32(addr), Float32(v)], loc, ip), "st.shared.f32 [$0], $1;", "r,f",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_bf16_from_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    """Round v to bf16 and store 2 bytes."""
+    _asm(0, None, _ir([Int32(addr), Float32(v)], loc, ip),
+         "{\n .reg .b16 h;\n cvt.rn.bf16.f32 h, $1;\n st.shared.b16 [$0], h;\n}", "r,f",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_f16_from_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    """Round v to fp16 and store 2 bytes."""
+    _asm(0, None, _ir([Int32(addr), Float32(v)], loc, ip),
+         "{\n .reg .b16 h;\n cvt.rn.f16.f32 h, $1;\n st.shared.b16 [$0], h;\n}", "r,f",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_v4_u32(addr: Int32, v0: Uint32, v1: Uint32, v2: Uint32, v3: Uint32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int32(addr), Uint32(v0), Uint32(v1), Uint32(v2), Uint32(v3)], loc, ip),
+         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_v4_f32(addr: Int32, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int32(addr), Float32(v0), Float32(v1), Float32(v2), Float32(v3)], loc, ip),
+         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", effects=True, loc=loc, ip=ip)
+
+
+# ----------------------------------------------------------------------------- async copies
+
+
+@dsl_user_op
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    """16-byte global -> shared copy, bypassing L1 (`cp.async.cg`)."""
+    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr)], loc, ip),
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_16_zfill(smem_addr: Int32, gmem_addr: Int64, pred: Int32, *, loc=None, ip=None) -> None:
+    """16-byte copy when pred != 0, else writes 16 zero bytes and reads nothing (src-size 0)."""
+    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(pred)], loc, ip),
+         "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n selp.b32 n, 16, 0, p;\n"
+         " cp.async.cg.shared.global [$0], [$1], 16, n;\n}",
+         "r,l,r", effects=True, loc=loc, ip=ip)
+
+
+# ----------------------------------------------------------------------------- global memory
+
+
+@dsl_user_op
+def ld_global_nc_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """Read-only (non-coherent) 4-byte load: for data no kernel writes during the launch."""
+    return _u32(_asm(1, T.i32, _ir([Int64(addr)], loc, ip), "ld.global.nc.b32 $0, [$1];", "=r,l",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_nc_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """Read-only (non-coherent) signed 4-byte load."""
+    return Int32(_asm(1, T.i32, _ir([Int64(addr)], loc, ip), "ld.global.nc.b32 $0, [$1];", "=r,l",
+                      effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def ld_global_nc_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """Read-only (non-coherent) float load."""
+    return _f32(_asm(1, T.f32, _ir([Int64(addr)], loc, ip), "ld.global.nc.f32 $0, [$1];", "=f,l",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_acquire_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """GPU-scope acquire load (pairs with `red_add_release_i32` / `st_global_release_i32`)."""
+    return Int32(_asm(1, T.i32, _ir([Int64(addr)], loc, ip), "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+                      effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def ld_global_v4_f32(addr: Int64, *, loc=None, ip=None):
+    """16-byte load cached in L2 only (data written by other CTAs in this launch)."""
+    return _f32(_asm(4, T.f32, _ir([Int64(addr)], loc, ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+                     "=f,=f,=f,=f,l", effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_global_v4_u32(addr: Int64, v0: Uint32, v1: Uint32, v2: Uint32, v3: Uint32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int64(addr), Uint32(v0), Uint32(v1), Uint32(v2), Uint32(v3)], loc, ip),
+         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_v4_f32(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None) -> None:
+    """16-byte store cached in L2 only (read back by another CTA)."""
+    _asm(0, None, _ir([Int64(addr), Float32(v0), Float32(v1), Float32(v2), Float32(v3)], loc, ip),
+         "st.global.cg.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int64(addr), Int32(v)], loc, ip), "st.global.b32 [$0], $1;", "l,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_release_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    """GPU-scope release store: earlier writes of this thread are visible before v."""
+    _asm(0, None, _ir([Int64(addr), Int32(v)], loc, ip), "st.release.gpu.global.b32 [$0], $1;", "l,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atom_add_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> Int32:
+    """Relaxed GPU-scope atomic add; returns the old value."""
+    return Int32(_asm(1, T.i32, _ir([Int64(addr), Int32(v)], loc, ip), "atom.global.add.s32 $0, [$1], $2;",
+                      "=r,l,r", effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def red_add_release_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    """GPU-scope release reduction (no return): publishes this thread's earlier writes."""
+    _asm(0, None, _ir([Int64(addr), Int32(v)], loc, ip), "red.release.gpu.global.add.s32 [$0], $1;", "l,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_bf16x2(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
+    """Atomic element-wise bf16x2 add to global memory (4-byte aligned)."""
+    _asm(0, None, _ir([Int64(addr), Uint32(v)], loc, ip), "red.global.add.noftz.bf16x2 [$0], $1;", "l,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_f16x2(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
+    """Atomic element-wise half2 add to global memory (4-byte aligned)."""
+    _asm(0, None, _ir([Int64(addr), Uint32(v)], loc, ip), "red.global.add.noftz.f16x2 [$0], $1;", "l,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_max_f32_nonnegative(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    """Atomic max of a float known to be >= +0 (its bits order like a signed int).
+
+    Only valid when both the stored value and v are non-negative (amax buffers
+    initialised to 0); a negative v would compare wrongly.
+    """
+    _asm(0, None, _ir([Int64(addr), Float32(v)], loc, ip),
+         "{\n .reg .b32 b;\n mov.b32 b, $1;\n red.global.max.s32 [$0], b;\n}", "l,f",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def membar_gpu(*, loc=None, ip=None) -> None:
+    """`membar.gl`: order this thread's memory accesses at GPU scope."""
+    _asm(0, None, [], "membar.gl;", "", effects=True, loc=loc, ip=ip)
+
+
+# ----------------------------------------------------------------------------- scalar float
+
+
+@dsl_user_op
+def fabs_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    return _f32(_asm(1, T.f32, _ir([Float32(x)], loc, ip), "abs.f32 $0, $1;", "=f,f", effects=False,
+                     loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fmax_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    return _f32(_asm(1, T.f32, _ir([Float32(a), Float32(b)], loc, ip), "max.f32 $0, $1, $2;", "=f,f,f",
+                     effects=False, loc=loc, ip=ip))
+
+
+def warp_reduce(value, op: str):
+    """Butterfly reduction over the 32 lanes ("add" or "max"); every lane gets the result."""
+    for shift in (16, 8, 4, 2, 1):
+        other = cute.arch.shuffle_sync_bfly(value, offset=shift)
+        value = value + other if op == "add" else cute.arch.fmax(value, other)
+    return value
