@@ -1,0 +1,384 @@
+"""W4A16 grouped-GEMM planning: hand-worked plans, partition properties, bounds.
+
+Expected plans are written as literals with the seed's arithmetic beside them, so
+a change in the planner shows up as a disagreement with a worked example, not as
+a silently updated number.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import defaultdict
+
+import pytest
+from cuteaot.runtime import PROFILES, BadInputError
+from cuteaot.runtime.planning import (
+    LARGE_BATCH_TILE_CONFIGS,
+    REGISTER_ESTIMATES_SM121,
+    SMALL_BATCH_TILE_CONFIGS,
+    ScaleFormat,
+    TileConfig,
+    estimated_registers,
+    lock_slots,
+    max_packed_route_slots,
+    max_route_blocks,
+    plan_gemm,
+    select_route_block_size,
+    shared_memory_footprint,
+    simulate_partition,
+    splitk_scratch_floats,
+)
+
+H200, GB10 = PROFILES["h200"], PROFILES["gb10"]
+K16, K32 = ScaleFormat.E4M3_K16, ScaleFormat.E8M0_K32
+
+
+# --------------------------------------------------------------------------- tiles
+
+
+def test_tile_candidates_are_the_seeds():
+    # seed: small (128,128,256) (64,128,128) (128,64,128); large (64,256,256) (64,128,128) (128,64,128)
+    assert [(t.tile_k, t.tile_n, t.threads) for t in SMALL_BATCH_TILE_CONFIGS] == [
+        (128, 128, 256), (64, 128, 128), (128, 64, 128)]
+    assert [(t.tile_k, t.tile_n, t.threads) for t in LARGE_BATCH_TILE_CONFIGS] == [
+        (64, 256, 256), (64, 128, 128), (128, 64, 128)]
+    # every candidate at every block size has a register estimate (no guessing needed)
+    for block in (8, 16, 32, 48, 64):
+        for tile in SMALL_BATCH_TILE_CONFIGS if block <= 16 else LARGE_BATCH_TILE_CONFIGS:
+            estimated_registers(tile, block)
+
+
+def test_tile_config_validation():
+    with pytest.raises(BadInputError, match="multiple of 16"):
+        TileConfig(100, 128)
+    with pytest.raises(BadInputError, match="512 threads"):
+        TileConfig(128, 256)  # 256 * 128 / 64 = 512 threads
+
+
+@pytest.mark.parametrize(
+    "block, tile, fmt, expected",
+    [
+        # cta_m = 16: meta 16*16=256; A 4*16*128*2=16384; B 4*(128*128/8)*4=32768;
+        # red 16*136*2=4352 (+bias 256 < B) -> 32768; S ceil(128/16)*128*2*4=8192
+        (8, TileConfig(128, 128), K16, 32768 + 16384 + 8192 + 256),  # 57600
+        (16, TileConfig(64, 128), K16, 16384 + 8192 + 4096 + 256),  # 28928
+        (16, TileConfig(64, 128), K32, 16384 + 8192 + 2048 + 256),  # 26880: half the scale rows
+        (16, TileConfig(128, 64), K16, 16384 + 16384 + 4096 + 256),  # 37120
+        # cta_m = 64: red 64*264*2=33792 > B 32768 -> 33792; A 4*64*64*2=32768; S 4*256*2*4=8192
+        (64, TileConfig(64, 256), K16, 33792 + 32768 + 8192 + 1024),  # 75776
+        # cta_m = 48: B 16384 > red 48*136*2=13056; A 4*48*64*2=24576; S 2*128*2*4=2048
+        (48, TileConfig(64, 128), K32, 16384 + 24576 + 2048 + 768),  # 43776
+        (64, TileConfig(64, 128), K32, 17408 + 32768 + 2048 + 1024),  # 53248: red 64*136*2=17408
+    ],
+)
+def test_shared_memory_footprint_hand_worked(block, tile, fmt, expected):
+    assert shared_memory_footprint(block, tile, fmt) == expected
+
+
+# --------------------------------------------------------------- route blocks and slots
+
+
+@pytest.mark.parametrize(
+    "top_k, boundaries",
+    [
+        # E=128, top 8: m*8/128/b < 0.9  <=>  m < 14.4 b  ->  last m for b = 8,16,32,48: 115,230,460,691
+        (8, [(115, 8), (116, 16), (230, 16), (231, 32), (460, 32), (461, 48), (691, 48), (692, 64)]),
+        # E=128, top 4: m < 28.8 b  ->  230, 460, 921, 1382
+        (4, [(230, 8), (231, 16), (460, 16), (461, 32), (921, 32), (922, 48), (1382, 48), (1383, 64)]),
+    ],
+)
+def test_route_block_size_boundaries(top_k, boundaries):
+    for m, block in boundaries:
+        assert select_route_block_size(m, top_k, 128) == block, m
+
+
+def test_route_block_size_matches_the_float_rule():
+    for m, top_k, experts in itertools.product((1, 3, 7, 50, 333, 1000, 9000), (1, 2, 4, 8), (8, 64, 128, 256)):
+        expected = next((b for b in (8, 16, 32, 48, 64) if m * top_k / experts / b < 0.9), 64)
+        assert select_route_block_size(m, top_k, experts) == expected
+    with pytest.raises(BadInputError, match="num_experts must be a positive int"):
+        select_route_block_size(4, 8, 0)
+
+
+def test_slot_bounds_hand_worked():
+    # m=1 top 8: 8 + min(128, 8)*7 = 64 -> 8 blocks of 8
+    assert (max_packed_route_slots(8, 8, 128), max_route_blocks(8, 8, 128)) == (64, 8)
+    # m=4096 top 8, block 64: 32768 + 128*63 = 40832 = 638 * 64
+    assert (max_packed_route_slots(32768, 64, 128), max_route_blocks(32768, 64, 128)) == (40832, 638)
+    # 10 + 3*15 = 55 -> rounded up to 64 (the true worst case is 48: three partial groups)
+    assert max_packed_route_slots(10, 16, 3) == 64
+    assert max_packed_route_slots(0, 16, 3) == 0
+
+
+def _worst_padded_slots(routes: int, block: int, experts: int) -> int:
+    """Brute force: the most slots any split of `routes` over `experts` pads to."""
+    best = 0
+    for split in itertools.product(range(routes + 1), repeat=experts):
+        if sum(split) == routes:
+            best = max(best, sum(-(-c // block) * block for c in split))
+    return best
+
+
+def test_slot_bound_covers_every_routing():
+    for routes, block, experts in itertools.product(range(11), (8, 16), (1, 2, 3, 4)):
+        worst = _worst_padded_slots(routes, block, experts)
+        bound = max_packed_route_slots(routes, block, experts)
+        assert worst <= bound < worst + 2 * block, (routes, block, experts)
+        assert bound % block == 0
+
+
+# ------------------------------------------------------------------ partition
+
+
+def _check_partition(route_blocks, n_tiles, k_tiles, grid_x, m8):
+    """Assert the split-K contract of one simulated launch; return max(lock_slot) + 1."""
+    items = simulate_partition(route_blocks, n_tiles, k_tiles, grid_x, m8)
+    coverage = defaultdict(int)
+    by_tile = defaultdict(list)
+    for it in items:
+        assert 0 <= it.cta < grid_x and it.k_count > 0
+        for kt in range(it.k_start, it.k_start + it.k_count):
+            coverage[(it.route_block, it.n_tile, kt)] += 1
+        by_tile[(it.route_block, it.n_tile)].append(it)
+    case = (route_blocks, n_tiles, k_tiles, grid_x, m8)
+    # every (route block, n tile, k tile) exactly once
+    assert len(coverage) == route_blocks * n_tiles * k_tiles, case
+    assert set(coverage.values()) <= {1}, case
+    assert all(0 <= rb < route_blocks and 0 <= nt < n_tiles for rb, nt in by_tile), case
+    used_slots = {}
+    for key, slices in by_tile.items():
+        slices.sort(key=lambda it: it.k_start)
+        count = slices[0].slice_count
+        assert len(slices) == count and all(it.slice_count == count for it in slices), case
+        # slices are numbered from the highest K range down, and the CTA index falls
+        # as the index rises: a CTA only ever waits for a higher-numbered CTA (no cycle)
+        assert [it.slice_idx for it in slices] == list(range(count - 1, -1, -1)), case
+        ctas = [it.cta for it in slices]
+        assert ctas == sorted(set(ctas)), case
+        slots = {it.lock_slot for it in slices}
+        if count == 1:
+            assert slots == {None}, case
+            continue
+        assert len(slots) == 1, case
+        (slot,) = slots
+        assert 0 <= slot < lock_slots(grid_x), case
+        assert slot not in used_slots, (case, key, used_slots.get(slot))
+        used_slots[slot] = key
+    return max(used_slots, default=-1) + 1
+
+
+def test_partition_exhaustive_small():
+    # route_blocks * n_tiles is all that shapes the schedule; cover it densely
+    for grid_x, mn, k_tiles, m8 in itertools.product(range(1, 14), range(31), range(1, 10), (False, True)):
+        _check_partition(mn, 1, k_tiles, grid_x, m8)
+    for route_blocks, n_tiles, grid_x in itertools.product(range(7), range(1, 5), (1, 3, 5, 8, 13)):
+        _check_partition(route_blocks, n_tiles, 7, grid_x, False)
+
+
+def test_partition_random():
+    rng = random.Random(20261129)
+    for _ in range(250):
+        case = (rng.randint(0, 48), rng.randint(1, 20), rng.randint(1, 48), rng.randint(1, 400), rng.random() < 0.3)
+        _check_partition(*case)
+
+
+def test_partition_realistic_launches():
+    # Qwen3-30B FC1 on H200 at m=200: 220 route blocks x 12 n tiles x 32 k tiles over 396 CTAs
+    _check_partition(220, 12, 32, 396, False)
+    # decode: 8 direct route blocks x 12 n tiles, 132 CTAs, block size 8 -> one whole tile per CTA
+    items = simulate_partition(8, 12, 16, 132, True)
+    assert len(items) == 96 and all(it.slice_count == 1 and it.k_count == 16 for it in items)
+    # without the block-8 rule the same launch is split along K
+    assert _check_partition(8, 12, 16, 132, False) > 0
+
+
+def test_lock_slots_bound_is_grid_x_and_tight():
+    # max(lock_slot) + 1 over all inputs: 0 for grid 1, 1 for grid 2, grid_x from 3 on.
+    for grid_x in range(1, 40):
+        worst = max(_check_partition(mn, 1, k, grid_x, False) for mn in range(2 * grid_x + 2) for k in (1, 2, 3, 5))
+        assert worst <= lock_slots(grid_x) == grid_x
+        if grid_x >= 3:
+            # grid_x + 1 tiles of grid_x k tiles: the tail is merged with one whole round and
+            # the tile split between the last two CTAs takes slot grid_x - 1
+            assert _check_partition(grid_x + 1, 1, grid_x, grid_x, False) == grid_x
+
+
+def test_splitk_scratch_floats_covers_simulated_slots():
+    # 132 slots x (16*1 rows) x 128 columns; 264 slots x (16*4 rows) x 128 columns
+    assert splitk_scratch_floats(132, 8, 128) == 132 * 16 * 128 == 270336
+    assert splitk_scratch_floats(264, 64, 128) == 264 * 64 * 128 == 2162688
+    assert splitk_scratch_floats(264, 48, 128) == 264 * 48 * 128
+    rng = random.Random(7)
+    for _ in range(60):
+        grid_x, block, tile_n = rng.randint(1, 300), rng.choice((8, 16, 32, 48, 64)), rng.choice((64, 128, 256))
+        slots_used = _check_partition(rng.randint(0, 40), rng.randint(1, 12), rng.randint(1, 40), grid_x, block == 8)
+        rows = 16 * -(-block // 16)
+        assert slots_used * rows * tile_n <= splitk_scratch_floats(grid_x, block, tile_n)
+
+
+# ------------------------------------------------------------------- model plans
+
+QWEN30_FC1, QWEN30_FC2 = (1536, 2048), (2048, 768)  # (N, K): N = 2 * 768, K = hidden 2048
+QWEN235_FC1, QWEN235_FC2 = (3072, 4096), (4096, 1536)
+GPTOSS_FC1, GPTOSS_FC2 = (5760, 2880), (2880, 2880)
+
+# Per (profile, m) for both Qwen3 models (top 8 of 128, NVFP4 e4m3_k16): every candidate
+# fits all four Qwen (N, K) and the work rule never binds, so the plan is shape-independent.
+# blocks_per_sm = min(regs, smem) then capped; regs = 65536 // (ceil8(r) * threads),
+# smem = optin // (footprint + 1536); H200 optin 232448, GB10 101376.
+QWEN_EXPECTED = {
+    # m=1: direct (m <= 6), block 8: every candidate pinned to 1 CTA/SM -> first, (128, 128)
+    ("h200", 1): (8, True, (128, 128), 1, 132),
+    ("gb10", 1): (8, True, (128, 128), 1, 48),
+    # m=64: 64*8/128/8 = 0.5 < 0.9 -> block 8, packed; 1 CTA/SM again
+    ("h200", 64): (8, False, (128, 128), 1, 132),
+    ("gb10", 64): (8, False, (128, 128), 1, 48),
+    # m=200: block 16 (one MMA row).  H200: (128,128) regs 65536//(160*256)=1;
+    # (64,128) min(65536//(144*128)=3, 232448//30464=7)=3; (128,64) min(3, 6)=3 -> tie, first: (64,128)
+    ("h200", 200): (16, False, (64, 128), 3, 396),
+    # GB10: (128,128) min(1, 101376//59136=1)=1; (64,128) min(3, 101376//30464=3)=3; (128,64) min(3, 2)=2
+    ("gb10", 200): (16, False, (64, 128), 3, 144),
+    # m=512: 512/16/32 = 1.0, 512/16/48 = 0.67 -> block 48 (3 MMA rows), cap 2.
+    # H200: (64,256) regs 65536//(256*256)=1; (64,128) 65536//(256*128)=2 -> 2
+    ("h200", 512): (48, False, (64, 128), 2, 264),
+    # GB10: (64,128) min(2, 101376//47360=2)=2; (128,64) min(2, 101376//71936=1)=1
+    ("gb10", 512): (48, False, (64, 128), 2, 96),
+    # m=4096: block 64.  H200: (64,128) min(2, 232448//56832=4) = 2
+    ("h200", 4096): (64, False, (64, 128), 2, 264),
+    # GB10: (64,256) 1, (64,128) min(2, 101376//56832=1)=1, (128,64) 1 -> first, (64,256)
+    ("gb10", 4096): (64, False, (64, 256), 1, 48),
+}
+
+
+@pytest.mark.parametrize("shape", [QWEN30_FC1, QWEN30_FC2, QWEN235_FC1, QWEN235_FC2])
+@pytest.mark.parametrize("profile_name, m", sorted(QWEN_EXPECTED))
+def test_qwen3_plans(shape, profile_name, m):
+    n, k = shape
+    plan = plan_gemm(m, n, k, 8, 128, PROFILES[profile_name], scale_format=K16)
+    block, direct, (tile_k, tile_n), per_sm, grid_x = QWEN_EXPECTED[(profile_name, m)]
+    assert (plan.moe_block_size, plan.direct_topk_routes) == (block, direct)
+    assert (plan.tile.tile_k, plan.tile.tile_n, plan.blocks_per_sm, plan.grid_x) == (tile_k, tile_n, per_sm, grid_x)
+    assert plan.lock_slots == grid_x
+    assert plan.splitk_scratch_floats == grid_x * 16 * -(-block // 16) * tile_n
+    assert (plan.n_tiles, plan.k_tiles) == (n // tile_n, k // tile_k)
+
+
+@pytest.mark.parametrize(
+    "m, slots, blocks",
+    [
+        (1, 64, 8),  # direct: 1*8 routes, each its own block of 8 slots
+        (64, 1408, 176),  # 512 + 128*7 = 1408 = 176 * 8
+        (200, 3520, 220),  # 1600 + 128*15 = 3520 = 220 * 16
+        (512, 10128, 211),  # 4096 + 128*47 = 10112 -> 211 * 48 = 10128
+        (4096, 40832, 638),  # 32768 + 128*63 = 40832 = 638 * 64
+    ],
+)
+def test_qwen3_route_capacities(m, slots, blocks):
+    plan = plan_gemm(m, *QWEN30_FC1, 8, 128, H200, scale_format=K16)
+    assert (plan.max_route_slots, plan.max_route_blocks) == (slots, blocks)
+
+
+def test_qwen3_decode_plan_details():
+    plan = plan_gemm(1, *QWEN30_FC1, 8, 128, H200, scale_format=K16)
+    # (256 threads, 1 m block, 8 n blocks, 8 k blocks, block 8) -> 118 in the SM121 table
+    assert plan.registers == 118 and plan.shared_memory_bytes == 57600
+    assert plan.splitk_scratch_floats == 270336  # 132 * 16 * 128
+
+
+# gpt-oss-120b: MXFP4 (e8m0_k32), top 4 of 128.  FC1 N=5760 K=2880: 2880 % 128 = 64 and
+# 5760 % 256 = 128, so only (tile_k 64, tile_n 128) fits (footprints: g32 column above).
+GPTOSS_FC1_EXPECTED = {
+    # (profile, m): (block, direct, blocks_per_sm, grid_x, slots, route_blocks)
+    ("h200", 1): (8, True, 1, 132, 32, 4),  # 4 routes, each a block of 8
+    ("gb10", 1): (8, True, 1, 48, 32, 4),
+    ("h200", 200): (8, False, 1, 132, 1696, 212),  # 200*4/128/8 = 0.78; 800 + 128*7 = 1696
+    ("h200", 400): (16, False, 3, 396, 3520, 220),  # min(3, 232448//28416=8) = 3; 1600 + 128*15
+    ("gb10", 400): (16, False, 3, 144, 3520, 220),  # min(3, 101376//28416=3) = 3
+    ("h200", 1000): (48, False, 2, 264, 10032, 209),  # 4000 + 128*47 = 10016 -> 209 * 48
+    ("gb10", 1000): (48, False, 2, 96, 10032, 209),  # min(2, 101376//45312=2)
+    ("h200", 4096): (64, False, 2, 264, 24448, 382),  # 16384 + 128*63 = 24448 = 382 * 64
+    ("gb10", 4096): (64, False, 1, 48, 24448, 382),  # min(2, 101376//54784=1)
+}
+
+
+@pytest.mark.parametrize("profile_name, m", sorted(GPTOSS_FC1_EXPECTED))
+def test_gpt_oss_fc1_plans(profile_name, m):
+    plan = plan_gemm(m, *GPTOSS_FC1, 4, 128, PROFILES[profile_name], scale_format=K32)
+    block, direct, per_sm, grid_x, slots, route_blocks = GPTOSS_FC1_EXPECTED[(profile_name, m)]
+    assert (plan.tile.tile_k, plan.tile.tile_n) == (64, 128)
+    assert (plan.moe_block_size, plan.direct_topk_routes, plan.blocks_per_sm, plan.grid_x) == (
+        block, direct, per_sm, grid_x)
+    assert (plan.max_route_slots, plan.max_route_blocks) == (slots, route_blocks)
+    assert (plan.n_tiles, plan.k_tiles) == (45, 45)
+
+
+@pytest.mark.parametrize("m", [1, 400, 4096])
+def test_gpt_oss_fc2_has_no_exact_tile(m):
+    # N = 2880 = 64 * 45 is not a multiple of 128 or 256, and K = 2880 is not a multiple
+    # of 128: no candidate fits (a 64x64 tile would need 64 threads).  The seed fails the
+    # same way: its logical-tail escape is only for modelopt E8M0 with I % 32 != 0.
+    with pytest.raises(BadInputError, match="no W4A16 tile config fits N=2880, K=2880") as info:
+        plan_gemm(m, *GPTOSS_FC2, 4, 128, H200, scale_format=K32)
+    assert "N=2880 is not a multiple of tile_n=128" in str(info.value)
+    assert "K=2880 is not a multiple of tile_k=128" in str(info.value)
+
+
+def test_work_rule_lowers_blocks_per_sm():
+    # dense-like: m=9, top 1 of 1 expert -> 90 < 9*16*10 -> block 16.  N = K = 1024 on H200:
+    # (128,128): 1.  (64,128): 3, but 8 n tiles * 9 * 4 = 288 CTAs of work < 132*3 -> 288//132 = 2.
+    # (128,64): 3 and 16 * 9 * 4 = 576 >= 396 -> stays 3 and wins.
+    plan = plan_gemm(9, 1024, 1024, 1, 1, H200, scale_format=K16)
+    assert (plan.tile.tile_k, plan.tile.tile_n, plan.blocks_per_sm, plan.grid_x) == (128, 64, 3, 396)
+
+
+# ------------------------------------------------------------- pinned tiles, registers
+
+
+def test_pinned_tile_is_used_and_validated():
+    # m=200 would choose (64,128) with 3/SM; pinning (128,128) gives 65536//(160*256) = 1
+    plan = plan_gemm(200, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=TileConfig(128, 128))
+    assert (plan.tile, plan.blocks_per_sm, plan.grid_x, plan.registers) == (TileConfig(128, 128), 1, 132, 158)
+    with pytest.raises(BadInputError, match="pinned tile .* K=2880 is not a multiple of tile_k=128"):
+        plan_gemm(400, *GPTOSS_FC1, 4, 128, H200, scale_format=K32, pinned_tile=TileConfig(128, 128))
+    # block 64 with (256, 64): A alone is 4*64*256*2 = 131072 bytes -> 173056 > 101376 - 512 on GB10
+    with pytest.raises(BadInputError, match="needs 173056 bytes of shared memory, gb10 allows 100864"):
+        plan_gemm(4096, *QWEN30_FC1, 8, 128, GB10, scale_format=K16, pinned_tile=TileConfig(256, 64))
+    with pytest.raises(BadInputError, match="pinned_tile must be a TileConfig"):
+        plan_gemm(4096, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=(64, 128))
+
+
+def test_registers_override_rechecks_blocks_per_sm():
+    pinned = TileConfig(64, 128)
+    # the SM121 estimate 143 -> 65536 // (144*128) = 3; a real count of 170 -> 65536 // (176*128) = 2
+    assert plan_gemm(200, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=pinned).grid_x == 396
+    plan = plan_gemm(200, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=pinned, registers=170)
+    assert (plan.registers, plan.blocks_per_sm, plan.grid_x, plan.lock_slots) == (170, 2, 264, 264)
+    # a lower real count can raise it: (64,256) at block 64, 128 regs -> 65536 // 32768 = 2 (estimate 255 -> 1)
+    wide = plan_gemm(4096, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=TileConfig(64, 256),
+                     registers=128)
+    assert (wide.blocks_per_sm, wide.grid_x) == (2, 264)
+    with pytest.raises(BadInputError, match="together with pinned_tile"):
+        plan_gemm(200, *QWEN30_FC1, 8, 128, H200, scale_format=K16, registers=128)
+    with pytest.raises(BadInputError, match=r"registers must be in \[1, 255\]"):
+        plan_gemm(200, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=pinned, registers=300)
+
+
+def test_missing_register_estimate_is_an_error():
+    tile = TileConfig(256, 64)  # fits H200 at block 64 but was never measured
+    key = (256, 4, 4, 16, False)
+    assert key not in REGISTER_ESTIMATES_SM121
+    with pytest.raises(BadInputError, match=r"no register estimate .* \(256, 4, 4, 16, False\).*registers="):
+        plan_gemm(4096, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=tile)
+    plan = plan_gemm(4096, *QWEN30_FC1, 8, 128, H200, scale_format=K16, pinned_tile=tile, registers=200)
+    assert plan.blocks_per_sm == 1  # 65536 // (200*256) = 1
+
+
+def test_plan_input_errors():
+    with pytest.raises(BadInputError, match="top_k=8 exceeds num_experts=4"):
+        plan_gemm(4, 1536, 2048, 8, 4, H200, scale_format=K16)
+    with pytest.raises(BadInputError, match="m must be a positive int"):
+        plan_gemm(0, 1536, 2048, 8, 128, H200, scale_format=K16)
+    with pytest.raises(BadInputError, match="scale_format must be one of"):
+        plan_gemm(4, 1536, 2048, 8, 128, H200, scale_format="e2m1")
+    assert plan_gemm(4, 1536, 2048, 8, 128, H200, scale_format="e4m3_k16").tile == TileConfig(128, 128)
