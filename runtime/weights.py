@@ -1,0 +1,484 @@
+"""NVFP4 weight preparation: ModelOpt checkpoint tensors -> the "packed" layout the W4A16 GEMM reads.
+
+    ModelOpt (input, per weight matrix of logical shape [E, N, K]):
+        weight          (E, N, K/2)  u8       two e2m1 codes a byte, low nibble = even k
+        weight_scale    (E, N, K/16) e4m3fn   one block scale per 16 consecutive k
+        weight_scale_2  (E,) f32              per-expert global scale ((E, 1) accepted too)
+        W[e, n, k] = e2m1(nibble) * weight_scale[e, n, k // 16] * weight_scale_2[e]
+
+    packed (output; docs/layouts.md derives every permutation below):
+        qweight       (E, K/16, 2N) i32   one row of 2N words per (expert, 16-k group)
+        scales        (E, K/16, N)  u8    S0E5M3 bytes of s * 2**7, 8-byte units
+        global_scale  (E,) f32            weight_scale_2 * 2**119 (bf16) or * 2**7 (fp16)
+
+The GEMM dequantises in registers with bit tricks that leave power-of-two offsets
+in the weight (2**-126 bf16 / 2**-14 fp16) and in the scale (2**7); the global scale
+carries the compensation, which is why a packed object belongs to one activation
+dtype.  Everything here is vectorised torch and runs on CPU or CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+import torch
+
+from .errors import BadInputError
+from .types import DType
+
+# ---- geometry of mma.sync.m16n8k16 and of the packed words -------------------------------------
+SCALE_GROUP_K = 16  # k per e4m3 block scale == k of one m16n8k16 MMA: a packed row is one k-group
+MMA_N = 8  # columns of one MMA B fragment; lane (g, t) owns column g of it
+LANE_GROUPS = 8  # g = lane // 4: the column inside an 8-column block
+LANE_THREADS = 4  # t = lane % 4: owns k = 2t, 2t+1 (register b0) and 2t+8, 2t+9 (b1)
+LANES = LANE_GROUPS * LANE_THREADS
+WORDS_PER_LANE = 4  # jj = 0..3: one 16-byte shared-memory load per lane per k-group
+COLUMN_BLOCKS_PER_WORD = 2  # a word holds column c0 and c1 = c0 + 8
+SLAB_N = MMA_N * COLUMN_BLOCKS_PER_WORD * WORDS_PER_LANE  # 64 columns per warp-wide load
+WORDS_PER_SLAB = LANES * WORDS_PER_LANE  # 128 = 64 columns * 16 k / 8 nibbles
+FP4_PER_WORD = 8
+FP4_BITS = 4
+FP4_MASK = 0xF
+GEMM_K_MULTIPLE = 64  # the GEMM streams K in tiles of 64 (4 k-groups); it has no k tail path
+
+# Nibble i of a packed word holds (k = 2t + dk, column c0 + 8 * half) for NIBBLE_SOURCES[i] = (dk, half).
+# The device decodes nibble pairs (3, 7), (2, 6) from the word and (1, 5), (0, 4) from word << 8
+# as bf16x2/fp16x2; (0, 4), (1, 5) are registers b0, b1 of column c0, (2, 6), (3, 7) those of c1.
+NIBBLE_SOURCES = ((0, 0), (8, 0), (0, 1), (8, 1), (1, 0), (9, 0), (1, 1), (9, 1))
+
+# ---- block scales ------------------------------------------------------------------------------
+SCALE_UNIT_BYTES = 8  # one unit: the 8 column blocks (b = 0..7) a lane group g meets in a slab
+# Byte position p of a unit holds the scale of column block SCALE_BYTE_ORDER[p]: the device turns
+# bytes (0, 2) and (1, 3) of each u32 into one bf16x2/fp16x2 each, and wants (B0, B1), (B2, B3).
+SCALE_BYTE_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)
+SCALE_STORE_EXPONENT = 7  # a byte stores v = s * 2**7: every e4m3 value then is a normal fp16
+FP16_TO_S0E5M3_SHIFT = 7  # fp16 bits >> 7 keep 5 exponent + 3 mantissa bits (the sign is 0)
+S0E5M3_MASK = 0xFF
+# The bf16 decode maps byte bit 7 onto the top bf16 exponent bit, so only bytes with bit 7 set
+# (v >= 2, i.e. s >= 2**-6) decode to s * 2**7; smaller non-zero scales are flushed to zero.
+MIN_BF16_DECODABLE_SCALE = 2.0**-6
+
+# ---- power-of-two offsets of the device decode and their compensation ---------------------------
+# The e2m1 bit trick drops the nibble's exponent into the element type's exponent field, so the
+# decoded weight is w * 2**(e2m1 bias - element bias): 2**(1 - 127) in bf16, 2**(1 - 15) in fp16.
+FP4_DECODE_EXPONENT = {DType.BF16: -126, DType.FP16: -14}
+GLOBAL_SCALE_COMPENSATION = {
+    dt: 2.0 ** -(exponent + SCALE_STORE_EXPONENT) for dt, exponent in FP4_DECODE_EXPONENT.items()
+}  # bf16: 2**119, fp16: 2**7
+
+
+class W13Order(str, Enum):
+    """Row order of a fused gate/up checkpoint tensor (gate = w1, up = w3)."""
+
+    GATE_UP = "gate_up"  # ModelOpt's usual w13: gate rows [0, I), up rows [I, 2I)
+    UP_GATE = "up_gate"  # w31: up rows first
+
+
+class ScaleFlushWarning(UserWarning):
+    """Some block scales could not be represented for the bf16 decode and became zero."""
+
+
+@dataclass(frozen=True)
+class PackedNvfp4:
+    """NVFP4 weights of E experts in the packed layout, ready for the GEMM of one activation dtype.
+
+    `flushed_scales` counts non-zero block scales below 2**-6 that had to be stored as zero
+    (bf16 only; a warning was issued when it is non-zero).  `layout` and `scale_format` are the
+    values the GEMM's specialization key carries for this object.
+    """
+
+    layout: ClassVar[str] = "packed"
+    scale_format: ClassVar[str] = "e4m3_k16"
+
+    qweight: torch.Tensor  # (E, K/16, 2N) i32
+    scales: torch.Tensor  # (E, K/16, N) u8, S0E5M3
+    global_scale: torch.Tensor  # (E,) f32, compensation included
+    num_experts: int
+    n: int
+    k: int
+    dtype: DType
+    flushed_scales: int = 0
+
+    def __post_init__(self):
+        e, kg, n = self.num_experts, self.k // SCALE_GROUP_K, self.n
+        expected = {
+            "qweight": (self.qweight, torch.int32, (e, kg, 2 * n)),
+            "scales": (self.scales, torch.uint8, (e, kg, n)),
+            "global_scale": (self.global_scale, torch.float32, (e,)),
+        }
+        for name, (tensor, dtype, shape) in expected.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                given = (tensor.dtype, tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor)
+                raise BadInputError(
+                    f"PackedNvfp4.{name} must be a {dtype} tensor of shape {shape} "
+                    f"(E={e}, N={n}, K={self.k}), got {given}"
+                )
+        if not isinstance(self.dtype, DType):
+            raise BadInputError(f"PackedNvfp4.dtype must be a DType, got {self.dtype!r}")
+        if n % SLAB_N or self.k % GEMM_K_MULTIPLE:
+            raise BadInputError(
+                f"PackedNvfp4 needs N % {SLAB_N} == 0 and K % {GEMM_K_MULTIPLE} == 0, got N={n}, K={self.k}"
+            )
+        devices = {self.qweight.device, self.scales.device, self.global_scale.device}
+        if len(devices) != 1:
+            raise BadInputError(f"PackedNvfp4 tensors must share one device, got {sorted(map(str, devices))}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def to(self, device: torch.device | str) -> PackedNvfp4:
+        """The same weights on another device (tensors copied; facts unchanged)."""
+        return dataclasses.replace(
+            self,
+            qweight=self.qweight.to(device),
+            scales=self.scales.to(device),
+            global_scale=self.global_scale.to(device),
+        )
+
+
+# ---- public API ----------------------------------------------------------------------------------
+
+
+def pack_nvfp4(
+    weight: torch.Tensor,  # (E, N, K/2) u8
+    weight_scale: torch.Tensor,  # (E, N, K/16) e4m3fn
+    weight_scale_2: torch.Tensor,  # (E,) or (E, 1) f32
+    dtype: DType | str | torch.dtype,
+) -> PackedNvfp4:
+    """Pack one ModelOpt NVFP4 weight [E, N, K] for the GEMM with `dtype` activations."""
+    packed = _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="")
+    _warn_if_flushed(packed, "weight_scale")
+    return packed
+
+
+def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ModelOpt tensors (weight, weight_scale, weight_scale_2 (E,)) a packed object holds.
+
+    The exact inverse of `pack_nvfp4` except for flushed scales, which come back as zero.
+    """
+    if not isinstance(packed, PackedNvfp4):
+        raise BadInputError(f"packed must be a PackedNvfp4, got {type(packed).__name__}")
+    codes = _unpack_codes(packed.qweight, packed.n, packed.k)
+    weight = _codes_to_bytes(codes)
+    weight_scale = _decode_scale_bytes(_unorder_scale_bytes(packed.scales))
+    weight_scale_2 = packed.global_scale / GLOBAL_SCALE_COMPENSATION[packed.dtype]
+    return weight, weight_scale, weight_scale_2
+
+
+def prepare_w13(
+    weight: torch.Tensor,  # (E, 2I, H/2) u8
+    weight_scale: torch.Tensor,  # (E, 2I, H/16) e4m3fn
+    weight_scale_2: torch.Tensor,  # (E,), (E, 1) or (E, 2) = (gate, up) f32
+    dtype: DType | str | torch.dtype,
+    *,
+    order: W13Order | str = W13Order.GATE_UP,
+) -> PackedNvfp4:
+    """Pack the fused gate/up projection as N = 2I columns [gate | up] (the activation's order).
+
+    `order` says which half the checkpoint stores first.  A (E, 2) `weight_scale_2` is indexed
+    by projection (column 0 = gate / w1, column 1 = up / w3) whatever `order` is.  When the two
+    differ, the larger becomes the expert's global scale and the other half's block scales are
+    multiplied by smaller / larger and re-rounded to e4m3 (lossy: up to half an e4m3 step, and
+    scales that fall below 2**-6 are flushed for bf16); equal values are packed exactly.
+    """
+    try:
+        row_order = W13Order(order)
+    except ValueError:
+        raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
+    elem = _check_dtype(dtype)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] % SLAB_N:
+        raise BadInputError(
+            f"w13_weight has {weight.shape[1]} rows = 2 * I with I = {weight.shape[1] / 2:g}; I must be "
+            f"a multiple of {SLAB_N // 2} so that [gate | up] fills whole {SLAB_N}-column slabs of the "
+            "packed layout (pad the intermediate size)"
+        )
+    num_experts, rows, k = _check_modelopt(weight, weight_scale, "w13_")
+    half = rows // 2
+    if row_order is W13Order.UP_GATE:
+        weight = torch.cat((weight[:, half:], weight[:, :half]), dim=1)
+        weight_scale = torch.cat((weight_scale[:, half:], weight_scale[:, :half]), dim=1)
+    global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, half)
+    packed = _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_")
+    _warn_if_flushed(packed, "w13_weight_scale")
+    return packed
+
+
+def prepare_w2(
+    weight: torch.Tensor,  # (E, H, I/2) u8
+    weight_scale: torch.Tensor,  # (E, H, I/16) e4m3fn
+    weight_scale_2: torch.Tensor,  # (E,) or (E, 1) f32
+    dtype: DType | str | torch.dtype,
+) -> PackedNvfp4:
+    """Pack the down projection: N = H output columns, K = I."""
+    packed = _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="w2_")
+    _warn_if_flushed(packed, "w2_weight_scale")
+    return packed
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+
+def _check_dtype(dtype: object) -> DType:
+    if isinstance(dtype, torch.dtype):
+        found = DType.from_torch(dtype)
+    else:
+        try:
+            found = DType(dtype)
+        except (ValueError, TypeError):
+            found = None
+    if found is None:
+        raise BadInputError(
+            f"dtype (the GEMM's activation dtype) must be one of {[d.value for d in DType]} "
+            f"or torch.bfloat16 / torch.float16, got {dtype!r}"
+        )
+    return found
+
+
+def _check_tensor(t: object, name: str, dtype: torch.dtype, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise BadInputError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise BadInputError(f"{name} must have dtype {dtype} ({what}), got {t.dtype}")
+    if not t.is_contiguous():
+        raise BadInputError(f"{name} must be contiguous, got strides {t.stride()}; call .contiguous()")
+    return t
+
+
+def _check_modelopt(weight: object, weight_scale: object, prefix: str) -> tuple[int, int, int]:
+    """Check the ModelOpt weight + block scales; returns (E, N, K)."""
+    w_name, s_name = f"{prefix}weight", f"{prefix}weight_scale"
+    _check_tensor(weight, w_name, torch.uint8, "two e2m1 codes a byte, [E, N, K/2]")
+    _check_tensor(weight_scale, s_name, torch.float8_e4m3fn, "one e4m3 scale per 16 k, [E, N, K/16]")
+    if weight.dim() != 3:
+        raise BadInputError(f"{w_name} must be 3-D [E, N, K/2], got shape {tuple(weight.shape)}")
+    num_experts, n, k = weight.shape[0], weight.shape[1], 2 * weight.shape[2]
+    if num_experts == 0 or n == 0 or k == 0:
+        raise BadInputError(f"{w_name} must not be empty, got shape {tuple(weight.shape)}")
+    if k % SCALE_GROUP_K:
+        raise BadInputError(
+            f"K = 2 * {w_name}.shape[2] = {k} must be a multiple of {SCALE_GROUP_K} "
+            "(one e4m3 block scale and one packed row per 16 k)"
+        )
+    if k % GEMM_K_MULTIPLE:
+        raise BadInputError(
+            f"K = 2 * {w_name}.shape[2] = {k} must be a multiple of {GEMM_K_MULTIPLE}: the GEMM "
+            f"streams K in {GEMM_K_MULTIPLE}-element tiles and has no partial-tile path (pad K with zeros)"
+        )
+    if n % SLAB_N:
+        raise BadInputError(
+            f"N = {w_name}.shape[1] = {n} must be a multiple of {SLAB_N}: the packed layout stores "
+            f"{SLAB_N}-column slabs, one per warp-wide 16-byte load (pad the output features)"
+        )
+    expected = (num_experts, n, k // SCALE_GROUP_K)
+    if tuple(weight_scale.shape) != expected:
+        raise BadInputError(
+            f"{s_name} must have shape [E, N, K/16] = {expected} to match {w_name} "
+            f"{tuple(weight.shape)}, got {tuple(weight_scale.shape)}"
+        )
+    if weight_scale.device != weight.device:
+        raise BadInputError(f"{s_name} is on {weight_scale.device} but {w_name} on {weight.device}; use one device")
+    _check_scale_values(weight_scale, s_name)
+    return num_experts, n, k
+
+
+def _check_scale_values(weight_scale: torch.Tensor, name: str) -> None:
+    values = weight_scale.float()
+    for bad, what in ((torch.isnan(values), "NaN"), (values < 0, "negative")):
+        count = int(bad.sum())
+        if count:
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise BadInputError(
+                f"{name} holds {count} {what} block scale(s) (first at index {first}); "
+                "NVFP4 block scales must be finite and >= 0"
+            )
+
+
+def _check_global_2(
+    weight_scale_2: object, num_experts: int, device: torch.device, name: str, *, pair: bool
+) -> torch.Tensor:
+    """Check weight_scale_2; returns it as (E,) or, when `pair` allows and it is (E, 2), as (E, 2)."""
+    shapes = [(num_experts,), (num_experts, 1)] + ([(num_experts, 2)] if pair else [])
+    _check_tensor(weight_scale_2, name, torch.float32, "per-expert global scale")
+    if tuple(weight_scale_2.shape) not in shapes:
+        hint = "" if pair else " ((E, 2) gate/up pairs belong to prepare_w13)"
+        raise BadInputError(
+            f"{name} must have shape {' or '.join(str(s) for s in shapes)}{hint}, got {tuple(weight_scale_2.shape)}"
+        )
+    if weight_scale_2.device != device:
+        raise BadInputError(f"{name} is on {weight_scale_2.device}, the weight on {device}; use one device")
+    bad = ~torch.isfinite(weight_scale_2) | (weight_scale_2 < 0)
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise BadInputError(
+            f"{name} must be finite and >= 0 (ModelOpt: expert amax / (6 * 448)), got {int(bad.sum())} bad "
+            f"value(s), first {float(weight_scale_2[tuple(first)])} at index {first}"
+        )
+    return weight_scale_2 if tuple(weight_scale_2.shape) == (num_experts, 2) else weight_scale_2.reshape(-1)
+
+
+def _pack_checked(weight, weight_scale, weight_scale_2, dtype, *, prefix: str) -> PackedNvfp4:
+    elem = _check_dtype(dtype)
+    num_experts, n, k = _check_modelopt(weight, weight_scale, prefix)
+    global_2 = _check_global_2(weight_scale_2, num_experts, weight.device, f"{prefix}weight_scale_2", pair=False)
+    return _pack(weight, weight_scale, global_2, elem, num_experts, n, k, prefix)
+
+
+def _merge_w13_global_scales(
+    weight_scale_2: object, weight_scale: torch.Tensor, num_experts: int, half: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One global scale per expert; a (gate, up) pair is folded into the smaller half's block scales."""
+    global_2 = _check_global_2(weight_scale_2, num_experts, weight_scale.device, "w13_weight_scale_2", pair=True)
+    if global_2.dim() == 1:
+        return global_2, weight_scale
+    larger = global_2.max(dim=1).values  # (E,)
+    # s * own / larger is computed in float64 (s * own is exact there), then rounded once to e4m3.
+    ratio_num = global_2.double().repeat_interleave(half, dim=1).unsqueeze(-1)  # (E, 2I, 1)
+    ratio_den = larger.double().view(-1, 1, 1)
+    scaled = weight_scale.double() * ratio_num / ratio_den.clamp_min(torch.finfo(torch.float64).tiny)
+    rescaled = torch.where(ratio_den > 0, scaled, weight_scale.double()).to(torch.float8_e4m3fn)
+    return larger.contiguous(), rescaled.contiguous()
+
+
+# ---- packing -------------------------------------------------------------------------------------
+
+
+def _pack(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,  # (E,) f32, checked
+    dtype: DType,
+    num_experts: int,
+    n: int,
+    k: int,
+    prefix: str,
+) -> PackedNvfp4:
+    global_scale = weight_scale_2.float() * GLOBAL_SCALE_COMPENSATION[dtype]
+    if not bool(torch.isfinite(global_scale).all()):
+        limit = torch.finfo(torch.float32).max / GLOBAL_SCALE_COMPENSATION[dtype]
+        raise BadInputError(
+            f"{prefix}weight_scale_2 * {GLOBAL_SCALE_COMPENSATION[dtype]:g} (the {dtype.value} decode "
+            f"compensation) overflows float32; {dtype.value} needs weight_scale_2 < {limit:g}, got max "
+            f"{float(weight_scale_2.max()):g}"
+        )
+    scale_bytes, flushed = _encode_scale_bytes(weight_scale, dtype)
+    return PackedNvfp4(
+        qweight=_pack_codes(_bytes_to_codes(weight)),
+        scales=_order_scale_bytes(scale_bytes),
+        global_scale=global_scale.contiguous(),
+        num_experts=num_experts,
+        n=n,
+        k=k,
+        dtype=dtype,
+        flushed_scales=flushed,
+    )
+
+
+def _warn_if_flushed(packed: PackedNvfp4, name: str) -> None:
+    if packed.flushed_scales:
+        total = packed.num_experts * packed.n * (packed.k // SCALE_GROUP_K)
+        warnings.warn(
+            f"{name}: {packed.flushed_scales} of {total} non-zero block scales are below 2**-6 and were "
+            "stored as zero: the bf16 scale decode cannot represent them (the fp16 path can; "
+            "see docs/layouts.md)",
+            ScaleFlushWarning,
+            stacklevel=3,
+        )
+
+
+def _bytes_to_codes(weight: torch.Tensor) -> torch.Tensor:
+    """(E, N, K/2) u8 -> (E, N, K) u8 e2m1 codes; the low nibble is the even k."""
+    return torch.stack((weight & FP4_MASK, weight >> FP4_BITS), dim=-1).flatten(-2)
+
+
+def _codes_to_bytes(codes: torch.Tensor) -> torch.Tensor:
+    pairs = codes.view(*codes.shape[:-1], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << FP4_BITS)).contiguous()
+
+
+def _k_offsets(device: torch.device) -> torch.Tensor:
+    """k = 2t inside a k-group for t = lane % 4 (the first k of register b0)."""
+    return 2 * torch.arange(LANE_THREADS, device=device)
+
+
+def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) e2m1 codes -> (E, K/16, 2N) i32 packed words."""
+    num_experts, n, k = codes.shape
+    slabs, groups = n // SLAB_N, k // SCALE_GROUP_K
+    # n = 64 * slab + 16 * jj + 8 * half + g ;  k = 16 * group + k_in
+    grid = codes.view(num_experts, slabs, WORDS_PER_LANE, COLUMN_BLOCKS_PER_WORD, LANE_GROUPS, groups, SCALE_GROUP_K)
+    base_k = _k_offsets(codes.device)
+    words = torch.zeros(
+        (num_experts, slabs, WORDS_PER_LANE, LANE_GROUPS, groups, LANE_THREADS),
+        dtype=torch.int64,
+        device=codes.device,
+    )
+    for nibble, (dk, half) in enumerate(NIBBLE_SOURCES):
+        plane = grid.select(3, half).index_select(-1, base_k + dk)  # (E, slab, jj, g, group, t)
+        words |= plane.to(torch.int64) << (FP4_BITS * nibble)
+    # word index in a (expert, group) row = slab * 128 + (4g + t) * 4 + jj = slab * 128 + lane * 4 + jj
+    words = words.permute(0, 4, 1, 3, 5, 2).reshape(num_experts, groups, 2 * n)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """(E, K/16, 2N) i32 packed words -> (E, N, K) u8 e2m1 codes (inverse of _pack_codes)."""
+    num_experts, groups = qweight.shape[0], qweight.shape[1]
+    slabs = n // SLAB_N
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    words = words.view(num_experts, groups, slabs, LANE_GROUPS, LANE_THREADS, WORDS_PER_LANE)
+    words = words.permute(0, 2, 5, 3, 1, 4)  # (E, slab, jj, g, group, t)
+    grid = torch.empty(
+        (num_experts, slabs, WORDS_PER_LANE, COLUMN_BLOCKS_PER_WORD, LANE_GROUPS, groups, SCALE_GROUP_K),
+        dtype=torch.uint8,
+        device=qweight.device,
+    )
+    base_k = _k_offsets(qweight.device)
+    for nibble, (dk, half) in enumerate(NIBBLE_SOURCES):
+        plane = ((words >> (FP4_BITS * nibble)) & FP4_MASK).to(torch.uint8)
+        grid.select(3, half).index_copy_(-1, base_k + dk, plane)
+    return grid.view(num_experts, n, k)
+
+
+# ---- scales --------------------------------------------------------------------------------------
+
+
+def _encode_scale_bytes(weight_scale: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, int]:
+    """(E, N, K/16) e4m3 -> (E, N, K/16) S0E5M3 bytes of s * 2**7, and the number flushed to zero."""
+    values = weight_scale.float()
+    as_fp16 = (values * 2.0**SCALE_STORE_EXPONENT).to(torch.float16)  # exact for every e4m3 value
+    codes = (as_fp16.view(torch.int16).to(torch.int32) >> FP16_TO_S0E5M3_SHIFT) & S0E5M3_MASK
+    flushed = 0
+    if dtype is DType.BF16:
+        undecodable = (values > 0) & (values < MIN_BF16_DECODABLE_SCALE)
+        flushed = int(undecodable.sum())
+        codes = codes.masked_fill(undecodable, 0)
+    return codes.to(torch.uint8), flushed
+
+
+def _decode_scale_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """S0E5M3 bytes -> e4m3 block scales (the byte is fp16 bits 14..7 of s * 2**7)."""
+    as_fp16 = (codes.to(torch.int16) << FP16_TO_S0E5M3_SHIFT).view(torch.float16)
+    return (as_fp16.float() * 2.0**-SCALE_STORE_EXPONENT).to(torch.float8_e4m3fn)
+
+
+def _order_scale_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """(E, N, K/16) bytes -> (E, K/16, N): unit 8 * slab + g holds columns 64 * slab + 8b + g."""
+    num_experts, n, groups = codes.shape
+    order = torch.tensor(SCALE_BYTE_ORDER, device=codes.device)
+    blocks = codes.view(num_experts, n // SLAB_N, MMA_N, LANE_GROUPS, groups)  # (E, slab, b, g, group)
+    units = blocks.index_select(2, order)  # axis 2 is now the byte position inside a unit
+    return units.permute(0, 4, 1, 3, 2).reshape(num_experts, groups, n)
+
+
+def _unorder_scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """(E, K/16, N) packed scale bytes -> (E, N, K/16) (inverse of _order_scale_bytes)."""
+    num_experts, groups, n = scales.shape
+    inverse = torch.argsort(torch.tensor(SCALE_BYTE_ORDER, device=scales.device))
+    units = scales.view(num_experts, groups, n // SLAB_N, LANE_GROUPS, SCALE_UNIT_BYTES)
+    blocks = units.permute(0, 2, 4, 3, 1).index_select(2, inverse)  # (E, slab, b, g, group)
+    return blocks.reshape(num_experts, n, groups)

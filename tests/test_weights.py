@@ -1,0 +1,266 @@
+"""NVFP4 weight preparation: round trip, device-decode emulation against ModelOpt, W13/W2, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from cuteaot.runtime import BadInputError, DType
+from cuteaot.runtime.weights import (
+    PackedNvfp4,
+    ScaleFlushWarning,
+    pack_nvfp4,
+    prepare_w2,
+    prepare_w13,
+    unpack_nvfp4,
+)
+
+from tests.reference.nvfp4 import decode_packed_like_device, dequantize_modelopt, quantize_nvfp4
+
+COMPENSATION = {"bf16": 2.0**119, "fp16": 2.0**7}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_modelopt(experts, n, k, *, min_scale_byte, seed=0):
+    """Arbitrary bit patterns: every nibble, and e4m3 scales from `min_scale_byte` up to 448 (0x7E)."""
+    gen = _gen(seed)
+    weight = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+    scale_bytes = torch.randint(min_scale_byte, 0x7F, (experts, n, k // 16), generator=gen, dtype=torch.uint8)
+    scale_bytes[..., 0] = 0  # a zero scale encodes to byte 0 and must come back as zero
+    scale_2 = torch.rand(experts, generator=gen) * 1e-2 + 1e-5
+    return weight, scale_bytes.view(torch.float8_e4m3fn), scale_2
+
+
+def _realistic_weights(experts, n, k, seed=0):
+    """Gaussian weights whose blocks span two decades of magnitude (varied block scales)."""
+    gen = _gen(seed)
+    w = torch.randn(experts, n, k, generator=gen)
+    block_gain = 10.0 ** (-2 * torch.rand(experts, n, k // 16, 1, generator=gen))
+    expert_gain = torch.rand(experts, 1, 1, 1, generator=gen) * 0.1 + 0.01
+    return (w.view(experts, n, k // 16, 16) * block_gain * expert_gain).view(experts, n, k)
+
+
+def _assert_same_packed(a: PackedNvfp4, b: PackedNvfp4):
+    assert torch.equal(a.qweight, b.qweight)
+    assert torch.equal(a.scales, b.scales)
+    assert torch.equal(a.global_scale, b.global_scale)
+    assert (a.n, a.k, a.num_experts, a.dtype) == (b.n, b.k, b.num_experts, b.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("experts,n,k", [(1, 64, 64), (3, 128, 192), (2, 320, 128)])
+def test_pack_unpack_round_trip_is_bit_exact(dtype, experts, n, k):
+    # bf16 keeps only scales >= 2**-6 (e4m3 exponent field >= 1, byte >= 0x08); fp16 keeps all.
+    min_byte = 0x08 if dtype == "bf16" else 0x00
+    weight, scale, scale_2 = _random_modelopt(experts, n, k, min_scale_byte=min_byte, seed=n + k)
+    packed = pack_nvfp4(weight, scale, scale_2, dtype)
+    assert packed.qweight.shape == (experts, k // 16, 2 * n) and packed.qweight.dtype == torch.int32
+    assert packed.scales.shape == (experts, k // 16, n) and packed.scales.dtype == torch.uint8
+    assert packed.flushed_scales == 0 and packed.dtype is DType(dtype)
+    assert (packed.layout, packed.scale_format) == ("packed", "e4m3_k16")
+    w_back, s_back, s2_back = unpack_nvfp4(packed)
+    assert torch.equal(w_back, weight)
+    assert torch.equal(s_back.view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(s2_back, scale_2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("experts,n,k", [(2, 64, 128), (3, 192, 256)])
+def test_device_decode_emulation_matches_modelopt_exactly(dtype, experts, n, k):
+    weight, scale, scale_2 = quantize_nvfp4(_realistic_weights(experts, n, k, seed=k))
+    packed = pack_nvfp4(weight, scale, scale_2.view(-1, 1), dtype)  # (E, 1) is accepted too
+    assert packed.flushed_scales == 0
+    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, dtype)
+    reference = dequantize_modelopt(weight, scale, scale_2)
+    assert reference.abs().amax() > 0 and (reference != 0).float().mean() > 0.5
+    # Every product in the decode is exact (see docs/layouts.md), so float32 results are identical.
+    assert torch.equal(decoded, reference)
+
+
+def test_emulation_uses_arbitrary_nibbles_and_scales():
+    # Every nibble pattern (incl. -0) and every decodable scale, not only quantizer output.
+    for dtype, min_byte in (("bf16", 0x08), ("fp16", 0x00)):
+        weight, scale, scale_2 = _random_modelopt(2, 128, 64, min_scale_byte=min_byte, seed=7)
+        packed = pack_nvfp4(weight, scale, scale_2, dtype)
+        decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, dtype)
+        assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2)), dtype
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_global_scale_carries_the_decode_compensation(dtype):
+    weight, scale, scale_2 = _random_modelopt(3, 64, 64, min_scale_byte=0x08)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]  # torch dtypes are accepted too
+    packed = pack_nvfp4(weight, scale, scale_2, torch_dtype)
+    assert torch.equal(packed.global_scale, scale_2 * COMPENSATION[dtype])
+
+
+def _with_small_scales():
+    weight, scale, scale_2 = _random_modelopt(2, 64, 64, min_scale_byte=0x08, seed=3)
+    raw = scale.view(torch.uint8).clone()
+    raw[0, 0, 1] = 0x01  # 2**-9, e4m3 subnormal
+    raw[1, 5, 2] = 0x07  # 7 * 2**-9, largest subnormal
+    raw[1, 9, 3] = 0x05
+    return weight, raw.view(torch.float8_e4m3fn), scale_2
+
+
+def test_bf16_flushes_scales_below_2_pow_minus_6_with_a_warning():
+    weight, scale, scale_2 = _with_small_scales()
+    with pytest.warns(ScaleFlushWarning, match="3 of 512 non-zero block scales") as record:
+        packed = pack_nvfp4(weight, scale, scale_2, "bf16")
+    assert record[0].filename == __file__  # the warning points at the caller
+    assert packed.flushed_scales == 3
+    _, s_back, _ = unpack_nvfp4(packed)
+    expected = scale.float().masked_fill(scale.float() < 2.0**-6, 0.0)
+    assert torch.equal(s_back.float(), expected)
+    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "bf16")
+    assert torch.equal(decoded, dequantize_modelopt(weight, s_back, scale_2))
+    assert torch.equal(decoded[0, 0, 16:32], torch.zeros(16))
+
+
+def test_fp16_keeps_small_scales_exactly():
+    weight, scale, scale_2 = _with_small_scales()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = pack_nvfp4(weight, scale, scale_2, "fp16")
+    assert packed.flushed_scales == 0
+    assert torch.equal(unpack_nvfp4(packed)[1].view(torch.uint8), scale.view(torch.uint8))
+    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "fp16")
+    assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
+
+
+# ---- fused gate/up and down projections ----------------------------------------------------------
+
+
+def _w13_halves(experts=2, inter=96, hidden=128, up_gain=1.0):
+    gate = _realistic_weights(experts, inter, hidden, seed=11)
+    up = _realistic_weights(experts, inter, hidden, seed=12) * up_gain
+    return gate, up
+
+
+def test_w13_shared_global_scale_is_exact_in_both_orders():
+    gate, up = _w13_halves()
+    weight, scale, scale_2 = quantize_nvfp4(torch.cat((gate, up), dim=1))  # one scale_2 per expert
+    packed = prepare_w13(weight, scale, scale_2, "bf16")
+    assert (packed.n, packed.k) == (192, 128)
+    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "bf16")
+    assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
+
+    inter = gate.shape[1]
+    swapped_w = torch.cat((weight[:, inter:], weight[:, :inter]), dim=1)
+    swapped_s = torch.cat((scale[:, inter:], scale[:, :inter]), dim=1)
+    _assert_same_packed(prepare_w13(swapped_w, swapped_s, scale_2, "bf16", order="up_gate"), packed)
+    pair = scale_2.view(-1, 1).expand(-1, 2).contiguous()  # equal (gate, up) values: still exact
+    _assert_same_packed(prepare_w13(weight, scale, pair, "bf16"), packed)
+
+
+@pytest.mark.parametrize("order", ["gate_up", "up_gate"])
+def test_w13_different_gate_up_scales_fold_into_block_scales(order):
+    gate, up = _w13_halves(up_gain=3.0)  # a ratio that is not a power of two: rescaling rounds
+    gw, gs, gs2 = quantize_nvfp4(gate)
+    uw, us, us2 = quantize_nvfp4(up)
+    reference = torch.cat((dequantize_modelopt(gw, gs, gs2), dequantize_modelopt(uw, us, us2)), dim=1)
+    first, second = ((gw, gs), (uw, us)) if order == "gate_up" else ((uw, us), (gw, gs))
+    weight = torch.cat((first[0], second[0]), dim=1)
+    scale = torch.cat((first[1], second[1]), dim=1)
+    pair = torch.stack((gs2, us2), dim=1)  # columns are (gate, up) whatever the row order
+    assert bool((us2 > gs2).all())
+
+    packed = prepare_w13(weight, scale, pair, "fp16", order=order)
+    assert torch.equal(packed.global_scale, us2 * COMPENSATION["fp16"])
+    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "fp16")
+    inter = gate.shape[1]
+    assert torch.equal(decoded[:, inter:], reference[:, inter:])  # the half that owns the global scale
+    # The gate half's block scales were re-rounded to e4m3: at most half a step (2**-4 relative)
+    # for normal results, plus the e4m3 subnormal spacing 2**-9 times |e2m1| * global scale.
+    error = (decoded[:, :inter] - reference[:, :inter]).abs()
+    bound = reference[:, :inter].abs() * 2.0**-4 + 6 * 2.0**-10 * us2.view(-1, 1, 1)
+    assert bool((error <= bound).all())
+    assert bool((error > 0).any())  # it is lossy, as documented
+
+
+def test_w2_packs_down_projection():
+    weight, scale, scale_2 = quantize_nvfp4(_realistic_weights(2, 128, 64, seed=5))  # (E, H, I)
+    packed = prepare_w2(weight, scale, scale_2, DType.FP16)
+    assert (packed.n, packed.k, packed.num_experts) == (128, 64, 2)
+    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "fp16")
+    assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
+    moved = packed.to("cpu")
+    _assert_same_packed(moved, packed)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def _ok(experts=2, n=64, k=64):
+    return _random_modelopt(experts, n, k, min_scale_byte=0x08)
+
+
+def _bad_scale_value(byte):
+    weight, scale, scale_2 = _ok()
+    raw = scale.view(torch.uint8).clone()
+    raw[1, 2, 3] = byte
+    return weight, raw.view(torch.float8_e4m3fn), scale_2
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((_ok()[0].float(), *_ok()[1:]), "weight must have dtype torch.uint8"),
+        ((_ok()[0], _ok()[1].float(), _ok()[2]), "weight_scale must have dtype torch.float8_e4m3fn"),
+        ((_ok()[0][0], *_ok()[1:]), r"3-D \[E, N, K/2\]"),
+        (_ok(n=96), "N = weight.shape.1. = 96 must be a multiple of 64"),
+        (_ok(k=32), "K = 2 . weight.shape.2. = 32 must be a multiple of 64: the GEMM streams K"),
+        ((torch.zeros(2, 64, 12, dtype=torch.uint8), *_ok()[1:]), "= 24 must be a multiple of 16"),
+        ((_ok()[0], _ok(n=128)[1], _ok()[2]), r"weight_scale must have shape \[E, N, K/16\] = \(2, 64, 4\)"),
+        ((_ok(n=128)[0][:, ::2], *_ok()[1:]), "contiguous"),
+        ((*_ok()[:2], torch.ones(2, 2)), r"prepare_w13"),
+        ((*_ok()[:2], torch.ones(2, dtype=torch.float64)), "weight_scale_2 must have dtype torch.float32"),
+        ((*_ok()[:2], torch.tensor([1.0, float("inf")])), "finite and >= 0"),
+        ((*_ok()[:2], torch.tensor([1.0, -1.0])), "finite and >= 0"),
+        (_bad_scale_value(0x7F), r"1 NaN block scale\(s\) \(first at index \[1, 2, 3\]\)"),
+        (_bad_scale_value(0x88), "1 negative block scale"),
+    ],
+)
+def test_pack_rejects_bad_input_with_a_clear_message(args, match):
+    with pytest.raises(BadInputError, match=match):
+        pack_nvfp4(*args, "bf16")
+
+
+def test_dtype_and_overflow_errors():
+    weight, scale, scale_2 = _ok()
+    with pytest.raises(BadInputError, match=r"dtype \(the GEMM's activation dtype\) must be one of"):
+        pack_nvfp4(weight, scale, scale_2, "fp32")
+    with pytest.raises(BadInputError, match="must be one of"):
+        pack_nvfp4(weight, scale, scale_2, torch.float32)
+    big = torch.tensor([1.0, 1024.0])
+    with pytest.raises(BadInputError, match="overflows float32; bf16 needs weight_scale_2 <"):
+        pack_nvfp4(weight, scale, big, "bf16")
+    assert pack_nvfp4(weight, scale, big, "fp16").global_scale[1] == 1024.0 * 2**7
+
+
+def test_w13_and_w2_errors_name_their_tensors():
+    weight, scale, scale_2 = _ok(n=96)
+    with pytest.raises(BadInputError, match=r"I = 48; I must be a multiple of 32"):
+        prepare_w13(weight, scale, scale_2, "bf16")
+    weight, scale, scale_2 = _ok(n=128)
+    with pytest.raises(BadInputError, match="order must be one of"):
+        prepare_w13(weight, scale, scale_2, "bf16", order="w31")
+    with pytest.raises(BadInputError, match=r"w13_weight_scale_2 must have shape \(2,\) or \(2, 1\) or \(2, 2\)"):
+        prepare_w13(weight, scale, torch.ones(2, 3), "bf16")
+    with pytest.raises(BadInputError, match="w2_weight_scale must have dtype"):
+        prepare_w2(weight, scale.float(), scale_2, "bf16")
+    with pytest.raises(BadInputError, match=r"w2_weight_scale_2 must have shape \(2,\) or \(2, 1\)"):
+        prepare_w2(weight, scale, torch.ones(2, 2), "bf16")
+
+
+def test_packed_object_checks_its_tensors():
+    packed = pack_nvfp4(*_ok(), "bf16")
+    with pytest.raises(BadInputError, match=r"PackedNvfp4.scales must be a torch.uint8 tensor of shape \(2, 4, 64\)"):
+        PackedNvfp4(packed.qweight, packed.scales[:, :2], packed.global_scale, 2, 64, 64, DType.BF16)
+    with pytest.raises(BadInputError, match="packed must be a PackedNvfp4"):
+        unpack_nvfp4(packed.qweight)
