@@ -1,0 +1,403 @@
+"""CuTeDSL route-pack kernels: group the top-k routes by expert, deterministically.
+
+The contract (outputs, sentinel, order) is documented in
+`cuteaot.runtime.kernels.route_pack`.  The seed imported this step from a Triton
+kernel of its origin project; this is our own design.
+
+Ownership.  CTA c owns the routes [c * chunk, (c + 1) * chunk) (the single stage:
+all of them).  Inside a CTA, warp w owns a contiguous segment of the chunk and
+walks it 32 routes (one step) at a time, in order:
+
+    chunk c:   | warp 0 segment | warp 1 segment | ... | warp 15 segment |
+    warp w, step i:  lane l holds route seg_start + 32 i + l
+
+A warp loads BATCH steps' expert ids before it processes them, so their memory
+latencies overlap (the single stage loads its only batch once and reuses it for
+counting and scattering).
+
+Counting without atomics.  In each step `match.any` gives every lane the mask of
+lanes holding the same expert; the lowest of them (no equal lane below it) adds
+the popcount to the warp's private row `hist[w, e]` in shared memory.  Only one
+lane of one warp ever writes a given entry, so plain loads/stores suffice.
+
+Slot assignment.  A scan turns the counts into cursors: the first slot of
+(warp w of chunk c, expert e) is
+
+    start[e] + sum_{c' < c} count[c', e] + sum_{w' < w} count_c[w', e]
+
+with start[e] the exclusive prefix of the experts' padded sizes.  Scattering then
+repeats the walk: a lane's slot is its cursor plus the number of equal lanes
+below it, and the lowest lane advances the cursor.  So routes of one expert land
+in increasing route index however the hardware schedules warps or CTAs.
+
+Blocks and padding (slots that never receive a route, so no ordering with the
+scatter is needed; each kind of store is spread so that a warp's stores coalesce):
+    block_expert_ids[j]  thread per block: binary search of the block's first slot
+                         in the expert ends (shared memory); -1 past the count;
+    expert tails         warp per expert: slots [fill[e], end[e]) get the sentinel;
+    past the count       thread per slot: [count, capacity) gets the sentinel.
+On the multi-CTA path CTA c takes every ctas-th share of each.
+
+Out-of-range ids (outside [0, num_experts), before or after the expert map) are
+dropped; every global store is bounds-checked against the capacities given.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+from cutlass.cutlass_dsl import Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from cuteaot.runtime.kernels.route_pack import (
+    MAX_EXPERTS,
+    SINGLE_CTA_MAX_ROUTES,
+    SMEM_BYTES,
+    THREADS,
+    WARPS,
+    IdsDType,
+    RoutePackSpec,
+    RouteStage,
+)
+
+__all__ = ["RoutePackKernel", "build", "SMEM_BYTES"]  # SMEM_BYTES: the build records it per kernel
+
+FULL_MASK = 0xFFFFFFFF
+BATCH = SINGLE_CTA_MAX_ROUTES // THREADS  # steps per load batch; the single stage needs exactly one
+SCAN_UNROLL = 16  # chunk counts the scan loads per round (loads in flight per thread)
+SEARCH_STEPS = MAX_EXPERTS.bit_length() - 1  # binary search over the expert ends
+assert THREADS == MAX_EXPERTS, "the scan gives each thread one expert"
+assert MAX_EXPERTS == 1 << SEARCH_STEPS, "the binary search halves a power of two"
+assert BATCH * THREADS == SINGLE_CTA_MAX_ROUTES, "the single stage holds all its routes in one batch"
+
+
+class _Operands:
+    """The kernel's global tensors and scalars, grouped so helpers take one argument."""
+
+    def __init__(self, ids, emap, packed, block_ids, count, ws, routes, num_experts, has_map, block_size,
+                 cap_slots, cap_blocks, chunk_routes, num_chunks):
+        self.ids, self.emap, self.packed, self.block_ids, self.count, self.ws = ids, emap, packed, block_ids, count, ws
+        self.routes, self.num_experts, self.has_map, self.block_size = routes, num_experts, has_map, block_size
+        self.cap_slots, self.cap_blocks, self.chunk_routes, self.num_chunks = cap_slots, cap_blocks, chunk_routes, num_chunks
+
+    @property
+    def ends_at(self):  # workspace offset of the expert ends (fills follow them)
+        return self.num_chunks * self.num_experts
+
+
+class _Shared:
+    """Shared-memory tables (SMEM_BYTES in all): per-warp counts / cursors, expert ends and fills."""
+
+    def __init__(self):
+        smem = SmemAllocator()
+        self.hist = smem.allocate_tensor(Int32, cute.make_layout(WARPS * MAX_EXPERTS), byte_alignment=16)
+        self.ends = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), byte_alignment=16)
+        self.fills = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), byte_alignment=16)
+        self.sums = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+
+
+class RoutePackKernel:
+    """Compile-time facts in __init__; __call__ launches; `kernel` is device code."""
+
+    def __init__(self, spec: RoutePackSpec):
+        self.stage = spec.stage
+        self.ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
+
+    @cute.jit
+    def __call__(
+        self,
+        topk_ids: cute.Pointer,
+        expert_map: cute.Pointer,
+        packed: cute.Pointer,
+        block_ids: cute.Pointer,
+        count: cute.Pointer,
+        workspace: cute.Pointer,
+        routes: Int32,
+        num_experts: Int32,
+        has_map: Int32,
+        block_size: Int32,
+        cap_slots: Int32,
+        cap_blocks: Int32,
+        chunk_routes: Int32,
+        num_chunks: Int32,
+        stream,
+    ):
+        self.kernel(
+            topk_ids, expert_map, packed, block_ids, count, workspace,
+            routes, num_experts, has_map, block_size, cap_slots, cap_blocks, chunk_routes, num_chunks,
+        ).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
+
+    # -- walking a warp's segment ---------------------------------------------------------
+
+    @cute.jit
+    def _id_of(self, op: _Operands, r: Int32) -> Int32:
+        """The expert id of route r as int32, or -1 when it is outside [0, num_experts)."""
+        raw = op.ids[r]
+        e = Int32(-1)
+        if raw >= self.ids_type(0) and raw < self.ids_type(op.num_experts):
+            e = Int32(raw)
+        return e
+
+    @cute.jit
+    def _segment(self, op: _Operands, cta: Int32):
+        """This warp's routes [lo, hi) and its step count (the same for every warp)."""
+        seg = (op.chunk_routes + Int32(THREADS - 1)) // Int32(THREADS) * Int32(32)
+        chunk_hi = cutlass.min(cta * op.chunk_routes + op.chunk_routes, op.routes)
+        lo = cta * op.chunk_routes + cute.arch.warp_idx() * seg
+        return lo, cutlass.min(lo + seg, chunk_hi), seg // Int32(32)
+
+    @cute.jit
+    def _load_batch(self, op: _Operands, experts, lo: Int32, hi: Int32, first_step: Int32):
+        """experts[u] := local expert of route lo + 32 (first_step + u) + lane; < 0 when dropped.
+
+        All id loads are issued before any map lookup, so a batch costs two memory latencies.
+        """
+        for u in cutlass.range_constexpr(BATCH):
+            r = lo + (first_step + Int32(u)) * Int32(32) + cute.arch.lane_idx()
+            e = Int32(-1)
+            if r < hi:
+                e = self._id_of(op, r)
+            experts[u] = e
+        if op.has_map != Int32(0):
+            for u in cutlass.range_constexpr(BATCH):
+                e = experts[u]
+                if e >= Int32(0):
+                    e = op.emap[e]  # -1: not on this GPU
+                    if e >= op.num_experts:
+                        e = Int32(-1)
+                experts[u] = e
+
+    @cute.jit
+    def _process_batch(self, op: _Operands, hist, experts, lo: Int32, first_step: Int32, scatter: cutlass.Constexpr):
+        """Count the batch into this warp's row of hist, or scatter it from the cursors there."""
+        lane = cute.arch.lane_idx()
+        row = cute.arch.warp_idx() * Int32(MAX_EXPERTS)
+        below_mask = cute.arch.lanemask_lt()
+        packed = op.packed  # stores go through locals: the DSL cannot carry `op` through `if`
+        for u in cutlass.range_constexpr(BATCH):
+            e = experts[u]
+            peers = cute.arch.match_sync(FULL_MASK, e, "any")
+            rank = Int32(cute.arch.popc(peers & below_mask))
+            cursor = Int32(0)
+            if e >= Int32(0):
+                cursor = hist[row + e]
+                if cutlass.const_expr(scatter):
+                    slot = cursor + rank
+                    if slot < op.cap_slots:
+                        packed[slot] = lo + (first_step + Int32(u)) * Int32(32) + lane
+            cute.arch.sync_warp()  # every equal lane has read the cursor before the leader moves it
+            if e >= Int32(0) and rank == Int32(0):
+                hist[row + e] = cursor + Int32(cute.arch.popc(peers))
+            cute.arch.sync_warp()
+
+    @cute.jit
+    def _walk(self, op: _Operands, hist, cta: Int32, scatter: cutlass.Constexpr):
+        lo, hi, steps = self._segment(op, cta)
+        experts = cute.make_rmem_tensor(BATCH, Int32)
+        for first in range(0, steps, BATCH):
+            self._load_batch(op, experts, lo, hi, first)
+            self._process_batch(op, hist, experts, lo, first, scatter)
+
+    # -- scans ------------------------------------------------------------------------
+
+    @cute.jit
+    def _zero_hist(self, hist):
+        tid, _, _ = cute.arch.thread_idx()
+        for w in cutlass.range_constexpr(WARPS):
+            hist[w * MAX_EXPERTS + tid] = Int32(0)
+
+    @cute.jit
+    def _warp_counts_to_cursors(self, hist, e: Int32, base: Int32) -> Int32:
+        """hist[:, e] := base + exclusive prefix over warps; returns the CTA's total for e."""
+        running = Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            c = hist[w * MAX_EXPERTS + e]
+            hist[w * MAX_EXPERTS + e] = base + running
+            running = running + c
+        return running
+
+    @cute.jit
+    def _exclusive_scan(self, sums, v: Int32) -> Int32:
+        """Block-wide exclusive prefix sum of one value per thread."""
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        x = v
+        for d in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, 1 << d)
+            if lane >= Int32(1 << d):
+                x = x + y
+        if lane == Int32(31):
+            sums[warp] = x
+        cute.arch.sync_threads()
+        prefix = Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            s = sums[w]
+            if Int32(w) < warp:
+                prefix = prefix + s
+        return prefix + x - v
+
+    @cute.jit
+    def _publish_expert(self, op: _Operands, sh: _Shared, e: Int32, total: Int32) -> Int32:
+        """Scan the padded sizes; store expert e's end and fill mark in shared memory; returns its start."""
+        padded = Int32(0)
+        if e < op.num_experts:
+            padded = (total + op.block_size - Int32(1)) // op.block_size * op.block_size
+        start = self._exclusive_scan(sh.sums, padded)
+        ends, fills = sh.ends, sh.fills
+        if e < op.num_experts:
+            ends[e] = start + padded
+            fills[e] = start + total
+        return start
+
+    @cute.jit
+    def _scan_chunks(self, op: _Operands, sh: _Shared, e: Int32):
+        """Pass 2: ws[c, e] := sum_{c' < c} ws[c', e]; the expert ends / fills; the packed count."""
+        total = Int32(0)
+        ws, count = op.ws, op.count
+        if e < op.num_experts:
+            vals = cute.make_rmem_tensor(SCAN_UNROLL, Int32)
+            for base in range(0, op.num_chunks, SCAN_UNROLL):
+                for i in cutlass.range_constexpr(SCAN_UNROLL):  # all loads first: they overlap
+                    vals[i] = Int32(0)
+                    if base + i < op.num_chunks:
+                        vals[i] = op.ws[(base + i) * op.num_experts + e]
+                for i in cutlass.range_constexpr(SCAN_UNROLL):
+                    if base + i < op.num_chunks:
+                        ws[(base + i) * op.num_experts + e] = total
+                    total = total + vals[i]
+        self._publish_expert(op, sh, e, total)
+        if e < op.num_experts:
+            ws[op.ends_at + e] = sh.ends[e]
+            ws[op.ends_at + op.num_experts + e] = sh.fills[e]
+        if e == op.num_experts - Int32(1):
+            count[0] = sh.ends[e]
+
+    # -- blocks and padding -------------------------------------------------------------
+
+    @cute.jit
+    def _fill(self, op: _Operands, sh: _Shared, cta: Int32, ctas: Int32):
+        """block_expert_ids, expert tails and the slots past the count (see the module doc)."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        packed_total = sh.ends[op.num_experts - Int32(1)]
+        first, stride = cta * Int32(THREADS) + tid, ctas * Int32(THREADS)
+        packed, block_ids = op.packed, op.block_ids
+        for j in range(first, op.cap_blocks, stride):
+            s0 = j * op.block_size
+            expert = Int32(-1)
+            if s0 < packed_total:
+                # first expert whose end is past s0 (an empty expert shares its neighbour's end)
+                expert = Int32(0)
+                for k in cutlass.range_constexpr(SEARCH_STEPS):
+                    probe = expert + Int32(MAX_EXPERTS >> (k + 1))
+                    if probe <= op.num_experts:
+                        if sh.ends[probe - Int32(1)] <= s0:
+                            expert = probe
+            block_ids[j] = expert
+        gwarp = cta * Int32(WARPS) + cute.arch.warp_idx()
+        for e in range(gwarp, op.num_experts, ctas * Int32(WARPS)):
+            for s in range(sh.fills[e] + lane, sh.ends[e], 32):
+                if s < op.cap_slots:
+                    packed[s] = op.routes
+        for s in range(packed_total + first, op.cap_slots, stride):
+            packed[s] = op.routes
+
+    # -- the kernel -------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        topk_ids: cute.Pointer,
+        expert_map: cute.Pointer,
+        packed: cute.Pointer,
+        block_ids: cute.Pointer,
+        count: cute.Pointer,
+        workspace: cute.Pointer,
+        routes: Int32,
+        num_experts: Int32,
+        has_map: Int32,
+        block_size: Int32,
+        cap_slots: Int32,
+        cap_blocks: Int32,
+        chunk_routes: Int32,
+        num_chunks: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        cta = Int32(bidx)
+        flat = cute.make_layout(1 << 30)  # global arrays: every index is bounds-checked before use
+        op = _Operands(
+            cute.make_tensor(topk_ids, flat), cute.make_tensor(expert_map, flat), cute.make_tensor(packed, flat),
+            cute.make_tensor(block_ids, flat), cute.make_tensor(count, cute.make_layout(1)),
+            cute.make_tensor(workspace, flat),
+            routes, num_experts, has_map, block_size, cap_slots, cap_blocks, chunk_routes, num_chunks,
+        )
+        sh = _Shared()
+        e = Int32(tid)  # the expert this thread scans
+
+        if cutlass.const_expr(self.stage is RouteStage.SINGLE):
+            self._single(op, sh, e)
+        if cutlass.const_expr(self.stage is RouteStage.COUNT):
+            self._zero_hist(sh.hist)
+            cute.arch.sync_threads()
+            self._walk(op, sh.hist, cta, False)
+            cute.arch.sync_threads()
+            total = self._warp_counts_to_cursors(sh.hist, e, Int32(0))
+            ws = op.ws
+            if e < num_experts:
+                ws[cta * num_experts + e] = total
+        if cutlass.const_expr(self.stage is RouteStage.SCAN):
+            self._scan_chunks(op, sh, e)
+        if cutlass.const_expr(self.stage is RouteStage.SCATTER):
+            self._scatter(op, sh, e, cta)
+
+    @cute.jit
+    def _single(self, op: _Operands, sh: _Shared, e: Int32):
+        """One CTA: load every route once, count, scan, fill, scatter."""
+        self._zero_hist(sh.hist)
+        lo, hi, _ = self._segment(op, Int32(0))
+        experts = cute.make_rmem_tensor(BATCH, Int32)
+        self._load_batch(op, experts, lo, hi, Int32(0))
+        cute.arch.sync_threads()
+        self._process_batch(op, sh.hist, experts, lo, Int32(0), False)
+        cute.arch.sync_threads()
+        total = self._warp_counts_to_cursors(sh.hist, e, Int32(0))
+        start = self._publish_expert(op, sh, e, total)
+        hist, count = sh.hist, op.count
+        if e < op.num_experts:
+            for w in cutlass.range_constexpr(WARPS):
+                hist[w * MAX_EXPERTS + e] = hist[w * MAX_EXPERTS + e] + start
+        if e == op.num_experts - Int32(1):
+            count[0] = sh.ends[e]
+        cute.arch.sync_threads()
+        self._fill(op, sh, Int32(0), Int32(1))
+        self._process_batch(op, sh.hist, experts, lo, Int32(0), True)
+
+    @cute.jit
+    def _scatter(self, op: _Operands, sh: _Shared, e: Int32, cta: Int32):
+        """Pass 3: recount this chunk per warp, add the chunk's first slots, fill, scatter."""
+        self._zero_hist(sh.hist)
+        cute.arch.sync_threads()
+        self._walk(op, sh.hist, cta, False)
+        cute.arch.sync_threads()
+        ends, fills = sh.ends, sh.fills
+        if e < op.num_experts:
+            first = Int32(0)  # the expert's first slot
+            if e > Int32(0):
+                first = op.ws[op.ends_at + e - Int32(1)]
+            self._warp_counts_to_cursors(sh.hist, e, first + op.ws[cta * op.num_experts + e])
+            ends[e] = op.ws[op.ends_at + e]
+            fills[e] = op.ws[op.ends_at + op.num_experts + e]
+        cute.arch.sync_threads()
+        self._fill(op, sh, cta, op.num_chunks)
+        self._walk(op, sh.hist, cta, True)
+
+
+def build(spec: RoutePackSpec):
+    """The kernel object and fake arguments for `cute.compile` (pointers are 4/8-byte aligned)."""
+    ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
+    ids = make_ptr(ids_type, 16, cute.AddressSpace.gmem, assumed_align=ids_type.width // 8)
+    i32 = make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
+    one = Int32(1)
+    return RoutePackKernel(spec), (ids, i32, i32, i32, i32, i32) + (one,) * 8 + (make_fake_stream(),)

@@ -1,0 +1,419 @@
+"""Route packing: group the top-k routes by (local) expert, padded to the GEMM's M-block.
+
+The grouped GEMMs read their A rows through an index list, one expert per block
+of `b` rows.  This module owns that list's contract, the kernels' specialization
+facts and signature, the launch plan and the public `pack_routes`.
+
+Inputs
+    topk_ids    (M, top_k) int32 | int64, contiguous: the expert of each route.
+                Route r = token * top_k + k (the flattened index).
+    expert_map  optional (num_experts,) int32: global expert -> local expert, or -1
+                when the expert lives on another GPU (expert parallelism).  Local ids
+                must be < num_experts (a rank never holds more experts than exist).
+    b           block size, one of ALLOWED_BLOCK_SIZES (the GEMM's M-block).
+
+Outputs (int32; preallocate them for CUDA-graph capture)
+    packed_route_indices  (capacity_slots,)  experts in increasing order; within an
+                expert, its routes in increasing route index, then the sentinel
+                M * top_k up to the next multiple of b.  Every slot at or past the
+                packed count also holds the sentinel.
+    block_expert_ids      (capacity_blocks,) the expert of each block of b slots;
+                -1 for every block at or past the packed count.
+    packed_route_count    (1,)  number of packed slots, a multiple of b.
+
+    e.g. b = 4, top_k = 2, topk_ids = [[2, 0], [2, 1], [0, 2]]  (routes 0..5, sentinel 6)
+         packed_route_indices = [1 4 6 6 | 3 6 6 6 | 0 2 5 6 | 6 6 6 6 ...]
+         block_expert_ids     = [0 | 1 | 2 | -1 ...],  packed_route_count = [12]
+
+Routes whose expert maps to -1 are dropped.  Ids outside [0, num_experts) (and
+mapped ids outside it) are dropped on the device too: checking them on the host
+would need a device-to-host copy, i.e. a sync, on the serving path.
+
+The order within an expert is fixed by the route index, not by which thread ran
+first, so the output is bitwise reproducible (CUDA-graph replay equals eager).
+
+Kernels (all 512 threads; `threads` and `max_experts` are part of the key):
+    single    one CTA does everything (routes <= SINGLE_CTA_MAX_ROUTES; decode).
+    count     multi-CTA pass 1: CTA c counts the routes of chunk c per expert into
+              workspace[c, e].
+    scan      pass 2, one CTA: turns the counts into each chunk's first slot per
+              expert, writes the expert ends and the packed count.
+    scatter   pass 3: CTA c writes chunk c's routes from its first slots, in order,
+              and fills block_expert_ids / the sentinels for its share of blocks.
+The grids depend only on M * top_k: capture once per token count, replay freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+import torch
+
+from ..abi import Param, ParamKind, Signature
+from ..bundle import Bundle, LoadedKernel, current_stream_handle, registered_bundle
+from ..errors import BadInputError, BundleError
+from ..keys import KernelKey
+from ..tensors import INT32_MAX, check_rank
+
+ALLOWED_BLOCK_SIZES = (8, 16, 32, 48, 64)
+THREADS = 512  # threads per CTA: one per expert in the scan
+WARPS = THREADS // 32
+MAX_EXPERTS = 512  # per-warp counts live in shared memory: WARPS x MAX_EXPERTS int32
+# Shared memory of every route-pack kernel (one storage layout for all stages):
+# per-warp counts, expert ends, expert fill marks, per-warp scan sums.
+SMEM_BYTES = 4 * (WARPS * MAX_EXPERTS + 2 * MAX_EXPERTS + WARPS)
+SINGLE_CTA_MAX_ROUTES = 4096  # above this, the three-pass multi-CTA path
+MULTI_MIN_CHUNK = 2048  # routes per CTA on the multi-CTA path, at least ...
+MULTI_MAX_CHUNKS = 64  # ... and at most this many CTAs (the scan walks chunks serially)
+
+
+class RouteStage(str, Enum):
+    SINGLE = "single"
+    COUNT = "count"
+    SCAN = "scan"
+    SCATTER = "scatter"
+
+
+class IdsDType(str, Enum):
+    INT32 = "int32"
+    INT64 = "int64"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return torch.int32 if self is IdsDType.INT32 else torch.int64
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> "IdsDType":
+        if dtype == torch.int32:
+            return cls.INT32
+        if dtype == torch.int64:
+            return cls.INT64
+        raise BadInputError(f"topk_ids must be int32 or int64, got {dtype}")
+
+
+@dataclass(frozen=True)
+class RoutePackSpec:
+    """One route-pack kernel: its stage and, for stages that read topk_ids, their dtype.
+
+    Every stage takes the same parameters (a stage ignores those it does not use),
+    so the signature is declared once for the family.
+    """
+
+    FAMILY = "moe_route_pack"
+    VERSION = 1
+    SIGNATURE = Signature(
+        (
+            Param("topk_ids", ParamKind.PTR, "(routes,) int32|int64 expert per route (flattened (M, top_k))"),
+            Param("expert_map", ParamKind.PTR, "(num_experts,) int32 global -> local expert, -1 = not here; "
+                  "any valid pointer when has_expert_map = 0"),
+            Param("packed_route_indices", ParamKind.PTR, "(capacity_slots,) int32 out"),
+            Param("block_expert_ids", ParamKind.PTR, "(capacity_blocks,) int32 out"),
+            Param("packed_route_count", ParamKind.PTR, "(1,) int32 out"),
+            Param("workspace", ParamKind.PTR, "(num_chunks + 2, num_experts) int32 scratch (multi-CTA stages)"),
+            Param("routes", ParamKind.I32, "M * top_k; also the sentinel"),
+            Param("num_experts", ParamKind.I32, "1 <= num_experts <= max_experts"),
+            Param("has_expert_map", ParamKind.I32, "0 or 1"),
+            Param("block_size", ParamKind.I32, "one of ALLOWED_BLOCK_SIZES"),
+            Param("capacity_slots", ParamKind.I32, "length of packed_route_indices"),
+            Param("capacity_blocks", ParamKind.I32, "length of block_expert_ids"),
+            Param("chunk_routes", ParamKind.I32, "routes per CTA (the single stage: routes)"),
+            Param("num_chunks", ParamKind.I32, "CTAs of the count / scatter grids (1 for single)"),
+        )
+    )
+
+    stage: RouteStage
+    ids_dtype: Optional[IdsDType]  # None for the scan, which never reads topk_ids
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage", RouteStage(self.stage))
+        if self.stage is RouteStage.SCAN:
+            if self.ids_dtype is not None:
+                raise BadInputError("the scan stage does not read topk_ids: ids_dtype must be None")
+        else:
+            if self.ids_dtype is None:
+                raise BadInputError(f"the {self.stage.value} stage needs ids_dtype (int32 or int64)")
+            object.__setattr__(self, "ids_dtype", IdsDType(self.ids_dtype))
+
+    def key(self) -> KernelKey:
+        return KernelKey(
+            self.FAMILY,
+            self.VERSION,
+            {
+                "stage": self.stage.value,
+                "ids_dtype": None if self.ids_dtype is None else self.ids_dtype.value,
+                "threads": THREADS,
+                "max_experts": MAX_EXPERTS,
+            },
+        )
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> "RoutePackSpec":
+        ids = facts["ids_dtype"]
+        return cls(RouteStage(facts["stage"]), None if ids is None else IdsDType(ids))
+
+
+def route_pack_specs() -> list[RoutePackSpec]:
+    """Every route-pack kernel a bundle needs to serve any problem (7 kernels per arch)."""
+    specs = [RoutePackSpec(RouteStage.SCAN, None)]
+    for ids in IdsDType:
+        specs += [RoutePackSpec(stage, ids) for stage in (RouteStage.SINGLE, RouteStage.COUNT, RouteStage.SCATTER)]
+    return specs
+
+
+# -- planning (host arithmetic only) --------------------------------------------------
+
+
+def _max_packed_route_slots(routes: int, block_size: int, num_experts: int) -> int:
+    """Slots that can hold any packing: each non-empty expert adds at most b - 1 padding.
+
+    At most min(num_experts, routes) experts are non-empty; the total is rounded up
+    to a whole block.
+    """
+    slots = routes + min(num_experts, routes) * (block_size - 1)
+    return -(-slots // block_size) * block_size
+
+
+@dataclass(frozen=True)
+class RouteChunking:
+    """How the routes are split across CTAs; depends only on the route count."""
+
+    single: bool
+    chunk_routes: int
+    num_chunks: int
+
+    @classmethod
+    def for_routes(cls, routes: int) -> "RouteChunking":
+        if routes <= SINGLE_CTA_MAX_ROUTES:
+            return cls(True, routes, 1)
+        chunk = max(MULTI_MIN_CHUNK, -(-routes // MULTI_MAX_CHUNKS))
+        chunk = -(-chunk // THREADS) * THREADS  # whole warp iterations
+        return cls(False, chunk, -(-routes // chunk))
+
+
+def route_pack_workspace_elements(routes: int, num_experts: int) -> int:
+    """int32 elements of workspace `pack_routes` needs; 0 on the single-CTA path.
+
+    Layout: counts / first slots [num_chunks, num_experts], expert ends [num_experts],
+    expert fill marks (first padding slot) [num_experts].
+    """
+    chunking = RouteChunking.for_routes(routes)
+    return 0 if chunking.single else (chunking.num_chunks + 2) * num_experts
+
+
+# -- argument checks -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Problem:
+    tokens: int
+    top_k: int
+    routes: int
+    num_experts: int
+    block_size: int
+    capacity_slots: int  # minimum lengths of the outputs
+    capacity_blocks: int
+    workspace: int
+
+
+def _check_problem(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map) -> _Problem:
+    check_rank(topk_ids, "topk_ids", 2, "(tokens, top_k)")
+    IdsDType.from_torch(topk_ids.dtype)
+    if not topk_ids.is_contiguous():
+        raise BadInputError(f"topk_ids must be contiguous (row-major), got strides {topk_ids.stride()}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
+        raise BadInputError(
+            f"num_experts must be an int in [1, {MAX_EXPERTS}] (the kernels' shared-memory tables), got {num_experts!r}"
+        )
+    if block_size not in ALLOWED_BLOCK_SIZES or isinstance(block_size, bool):
+        raise BadInputError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {block_size!r}")
+    tokens, top_k = topk_ids.shape
+    routes = tokens * top_k
+    slots = _max_packed_route_slots(routes, block_size, num_experts)
+    if slots + block_size + RouteChunking.for_routes(routes).chunk_routes > INT32_MAX:
+        raise BadInputError(
+            f"{tokens} tokens x top_k {top_k} = {routes} routes need {slots} packed slots; "
+            f"slot indices are int32, so at most about {INT32_MAX} are supported"
+        )
+    if expert_map is not None:
+        check_rank(expert_map, "expert_map", 1, f"({num_experts},) global -> local expert")
+        if expert_map.dtype != torch.int32:
+            raise BadInputError(f"expert_map must be int32, got {expert_map.dtype}")
+        if expert_map.shape[0] != num_experts:
+            raise BadInputError(
+                f"expert_map must have shape ({num_experts},) (one entry per global expert), "
+                f"got {tuple(expert_map.shape)}"
+            )
+        if not expert_map.is_contiguous():
+            raise BadInputError("expert_map must be contiguous")
+    workspace = route_pack_workspace_elements(routes, num_experts)
+    return _Problem(tokens, top_k, routes, num_experts, block_size, slots, slots // block_size, workspace)
+
+
+def _check_buffer(t, name: str, min_len: int, what: str, exact: bool = False) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise BadInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise BadInputError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise BadInputError(f"{name} must be a contiguous 1-D tensor ({what}), got shape {tuple(t.shape)} "
+                            f"strides {t.stride()}")
+    if (t.shape[0] != min_len) if exact else (t.shape[0] < min_len):
+        need = f"exactly {min_len}" if exact else f"at least {min_len}"
+        raise BadInputError(f"{name} must hold {need} elements ({what}), got {t.shape[0]}")
+    if t.shape[0] > INT32_MAX:
+        raise BadInputError(f"{name} has {t.shape[0]} elements; at most {INT32_MAX} are supported")
+
+
+def _check_outputs(p: _Problem, packed, block_ids, count, workspace) -> None:
+    _check_buffer(packed, "packed_route_indices", p.capacity_slots,
+                  f"_max_packed_route_slots({p.routes}, {p.block_size}, {p.num_experts})")
+    _check_buffer(block_ids, "block_expert_ids", p.capacity_blocks, f"{p.capacity_slots} slots / {p.block_size}")
+    if (block_ids.shape[0] + 1) * p.block_size > INT32_MAX:
+        raise BadInputError(
+            f"block_expert_ids has {block_ids.shape[0]} blocks of {p.block_size} slots; slot indices are int32, "
+            f"so at most {INT32_MAX // p.block_size - 1} blocks are supported"
+        )
+    _check_buffer(count, "packed_route_count", 1, "the packed slot count", exact=True)
+    _check_buffer(workspace, "workspace", p.workspace,
+                  f"route_pack_workspace_elements({p.routes}, {p.num_experts})")
+
+
+def _check_devices(device: torch.device, tensors: dict) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise BadInputError(f"{name} must be on {device} (the bundle's device), got {t.device}")
+
+
+# -- launch --------------------------------------------------------------------------
+
+
+class _RoutePackPlan:
+    """The kernels of one topk_ids dtype, resolved once per bundle; launches one packing."""
+
+    def __init__(self, bundle: Bundle, ids_dtype: IdsDType):
+        self.bundle = bundle
+        self.ids_dtype = ids_dtype
+        self._kernels: dict[RouteStage, LoadedKernel] = {}
+
+    def kernel(self, stage: RouteStage) -> LoadedKernel:
+        found = self._kernels.get(stage)
+        if found is None:
+            spec = RoutePackSpec(stage, None if stage is RouteStage.SCAN else self.ids_dtype)
+            found = self.bundle.kernel(spec.key())
+            found.bind(RoutePackSpec.SIGNATURE)
+            if tuple(found.block) != (THREADS, 1, 1):
+                raise BundleError(
+                    f"{spec.key().describe()} was built with block {tuple(found.block)}, but this runtime "
+                    f"plans for ({THREADS}, 1, 1); rebuild the bundle"
+                )
+            self._kernels[stage] = found
+        return found
+
+    def __call__(self, p: _Problem, ids, expert_map, packed, block_ids, count, workspace) -> None:
+        chunking = RouteChunking.for_routes(p.routes)
+        ids_ptr = ids.data_ptr()
+        args = (
+            ids_ptr,
+            ids_ptr if expert_map is None else expert_map.data_ptr(),
+            packed.data_ptr(),
+            block_ids.data_ptr(),
+            count.data_ptr(),
+            ids_ptr if chunking.single else workspace.data_ptr(),
+            p.routes,
+            p.num_experts,
+            0 if expert_map is None else 1,
+            p.block_size,
+            packed.shape[0],
+            block_ids.shape[0],
+            chunking.chunk_routes,
+            chunking.num_chunks,
+        )
+        stream = current_stream_handle(self.bundle.device_index)
+        if chunking.single:
+            self.kernel(RouteStage.SINGLE).launch(1, stream, *args)
+            return
+        self.kernel(RouteStage.COUNT).launch(chunking.num_chunks, stream, *args)
+        self.kernel(RouteStage.SCAN).launch(1, stream, *args)
+        self.kernel(RouteStage.SCATTER).launch(chunking.num_chunks, stream, *args)
+
+
+def _new_outputs(p: _Problem, device: torch.device, packed, block_ids, count, workspace):
+    new = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
+    return (
+        new(p.capacity_slots) if packed is None else packed,
+        new(p.capacity_blocks) if block_ids is None else block_ids,
+        new(1) if count is None else count,
+        new(p.workspace) if workspace is None else workspace,
+    )
+
+
+def pack_routes(
+    bundle: Bundle,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+    packed_route_indices: torch.Tensor | None = None,
+    block_expert_ids: torch.Tensor | None = None,
+    packed_route_count: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the routes of `topk_ids` by expert, padded to `block_size`; see the module doc.
+
+    Returns (packed_route_indices, block_expert_ids, packed_route_count), allocating the
+    ones not given.  Output lengths: at least `_max_packed_route_slots(M * top_k,
+    block_size, num_experts)` slots and that / block_size blocks; `workspace` (int32) at
+    least `route_pack_workspace_elements(M * top_k, num_experts)`.  Launches on torch's
+    current stream without any host sync; CUDA-graph capturable when every buffer is given.
+    """
+    p = _check_problem(topk_ids, num_experts, block_size, expert_map)
+    device = bundle.device
+    _check_devices(device, {"topk_ids": topk_ids, "expert_map": expert_map, "packed_route_indices":
+                            packed_route_indices, "block_expert_ids": block_expert_ids,
+                            "packed_route_count": packed_route_count, "workspace": workspace})
+    packed, block_ids, count, ws = _new_outputs(
+        p, device, packed_route_indices, block_expert_ids, packed_route_count, workspace
+    )
+    if torch.compiler.is_compiling():
+        torch.ops.cuteaot.pack_routes(topk_ids, num_experts, block_size, expert_map, packed, block_ids, count, ws,
+                                      bundle.id)
+        return packed, block_ids, count
+    _check_outputs(p, packed, block_ids, count, ws)
+    cache_key = ("moe_route_pack", topk_ids.dtype)
+    plan = bundle.plans.get(cache_key)
+    if plan is None:
+        plan = bundle.plans[cache_key] = _RoutePackPlan(bundle, IdsDType.from_torch(topk_ids.dtype))
+    plan(p, topk_ids, expert_map, packed, block_ids, count, ws)
+    return packed, block_ids, count
+
+
+@torch.library.custom_op(
+    "cuteaot::pack_routes",
+    mutates_args=("packed_route_indices", "block_expert_ids", "packed_route_count", "workspace"),
+)
+def _pack_routes_op(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size: int,
+    expert_map: Optional[torch.Tensor],
+    packed_route_indices: torch.Tensor,
+    block_expert_ids: torch.Tensor,
+    packed_route_count: torch.Tensor,
+    workspace: torch.Tensor,
+    bundle_id: str,
+) -> None:
+    pack_routes(
+        registered_bundle(bundle_id), topk_ids, num_experts, block_size, expert_map=expert_map,
+        packed_route_indices=packed_route_indices, block_expert_ids=block_expert_ids,
+        packed_route_count=packed_route_count, workspace=workspace,
+    )
+
+
+@_pack_routes_op.register_fake
+def _pack_routes_fake(topk_ids, num_experts, block_size, expert_map, packed_route_indices, block_expert_ids,
+                      packed_route_count, workspace, bundle_id) -> None:
+    p = _check_problem(topk_ids, num_experts, block_size, expert_map)
+    _check_outputs(p, packed_route_indices, block_expert_ids, packed_route_count, workspace)
