@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # One device call: install the pure-Python package, run every GPU test and the
-# launch benchmark, leave logs under $OUT.  Usage (on the GPU machine):
-#   bash benchmarks/gpu_session.sh
+# benchmarks, leave logs under $OUT.  Usage (on the GPU machine, bundles carried
+# in generated/: tiny, tiny-gemm, bench-gemm):
+#   bash benchmarks/gpu_session.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/.pth:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
+export CUTEAOT_RESULTS="$OUT/gpu_results.jsonl"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -m gpu -p no:cacheprovider -q -s --timeout=300 tests 2>&1 | tee "$OUT/gpu_tests.log"
-python3 -m benchmarks.launch_overhead --json "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/bench.log"
+python3 -m pytest -m gpu -p no:cacheprovider -q -s --timeout=300 ${1:+-k "$1"} tests 2>&1 | tee "$OUT/gpu_tests.log"
+if [ -d generated/bench-gemm ]; then
+  timeout 300 python3 -m benchmarks.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
+fi
+if [ -n "${LAUNCH_BENCH:-}" ]; then
+  python3 -m benchmarks.launch_overhead --json "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/bench.log"
+fi

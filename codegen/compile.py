@@ -19,7 +19,7 @@ from cuteaot.runtime.errors import BuildError
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import FAMILIES
 
-from .kernels import activation, topk_sum
+from .kernels import activation, route_pack, topk_sum, w4a16_gemm
 from .ptx import check_abi, parse_entry
 from .resources import read_resources
 
@@ -27,9 +27,12 @@ from .resources import read_resources
 BUILDERS = {
     "moe_activation": activation.build,
     "moe_topk_sum": topk_sum.build,
+    "moe_route_pack": route_pack.build,
+    "w4a16_moe_gemm": w4a16_gemm.build,
 }
-# Dynamic shared memory per family (bytes); these kernels use none.
-DYNAMIC_SMEM = {"moe_activation": 0, "moe_topk_sum": 0}
+# Dynamic shared memory per family (bytes) where it is a constant; a spec with a
+# `dynamic_smem_bytes` property (the GEMM) states its own.
+DYNAMIC_SMEM = {"moe_activation": 0, "moe_topk_sum": 0, "moe_route_pack": route_pack.SMEM_BYTES}
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ def compile_kernel(key: KernelKey, arch: str) -> CompiledKernel:
             "symbol": symbol,
             "params": spec.SIGNATURE.to_json(),
             "block": list(entry.reqntid),
-            "dynamic_smem_bytes": DYNAMIC_SMEM[key.family],
+            "dynamic_smem_bytes": getattr(spec, "dynamic_smem_bytes", None) or DYNAMIC_SMEM[key.family],
             "static_smem_bytes": res.static_smem_bytes,
             "registers": res.registers,
             "stack_bytes": res.stack_bytes,

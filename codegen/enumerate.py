@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cuteaot.runtime.keys import KernelKey
+from cuteaot.runtime.kernels import route_pack_specs
 
 from .spec import BundleSpec
 
@@ -33,14 +34,44 @@ def problem_kernels(spec: BundleSpec):
                 }
 
 
+def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
+    """GEMM kernels per architecture: the plans of every token count 1..max bucket on each target.
+
+    Plans depend on the device profile (SM count, shared memory), so a GEMM key
+    is compiled only for the architecture of the profiles that plan it.  Only a
+    handful of distinct plans exist per shape (route block size and tile change
+    at a few thresholds), so enumerating every M is cheap.
+    """
+    by_arch: dict[str, set[KernelKey]] = {}
+    for profile in spec.targets:
+        keys = by_arch.setdefault(profile.arch, set())
+        for problem in spec.moe:
+            if not problem.gemm:
+                continue
+            for dtype in problem.dtypes:
+                seen_plans = set()
+                for m in range(1, problem.tokens[-1] + 1):
+                    specs = problem.gemm_specs(m, dtype, profile)
+                    for s in specs.values():
+                        if s not in seen_plans:
+                            seen_plans.add(s)
+                            keys.add(s.key())
+    return by_arch
+
+
 def kernel_keys(spec: BundleSpec) -> list[KernelKey]:
+    """Architecture-independent kernels (element-wise, route packing)."""
     keys = {key for *_, roles in problem_kernels(spec) for key in roles.values()}
+    if any(p.gemm for p in spec.moe):
+        keys |= {s.key() for s in route_pack_specs()}
     return sorted(keys, key=lambda k: k.canonical)
 
 
 def jobs(spec: BundleSpec) -> list[Job]:
     archs = sorted({t.arch for t in spec.targets})
-    return sorted(Job.of(key, arch) for key in kernel_keys(spec) for arch in archs)
+    common = {Job.of(key, arch) for key in kernel_keys(spec) for arch in archs}
+    planned = {Job.of(key, arch) for arch, keys in gemm_keys(spec).items() for key in keys}
+    return sorted(common | planned)
 
 
 def resolution_table(spec: BundleSpec) -> list[dict]:
@@ -49,6 +80,9 @@ def resolution_table(spec: BundleSpec) -> list[dict]:
     for profile in spec.targets:
         for problem, dtype, fast_math, roles in problem_kernels(spec):
             for tokens in problem.tokens:
+                kernels = {role: key.digest for role, key in roles.items()}
+                if problem.gemm:
+                    kernels.update({role: s.key().digest for role, s in problem.gemm_specs(tokens, dtype, profile).items()})
                 rows.append(
                     {
                         "profile": profile.name,
@@ -56,7 +90,7 @@ def resolution_table(spec: BundleSpec) -> list[dict]:
                         "dtype": dtype.value,
                         "fast_math": fast_math,
                         "tokens": tokens,
-                        "kernels": {role: key.digest for role, key in roles.items()},
+                        "kernels": kernels,
                     }
                 )
     return rows

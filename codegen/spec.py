@@ -17,6 +17,7 @@ name the file, the line, the field and what is allowed.
         dtype: [bf16, fp16]         # one value or a list to enumerate
         fast_math: true             # one value or a list to enumerate
         tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending
+        gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import yaml
 from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
+from cuteaot.runtime.kernels.gemm import gemm_spec_for
+from cuteaot.runtime.planning import plan_gemm
 from cuteaot.runtime.types import Activation, DType
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -51,6 +54,29 @@ class MoeProblem:
     dtypes: tuple[DType, ...]
     fast_math: tuple[bool, ...]
     tokens: tuple[int, ...]
+    gemm: bool = False
+
+    @property
+    def fc1_n(self) -> int:
+        return self.intermediate_size * (2 if self.activation.is_gated else 1)
+
+    def gemm_specs(self, m: int, dtype: DType, profile: DeviceProfile) -> dict:
+        """{"fc1_gemm": GemmSpec, "fc2_gemm": GemmSpec} the runtime plans for m tokens on `profile`.
+
+        FC1: tokens x hidden -> routes x fc1_n (relu2 applied in its epilogue for relu2);
+        FC2: routes x intermediate -> routes x hidden, router weights applied.
+        """
+        fc1 = plan_gemm(m, self.fc1_n, self.hidden_size, self.top_k, self.num_experts, profile,
+                        scale_format="e4m3_k16")
+        fc2 = plan_gemm(m, self.hidden_size, self.intermediate_size, self.top_k, self.num_experts, profile,
+                        scale_format="e4m3_k16")
+        relu2 = self.activation is Activation.RELU2
+        return {
+            "fc1_gemm": gemm_spec_for(fc1, dtype, self.fc1_n, self.hidden_size, self.top_k, a_per_route=False,
+                                      mul_topk_weights=False, epilogue="relu2" if relu2 else "none"),
+            "fc2_gemm": gemm_spec_for(fc2, dtype, self.hidden_size, self.intermediate_size, self.top_k,
+                                      a_per_route=True, mul_topk_weights=True, epilogue="none"),
+        }
 
     def activation_spec(self, dtype: DType, fast_math: bool) -> ActivationSpec:
         return ActivationSpec.create(
@@ -159,7 +185,7 @@ def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
     m = r.mapping(
         node, field,
         required={"name", "hidden_size", "intermediate_size", "num_experts", "top_k", "activation", "dtype", "tokens"},
-        optional={"swiglu", "fast_math"},
+        optional={"swiglu", "fast_math", "gemm"},
     )
     activation = r.choice(m["activation"], f"{field}.activation", Activation)
     swiglu: dict[str, float] = {}
@@ -193,12 +219,18 @@ def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
         dtypes=r.one_or_list(m["dtype"], f"{field}.dtype", lambda n, f: r.choice(n, f, DType)),
         fast_math=fast_math,
         tokens=tokens,
+        gemm=r.boolean(m["gemm"], f"{field}.gemm") if "gemm" in m else False,
     )
     # The kernel families' own validity checks decide what combinations can be built.
     checks = [
         ("intermediate_size", lambda: problem.activation_spec(problem.dtypes[0], True)),
         ("hidden_size", lambda: problem.topk_sum_spec(problem.dtypes[0])),
     ]
+    if problem.gemm:
+        # every token count up to the largest bucket must have a plan (fit check, tiles)
+        from cuteaot.runtime.devices import PROFILES as _P
+
+        checks.append(("gemm", lambda: problem.gemm_specs(problem.tokens[-1], problem.dtypes[0], _P["h200"])))
     for name, check in checks:
         try:
             check()

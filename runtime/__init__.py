@@ -19,9 +19,10 @@ from .errors import (
     SpecError,
     UnknownSpecializationError,
 )
-from .kernels import moe_activation, moe_topk_sum
+from .kernels import GemmWorkspace, moe_activation, moe_topk_sum, pack_routes, w4a16_moe_gemm
 from .manifest import verify_bundle
 from .types import Activation, DType
+from .weights import PackedNvfp4, ScaleFlushWarning, W13Order, pack_nvfp4, prepare_w2, prepare_w13, unpack_nvfp4
 
 __all__ = [
     "Bundle",
@@ -29,6 +30,9 @@ __all__ = [
     "verify_bundle",
     "moe_activation",
     "moe_topk_sum",
+    "pack_routes",
+    "w4a16_moe_gemm",
+    "GemmWorkspace",
     "Activation",
     "DType",
     "DeviceProfile",
@@ -45,4 +49,11 @@ __all__ = [
     "UnknownSpecializationError",
     "BadInputError",
     "LaunchError",
+    "PackedNvfp4",
+    "ScaleFlushWarning",
+    "W13Order",
+    "pack_nvfp4",
+    "unpack_nvfp4",
+    "prepare_w13",
+    "prepare_w2",
 ]

@@ -133,6 +133,13 @@ class Bundle:
                 f"{record.file}: the driver reports {regs} registers for {record.symbol}, the manifest "
                 f"{record.registers}; the bundle does not describe its own cubin"
             )
+        if record.dynamic_smem_bytes:
+            # Kernels with dynamic shared memory (the GEMM) are planned for several CTAs per SM:
+            # prefer the largest shared-memory carveout so that many fit.
+            check_cu(
+                driver.cuFuncSetAttribute(function, attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+                f"setting the shared memory carveout of {record.symbol}",
+            )
         if record.dynamic_smem_bytes > _DEFAULT_DYNAMIC_SMEM_LIMIT:
             check_cu(
                 driver.cuFuncSetAttribute(

@@ -25,3 +25,12 @@ def tiny_bundle_dir() -> Path:
     if not (path / "manifest.json").is_file():
         pytest.fail(f"{path} is not built: run `cuteaot build specs/tiny.yaml` first")
     return path
+
+
+@pytest.fixture(scope="session")
+def gemm_bundle_dir() -> Path:
+    """The GEMM test bundle built by `cuteaot build specs/tiny-gemm.yaml` (or CUTEAOT_GEMM_BUNDLE)."""
+    path = Path(os.environ.get("CUTEAOT_GEMM_BUNDLE", ROOT / "generated" / "tiny-gemm"))
+    if not (path / "manifest.json").is_file():
+        pytest.fail(f"{path} is not built: run `cuteaot build specs/tiny-gemm.yaml` first")
+    return path

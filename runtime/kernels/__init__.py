@@ -6,7 +6,11 @@ Codegen imports these to know what to compile; the runtime uses them to launch.
 
 from .activation import ActivationSpec, moe_activation
 from .topk_sum import TopKSumSpec, moe_topk_sum
+from .route_pack import RoutePackSpec, pack_routes, route_pack_specs
+from .gemm_spec import GemmSpec
+from .gemm import GemmWorkspace, w4a16_moe_gemm
 
-FAMILIES = {ActivationSpec.FAMILY: ActivationSpec, TopKSumSpec.FAMILY: TopKSumSpec}
+FAMILIES = {ActivationSpec.FAMILY: ActivationSpec, TopKSumSpec.FAMILY: TopKSumSpec, RoutePackSpec.FAMILY: RoutePackSpec,
+            GemmSpec.FAMILY: GemmSpec}
 
-__all__ = ["ActivationSpec", "TopKSumSpec", "FAMILIES", "moe_activation", "moe_topk_sum"]
+__all__ = ["ActivationSpec", "TopKSumSpec", "FAMILIES", "moe_activation", "moe_topk_sum", "RoutePackSpec", "pack_routes", "route_pack_specs", "GemmSpec", "GemmWorkspace", "w4a16_moe_gemm"]

@@ -1,0 +1,108 @@
+"""Grouped W4A16 GEMM (FC1, FC2) of real MoE layers vs torch._grouped_mm on bf16 weights.
+
+For each model and M: our GEMM through the runtime (route packing included for
+M > 6), and torch._grouped_mm on bf16 weights of the same shapes for the same
+routing (rows pre-sorted by expert, so its number excludes the gather/scatter).
+Effective bandwidth = bytes of the weights of the experts actually hit / time;
+TFLOP/s = 2 * routes * N * K / time.  Rooflines: weight bytes / measured HBM copy
+bandwidth and FLOPs / measured bf16 tensor-core rate (a large torch.matmul).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from benchmarks.common import device_us, hbm_copy_bandwidth
+from cuteaot.runtime import GemmWorkspace, load_bundle, pack_nvfp4, w4a16_moe_gemm
+from cuteaot.runtime.planning import plan_gemm
+from tests.reference.nvfp4 import quantize_nvfp4
+
+MODELS = {  # name: (hidden, intermediate, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8),
+}
+MS = [1, 8, 64, 512, 4096]
+
+
+def tensor_core_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us = device_us(lambda: torch.mm(a, b), iters=10, reps=5)
+    return 2 * 8192**3 / (us * 1e-6)
+
+
+def random_packed(experts: int, n: int, k: int):
+    # Quantize one expert's random weights and repeat (quantizing 128 large experts on the host is slow).
+    q = quantize_nvfp4(torch.randn(1, n, k) * 0.05)
+    w, s, s2 = (t.expand(experts, *t.shape[1:]).contiguous() for t in q)
+    return pack_nvfp4(w, s, s2, "bf16").to("cuda")
+
+
+def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict:
+    hidden, inter, experts, top_k = MODELS[model]
+    n, k = (2 * inter, hidden) if which == "fc1" else (hidden, inter)
+    per_route = which == "fc2"
+    packed = random_packed(experts, n, k)
+    g = torch.Generator().manual_seed(m)
+    ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+    topk_w = torch.rand(m, top_k, device="cuda")
+    a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m * top_k, n, device="cuda", dtype=torch.bfloat16)
+    plan = plan_gemm(m, n, k, top_k, experts, bundle.profile, scale_format="e4m3_k16")
+    ws = GemmWorkspace.allocate(plan, m, top_k, experts, "cuda")
+    ours = device_us(lambda: w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route,
+                                            a_per_route=per_route, out=out, workspace=ws))
+    hit = int(torch.unique(ids).numel())
+    weight_bytes = hit * (n * k // 2 + n * k // 16 + 4)
+    flops = 2 * m * top_k * n * k
+
+    # peer: torch._grouped_mm on bf16 weights, rows sorted by expert
+    counts = torch.bincount(ids.view(-1).long(), minlength=experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = torch.randn(m * top_k, k, device="cuda", dtype=torch.bfloat16)
+    w_bf16 = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    try:
+        peer = device_us(lambda: torch._grouped_mm(rows, w_bf16, offs=offs))
+    except Exception as exc:  # noqa: BLE001 - report why the peer could not run
+        print(f"torch._grouped_mm failed for {model} {which} M={m}: {exc}", file=sys.stderr)
+        peer = float("nan")
+    peer_bytes = hit * n * k * 2
+    return {
+        "model": model, "gemm": which, "M": m, "N": n, "K": k, "experts_hit": hit,
+        "plan": f"b{plan.moe_block_size}{' direct' if plan.direct_topk_routes else ''} "
+                f"{plan.tile.tile_n}x{plan.tile.tile_k} {plan.blocks_per_sm}/SM",
+        "us": ours, "GB/s": weight_bytes / ours / 1e3, "TFLOP/s": flops / ours / 1e6,
+        "pct_hbm": 100 * weight_bytes / hbm / (ours * 1e-6),
+        "roofline_us": max(weight_bytes / hbm, flops / tc) * 1e6,
+        "torch_grouped_mm_bf16_us": peer, "torch_GB/s": peer_bytes / peer / 1e3, "torch_TFLOP/s": flops / peer / 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", default="generated/bench-gemm")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bundle = load_bundle(args.bundle)
+    hbm, tc = hbm_copy_bandwidth(), tensor_core_rate()
+    print(f"HBM copy {hbm / 1e12:.2f} TB/s, bf16 mm {tc / 1e12:.0f} TFLOP/s")
+    rows = []
+    for model in MODELS:
+        for which in ("fc1", "fc2"):
+            for m in MS:
+                r = bench(bundle, model, which, m, hbm, tc)
+                rows.append(r)
+                print(f"{model:16s} {which} M={m:5d} {r['plan']:22s} {r['us']:8.1f} us  {r['GB/s']:7.0f} GB/s "
+                      f"({r['pct_hbm']:5.1f}% HBM) {r['TFLOP/s']:6.1f} TF/s | roofline {r['roofline_us']:7.1f} us | "
+                      f"torch bf16 {r['torch_grouped_mm_bf16_us']:8.1f} us {r['torch_TFLOP/s']:6.1f} TF/s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hbm_Bps": hbm, "tc_flops": tc, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""CuTeDSL W4A16 grouped MoE GEMM (port of the seed's `W4A16GemmKernel`, packed NVFP4).
+
+One persistent launch of grid_x CTAs covers route_blocks x n_tiles output
+tiles, each tile_n wide and reduced over K in k-tiles of tile_k:
+
+* full waves: while at least grid_x whole tiles remain, CTA c takes tiles
+  c, c + grid_x, ... over the whole K;
+* tail: the remaining tiles' k-iterations are split evenly over all CTAs
+  (`iters` each), so a tile may be reduced by several CTAs ("split-K slices")
+  that merge in order through `c_tmp` and a per-tile lock slot.  If the tail
+  would leave most CTAs idle (<= 1/3 of a wave), one more full wave joins it.
+* M <= 8 (`moe_block_size == 8`): when every tile fits in the grid each CTA
+  takes one whole tile and there is no split-K at all.
+
+Files: this one holds the scheduler, the route metadata of a block and the
+per-tile driver; w4a16_mainloop.py the pipeline, w4a16_epilogue.py the
+reductions and stores.  Shapes and layouts: runtime/kernels/gemm_spec.py and
+docs/layouts.md.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
+
+from cuteaot.runtime.kernels.gemm_spec import Epilogue, GemmSpec, Routes
+from cuteaot.runtime.types import DType
+
+from .. import intrinsics as I
+from .w4a16_epilogue import EpilogueMixin
+from .w4a16_mainloop import MainloopMixin
+
+
+class _Operands:
+    """64-bit base addresses of the kernel operands (read-only inside the kernel)."""
+
+    def __init__(self, **addresses):
+        self.__dict__.update(addresses)
+
+
+class _Tile:
+    """Per-tile thread offsets computed once before the main loop."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
+    def __init__(self, spec: GemmSpec):
+        self.s = spec
+        self.is_fp16 = spec.dtype is DType.FP16
+        self.m8 = spec.moe_block_size == 8
+        self.relu2 = spec.epilogue is Epilogue.RELU2
+        self.direct = spec.routes is Routes.DIRECT
+        self.single = spec.routes is Routes.PACKED_SINGLE
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
+                 global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
+                 route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
+                 tokens: Int32, stream):
+        self.kernel(a, qweight, out, scales, global_scale, route_indices, block_experts, route_count, topk_weights,
+                    c_tmp, locks, tokens).launch(
+            grid=(1, 1, 1), block=[self.s.threads, 1, 1], smem=self.s.shared_bytes,
+            min_blocks_per_mp=self.s.blocks_per_sm, stream=stream,
+            # stated so CuTeDSL does not query a GPU; the runtime sets the carveout at load
+            preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
+               global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
+               route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
+               tokens: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16)
+        ops = _Operands(
+            a=I.gmem_address(a), qweight=I.gmem_address(qweight), out=I.gmem_address(out),
+            scales=I.gmem_address(scales), global_scale=I.gmem_address(global_scale),
+            route_indices=I.gmem_address(route_indices), block_experts=I.gmem_address(block_experts),
+            route_count=I.gmem_address(route_count), topk_weights=I.gmem_address(topk_weights),
+            c_tmp=I.gmem_address(c_tmp), locks=I.gmem_address(locks),
+        )
+        self._persistent(ops, I.shared_ptr_to_u32(smem_ptr), Int32(tidx), Int32(bidx), Int32(gdim), tokens)
+
+    # ------------------------------------------------------------------ scheduler
+
+    @cute.jit
+    def _persistent(self, ops, smem: Int32, tid: Int32, cta: Int32, grid_x: Int32, tokens: Int32):
+        s = self.s
+        n_tiles = Int32(s.n_tiles)
+        k_tiles = Int32(s.k_tiles)
+        route_blocks = tokens * Int32(s.top_k)
+        if cutlass.const_expr(not self.direct):
+            route_blocks = I.ld_global_nc_i32(ops.route_count) // Int32(s.moe_block_size)
+        global_mn_tiles = route_blocks * n_tiles
+
+        tail_mn_tiles = global_mn_tiles
+        full_grid_mn_iters = Int32(0)
+        one_tile_per_cta = Int32(0)
+        if cutlass.const_expr(self.m8):
+            if global_mn_tiles <= grid_x:
+                one_tile_per_cta = Int32(1)
+        if one_tile_per_cta != Int32(0):
+            tail_mn_tiles = Int32(0)
+            full_grid_mn_iters = Int32(1)
+        elif global_mn_tiles > grid_x:
+            tail_mn_tiles = global_mn_tiles - (global_mn_tiles // grid_x) * grid_x
+            if tail_mn_tiles * Int32(3) <= grid_x:
+                tail_mn_tiles += grid_x
+            full_grid_mn_iters = (global_mn_tiles - tail_mn_tiles) // grid_x
+
+        iters = (k_tiles * tail_mn_tiles + grid_x - Int32(1)) // grid_x
+        lock_slot = Int32(0)
+        if tail_mn_tiles >= grid_x:
+            lock_slot = cta
+        else:
+            lock_slot = (iters * cta) // k_tiles - Int32(1)
+
+        in_tail = Int32(0)
+        has_work = Int32(1)
+        work_mn_tile = cta
+        reduce_k_tile = Int32(0)
+        route_block = Int32(0)
+        n_tile = Int32(0)
+        if iters == Int32(0) and full_grid_mn_iters == Int32(0):
+            has_work = Int32(0)
+
+        while has_work != Int32(0):
+            k_count = Int32(0)
+            slice_count = Int32(1)
+            slice_idx = Int32(0)
+            if in_tail == Int32(0) and full_grid_mn_iters > Int32(0):
+                route_block = work_mn_tile // n_tiles
+                n_tile = work_mn_tile - route_block * n_tiles
+                reduce_k_tile = Int32(0)
+                k_count = k_tiles
+                full_grid_mn_iters -= Int32(1)
+            else:
+                if in_tail == Int32(0):
+                    in_tail = Int32(1)
+                    tail_base = global_mn_tiles - tail_mn_tiles
+                    start = iters * cta
+                    work_mn_tile = start // k_tiles
+                    reduce_k_tile = start - work_mn_tile * k_tiles
+                    g = work_mn_tile + tail_base
+                    route_block = g // n_tiles
+                    n_tile = g - route_block * n_tiles
+                if work_mn_tile < tail_mn_tiles and iters > Int32(0):
+                    k_count = iters * (cta + Int32(1)) - (k_tiles * work_mn_tile + reduce_k_tile)
+                    if k_count < Int32(0):
+                        k_count = Int32(0)
+                    if reduce_k_tile + k_count > k_tiles:
+                        k_count = k_tiles - reduce_k_tile
+                    if k_count > Int32(0):
+                        first_boundary = iters * ((k_tiles * work_mn_tile + iters - Int32(1)) // iters)
+                        if first_boundary <= k_tiles * (work_mn_tile + Int32(1)):
+                            boundary_offset = first_boundary - k_tiles * work_mn_tile
+                            slice_count = (k_tiles - boundary_offset + iters - Int32(1)) // iters
+                            if boundary_offset > Int32(0):
+                                slice_count += Int32(1)
+                            boundary_delta = iters * cta - first_boundary
+                            if boundary_delta < Int32(0):
+                                slice_idx = slice_count - Int32(1)
+                            else:
+                                if boundary_offset == Int32(0) and boundary_delta == Int32(0):
+                                    slice_idx = slice_count - Int32(1)
+                                else:
+                                    slice_idx = slice_count - Int32(1) - boundary_delta // iters
+                                    if boundary_offset > Int32(0):
+                                        slice_idx -= Int32(1)
+                        if tail_mn_tiles >= grid_x:
+                            if slice_count > Int32(1) and slice_idx == slice_count - Int32(1):
+                                lock_slot += Int32(1)
+                        else:
+                            lock_slot += Int32(1)
+                    else:
+                        has_work = Int32(0)
+                else:
+                    has_work = Int32(0)
+
+            if has_work != Int32(0) and k_count > Int32(0) and route_block < route_blocks:
+                expert = Int32(0)
+                if cutlass.const_expr(self.direct):
+                    expert = I.ld_global_nc_i32(ops.route_indices + Int64(route_block) * Int64(4))
+                else:
+                    expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block) * Int64(4))
+                if expert >= Int32(0):
+                    self._tile(ops, smem, tid, tokens, route_block, expert, n_tile, reduce_k_tile, k_count,
+                               slice_count, slice_idx, lock_slot)
+
+            if has_work != Int32(0):
+                if in_tail == Int32(0):
+                    work_mn_tile += grid_x
+                else:
+                    reduce_k_tile = Int32(0)
+                    work_mn_tile += Int32(1)
+                    n_tile += Int32(1)
+                    if n_tile == n_tiles:
+                        n_tile = Int32(0)
+                        route_block += Int32(1)
+
+    # ------------------------------------------------------------------ block metadata
+
+    @cute.jit
+    def _topk_pair(self, ops, route: Int32, routes: Int32) -> Uint32:
+        """The route's router weight as a dtype pair (route clamped to 0 for padding rows)."""
+        safe = route
+        if route >= routes:
+            safe = Int32(0)
+        w = I.ld_global_nc_f32(ops.topk_weights + Int64(safe) * Int64(4))
+        if cutlass.const_expr(self.is_fp16):
+            return I.f32_to_f16x2_broadcast(w)
+        return I.f32_to_bf16x2_broadcast(w)
+
+    @cute.jit
+    def _read_block(self, ops, smem: Int32, tid: Int32, route_block: Int32, tokens: Int32) -> Int32:
+        """Stage the block's route indices, source rows and router weights; return its valid row count."""
+        s = self.s
+        routes = tokens * Int32(s.top_k)
+        route_sh = smem + Int32(s.sh_route_off * 16)
+        src_sh = smem + Int32(s.sh_rd_route_off * 16)
+        topk_sh = smem + Int32(s.sh_topk_off * 16)
+        valid = Int32(1)
+        if cutlass.const_expr(self.direct or self.single):
+            if tid == Int32(0):
+                idx = route_block
+                if cutlass.const_expr(self.single):
+                    idx = I.ld_global_nc_i32(ops.route_indices + Int64(route_block * Int32(8)) * Int64(4))
+                I.st_shared_i32(route_sh, idx)
+                I.st_shared_i32(src_sh, idx // Int32(s.top_k))
+                if cutlass.const_expr(s.mul_topk_weights):
+                    I.st_shared_u32(topk_sh, self._topk_pair(ops, idx, routes))
+            cute.arch.sync_threads()
+        else:
+            if tid < Int32(s.moe_block_size // 4):
+                I.cp_async_16(
+                    route_sh + tid * Int32(16),
+                    ops.route_indices + Int64(route_block * Int32(s.moe_block_size) + tid * Int32(4)) * Int64(4),
+                )
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            if tid >= Int32(s.threads - 32):
+                lane = tid - Int32(s.threads - 32)
+                per_lane = -(-s.moe_block_size // 32)
+                count = Int32(0)
+                for i in cutlass.range_constexpr(per_lane):
+                    j = lane * Int32(per_lane) + Int32(i)
+                    if j < Int32(s.moe_block_size):
+                        if I.ld_shared_i32(route_sh + j * Int32(4)) < routes:
+                            count += Int32(1)
+                total = cute.arch.warp_redux_sync(count, "add")
+                if lane == Int32(0):
+                    I.st_shared_i32(smem + Int32(s.sh_valid_count_off * 16), total)
+            if tid < Int32(s.moe_block_size):
+                idx = I.ld_shared_i32(route_sh + tid * Int32(4))
+                I.st_shared_i32(src_sh + tid * Int32(4), idx // Int32(s.top_k))
+                if cutlass.const_expr(s.mul_topk_weights):
+                    I.st_shared_u32(topk_sh + tid * Int32(4), self._topk_pair(ops, idx, routes))
+            cute.arch.sync_threads()
+            valid = I.ld_shared_i32(smem + Int32(s.sh_valid_count_off * 16))
+            cute.arch.sync_threads()
+        return valid
+
+    # ------------------------------------------------------------------ one tile
+
+    @cute.jit
+    def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, n_tile: Int32,
+              k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+        s = self.s
+        global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
+        valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
+
+        warp = tid // Int32(32)
+        lane = tid & Int32(31)
+        a_row = tid // Int32(s.a_sh_stride)
+        lanes_per_row = 8 if self.m8 else 16
+        b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(s.b_sh_stride) * Int64(n_tile)
+                   + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2) + tid % Int32(s.b_sh_stride)))
+        t = _Tile(
+            n_tile=n_tile,
+            a_gl_rd_row=a_row,
+            a_gl_rd_col0=tid - a_row * Int32(s.a_sh_stride),
+            a_sh_wr=Int32(s.a_sh_stride) * a_row + (tid - a_row * Int32(s.a_sh_stride)),
+            b_gl_rd=b_gl_rd,
+            scales_base=Int64(s.n * s.k // 256) * Int64(expert),
+            b_sh_rd=tid + (tid // Int32(s.b_sh_stride)) * Int32(s.b_sh_stride * (s.b_sh_wr_iters - 1)),
+            s_sh_rd=Int32(8) * (warp % Int32(s.n_warps)) + lane // Int32(4),
+            a_sh_rd=(Int32(s.a_sh_stride) * (lane % Int32(lanes_per_row)) + lane // Int32(lanes_per_row)
+                     + Int32(2 * s.b_sh_wr_iters) * (warp // Int32(s.n_warps))),
+        )
+        if cutlass.const_expr(self.m8):
+            acc = cute.make_rmem_tensor((4, 4), Float32)
+        else:
+            acc = cute.make_rmem_tensor((s.m_blocks, 4, 2, 4), Float32)
+        acc.fill(0.0)
+        self._mainloop(ops, t, smem, tid, acc, k_start, k_count, valid_rows)
+        self._fold_partials(acc, smem, tid)
+        if slice_count > Int32(1):
+            self._merge_split_k(ops, acc, tid, valid_rows, lock_slot, slice_idx, slice_count)
+        if slice_idx == slice_count - Int32(1):
+            self._store_tile(ops, acc, smem, tid, n_tile, valid_rows, global_scale)
+
+
+def build(spec: GemmSpec):
+    def ptr(dtype):
+        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
+
+    elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
+    args = (
+        ptr(elem), ptr(cutlass.Int32), ptr(elem), ptr(cutlass.Uint8), ptr(cutlass.Float32), ptr(cutlass.Int32),
+        ptr(cutlass.Int32), ptr(cutlass.Int32), ptr(cutlass.Float32), ptr(cutlass.Float32), ptr(cutlass.Int32),
+        Int32(1), make_fake_stream(),
+    )
+    return W4A16GemmKernel(spec), args

@@ -1,0 +1,255 @@
+"""Main loop of the W4A16 GEMM: cp.async staging, fragment loads, dequant, MMA.
+
+Per k-tile (tile_k deep) a stage holds, in shared memory:
+  A: the CTA's 16*m_blocks gathered activation rows (row = route's source row),
+     tile_k wide, 16-byte chunks XOR-swizzled by row (`_a_swizzle`) so the
+     ldmatrix reads are bank-conflict free;
+  B: tile_k/16 rows of packed weights, tile_n/2 int4 per row, copied verbatim
+     (the packed layout is already in fragment order);
+  S: tile_k/16 rows of tile_n scale bytes.
+Four stages are in flight; a thread consumes `b_sh_wr_iters` 16-k rows of a
+stage ("kk"), loading the next row's registers while the current one runs on
+the tensor cores (register double buffering).
+
+Warps are arranged n_warps along N (64 columns each) by threads/32/n_warps
+along K; the K-direction partials are folded in the epilogue.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import Int32, Int64, Uint32
+
+from cuteaot.runtime.kernels.gemm_spec import STAGES
+
+from .. import intrinsics as I
+
+
+class MainloopMixin:
+    # ------------------------------------------------------------------ element helpers
+
+    @cute.jit
+    def _dequant_weights(self, x: Uint32):
+        if cutlass.const_expr(self.is_fp16):
+            return I.dequant_e2m1x4_f16(x)
+        return I.dequant_e2m1x4_bf16(x)
+
+    @cute.jit
+    def _dequant_scales(self, q: Uint32):
+        if cutlass.const_expr(self.is_fp16):
+            return I.dequant_s0e5m3x4_f16(q)
+        return I.dequant_s0e5m3x4_bf16(q)
+
+    @cute.jit
+    def _pair_mul(self, a: Uint32, b: Uint32) -> Uint32:
+        if cutlass.const_expr(self.is_fp16):
+            return I.f16x2_mul(a, b)
+        return I.bf16x2_mul(a, b)
+
+    @cute.jit
+    def _mma(self, d0, d1, d2, d3, a0, a1, a2, a3, b0, b1):
+        if cutlass.const_expr(self.is_fp16):
+            return I.mma_f16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1)
+        return I.mma_bf16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1)
+
+    # ------------------------------------------------------------------ addressing
+
+    @cute.jit
+    def _a_swizzle(self, i: Int32) -> Int32:
+        """int4 index within an A stage -> swizzled index (16-byte chunk XOR row % 8)."""
+        row = i // Int32(self.s.a_sh_stride)
+        return Int32(self.s.a_sh_stride) * row + ((i - row * Int32(self.s.a_sh_stride)) ^ (row & Int32(7)))
+
+    @cute.jit
+    def _sh(self, smem: Int32, int4_off: Int32) -> Int32:
+        return smem + int4_off * Int32(16)
+
+    # ------------------------------------------------------------------ staging
+
+    @cute.jit
+    def _stage_k_tile(self, ops, t, smem: Int32, tid: Int32, pipe: Int32, k_tile: Int32, valid_rows: Int32):
+        """Issue the cp.async copies of k-tile `k_tile` into stage `pipe` and commit them."""
+        s = self.s
+        for i in cutlass.range_constexpr(s.a_sh_wr_iters):
+            row = Int32(s.a_rows_per_iter * i) + t.a_gl_rd_row
+            src_row = Int32(0)
+            if row < Int32(s.moe_block_size):
+                src_row = I.ld_shared_i32(smem + Int32(s.sh_rd_route_off * 16) + row * Int32(4))
+            a_int4 = Int64(src_row) * Int64(s.k // 8) + Int64(k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0)
+            dst = self._sh(smem, Int32(s.sh_a_off) + pipe * Int32(s.a_sh_stage)
+                           + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr))
+            I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), (row < valid_rows).to(Int32))
+        for i in cutlass.range_constexpr(s.b_sh_wr_iters):
+            b_int4 = t.b_gl_rd + Int64(k_tile * Int32(s.k_blocks) + Int32(i * (s.threads // s.b_sh_stride))) * Int64(
+                s.n // 2
+            )
+            dst = self._sh(smem, Int32(s.sh_b_off) + pipe * Int32(s.b_sh_stage) + Int32(i * s.threads) + tid)
+            I.cp_async_16(dst, ops.qweight + b_int4 * Int64(16))
+        if tid < Int32(s.s_sh_stage):
+            k_group = k_tile * Int32(s.k_blocks) + tid // Int32(s.s_sh_stride)
+            n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
+            s_int4 = t.scales_base + Int64(k_group) * Int64(s.n // 16) + Int64(n_group)
+            dst = self._sh(smem, Int32(s.sh_s_off) + pipe * Int32(s.s_sh_stage) + tid)
+            I.cp_async_16(dst, ops.scales + s_int4 * Int64(16))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _prefetch_initial(self, ops, t, smem, tid, k_tiles: Int32, k_start: Int32, valid_rows: Int32):
+        for pipe in cutlass.range_constexpr(STAGES - 1):
+            if Int32(pipe) < k_tiles:
+                self._stage_k_tile(ops, t, smem, tid, Int32(pipe), k_start + Int32(pipe), valid_rows)
+            else:
+                cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(STAGES - 2)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _prefetch_lookahead(self, ops, t, smem, tid, pipe: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32,
+                            k_start: Int32, valid_rows: Int32):
+        fetch = tile_idx + Int32(STAGES - 1)
+        if fetch < k_tiles:
+            self._stage_k_tile(ops, t, smem, tid, Int32((pipe + STAGES - 1) % STAGES), k_start + fetch, valid_rows)
+        else:
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(STAGES - 2)
+        cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------ register fragments
+
+    @cute.jit
+    def _load_a_regs(self, regs: cute.Tensor, smem: Int32, a_sh_rd: Int32, pipe: Int32, kk: Int32):
+        s = self.s
+        base = Int32(s.sh_a_off) + pipe * Int32(s.a_sh_stage)
+        if cutlass.const_expr(self.m8):
+            r0, r1 = I.ldmatrix_x2(self._sh(smem, base + self._a_swizzle(Int32(2) * kk + a_sh_rd)))
+            regs[0] = r0
+            regs[1] = r1
+        else:
+            for mb in cutlass.range_constexpr(s.m_blocks):
+                r0, r1, r2, r3 = I.ldmatrix_x4(
+                    self._sh(smem, base + self._a_swizzle(Int32(2) * kk + Int32(mb * s.a_sh_stride * 16) + a_sh_rd))
+                )
+                regs[mb, 0] = r0
+                regs[mb, 1] = r1
+                regs[mb, 2] = r2
+                regs[mb, 3] = r3
+
+    @cute.jit
+    def _load_bs_regs(self, regs: cute.Tensor, smem: Int32, tid: Int32, b_sh_rd: Int32, s_sh_rd: Int32,
+                      pipe: Int32, kk: Int32):
+        """Four weight words (one per jj) and four scale pairs of 16-k row `kk` of stage `pipe`."""
+        s = self.s
+        q0, q1, q2, q3 = I.ld_shared_v4_u32(
+            self._sh(smem, Int32(s.sh_b_off) + pipe * Int32(s.b_sh_stage) + Int32(s.b_sh_stride) * kk + b_sh_rd)
+        )
+        group = Int32(s.b_sh_wr_iters) * ((tid // Int32(32)) // Int32(s.n_warps)) + kk
+        s_addr = (smem + Int32(s.sh_s_off * 16) + pipe * Int32(s.s_sh_stage * 16)
+                  + (s_sh_rd + group * Int32(2 * s.s_sh_stride)) * Int32(8))
+        p0, p1 = I.ld_shared_v2_u32(s_addr)
+        s0, s1 = self._dequant_scales(p0)
+        s2, s3 = self._dequant_scales(p1)
+        regs[0, 0] = q0
+        regs[0, 1] = q1
+        regs[0, 2] = q2
+        regs[0, 3] = q3
+        regs[1, 0] = s0
+        regs[1, 1] = s1
+        regs[1, 2] = s2
+        regs[1, 3] = s3
+
+    @cute.jit
+    def _load_next(self, bs_next, a_next, smem, tid, b_sh_rd, s_sh_rd, a_sh_rd, pipe: cutlass.Constexpr[int],
+                   kk: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32):
+        """Registers for the 16-k row after (pipe, kk): the next row, or row 0 of the next stage."""
+        if cutlass.const_expr(kk + 1 < self.s.b_sh_wr_iters):
+            if tile_idx < k_tiles:
+                self._load_bs_regs(bs_next, smem, tid, b_sh_rd, s_sh_rd, Int32(pipe), Int32(kk + 1))
+                self._load_a_regs(a_next, smem, a_sh_rd, Int32(pipe), Int32(kk + 1))
+        else:
+            if tile_idx + Int32(1) < k_tiles:
+                self._load_bs_regs(bs_next, smem, tid, b_sh_rd, s_sh_rd, Int32((pipe + 1) % STAGES), Int32(0))
+                self._load_a_regs(a_next, smem, a_sh_rd, Int32((pipe + 1) % STAGES), Int32(0))
+
+    @cute.jit
+    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, sc: Uint32):
+        """One packed word -> b0/b1 fragments of two 8-column blocks, times their scales.
+
+        frag[0, *] is column block c0 (scale lane 0), frag[1, *] block c1 = c0 + 8 (lane 1);
+        frag[x, 0] holds k = 2t, 2t+1 and frag[x, 1] k = 2t+8, 2t+9 (docs/layouts.md).
+        """
+        c0_b0, c0_b1 = self._dequant_weights(q << Uint32(8))
+        c1_b0, c1_b1 = self._dequant_weights(q)
+        s_c0 = I.pair_broadcast_lane(sc, 0)
+        s_c1 = I.pair_broadcast_lane(sc, 1)
+        frag[0, 0] = self._pair_mul(c0_b0, s_c0)
+        frag[0, 1] = self._pair_mul(c0_b1, s_c0)
+        frag[1, 0] = self._pair_mul(c1_b0, s_c1)
+        frag[1, 1] = self._pair_mul(c1_b1, s_c1)
+
+    @cute.jit
+    def _mma_row(self, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor):
+        for jj in cutlass.range_constexpr(4):
+            self._scaled_weight_fragment(frag, bs[0, jj], bs[1, jj])
+            if cutlass.const_expr(self.m8):
+                # Weights as the 16-row A operand (16 output columns), activations as B (8 tokens).
+                d0, d1, d2, d3 = self._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
+                                           frag[0, 0], frag[1, 0], frag[0, 1], frag[1, 1], a_regs[0], a_regs[1])
+                acc[jj, 0] = d0
+                acc[jj, 1] = d1
+                acc[jj, 2] = d2
+                acc[jj, 3] = d3
+            else:
+                for mb in cutlass.range_constexpr(self.s.m_blocks):
+                    for half in cutlass.range_constexpr(2):
+                        d0, d1, d2, d3 = self._mma(
+                            acc[mb, jj, half, 0], acc[mb, jj, half, 1], acc[mb, jj, half, 2], acc[mb, jj, half, 3],
+                            a_regs[mb, 0], a_regs[mb, 1], a_regs[mb, 2], a_regs[mb, 3],
+                            frag[half, 0], frag[half, 1],
+                        )
+                        acc[mb, jj, half, 0] = d0
+                        acc[mb, jj, half, 1] = d1
+                        acc[mb, jj, half, 2] = d2
+                        acc[mb, jj, half, 3] = d3
+
+    @cute.jit
+    def _copy_regs(self, dst: cute.Tensor, src: cute.Tensor):
+        for i in cutlass.range_constexpr(cute.size(dst)):
+            dst[i] = src[i]
+
+    # ------------------------------------------------------------------ the loop
+
+    @cute.jit
+    def _mainloop(self, ops, t, smem: Int32, tid: Int32, acc: cute.Tensor, k_start: Int32, k_tiles: Int32,
+                  valid_rows: Int32):
+        s = self.s
+        self._prefetch_initial(ops, t, smem, tid, k_tiles, k_start, valid_rows)
+        if cutlass.const_expr(self.m8):
+            a_cur = cute.make_rmem_tensor((2,), Uint32)
+            a_next = cute.make_rmem_tensor((2,), Uint32)
+        else:
+            a_cur = cute.make_rmem_tensor((s.m_blocks, 4), Uint32)
+            a_next = cute.make_rmem_tensor((s.m_blocks, 4), Uint32)
+        bs_cur = cute.make_rmem_tensor((2, 4), Uint32)
+        bs_next = cute.make_rmem_tensor((2, 4), Uint32)
+        frag = cute.make_rmem_tensor((2, 2), Uint32)
+        self._load_bs_regs(bs_cur, smem, tid, t.b_sh_rd, t.s_sh_rd, Int32(0), Int32(0))
+        self._load_a_regs(a_cur, smem, t.a_sh_rd, Int32(0), Int32(0))
+
+        tile_idx = Int32(0)
+        while tile_idx < k_tiles:
+            for pipe in cutlass.range_constexpr(STAGES):
+                if tile_idx < k_tiles:
+                    for kk in cutlass.range_constexpr(s.b_sh_wr_iters):
+                        self._load_next(bs_next, a_next, smem, tid, t.b_sh_rd, t.s_sh_rd, t.a_sh_rd, pipe, kk,
+                                        tile_idx, k_tiles)
+                        if cutlass.const_expr(kk == s.b_sh_wr_iters - 2):  # b_sh_wr_iters is always 2
+                            self._prefetch_lookahead(ops, t, smem, tid, pipe, tile_idx, k_tiles, k_start, valid_rows)
+                        self._mma_row(acc, a_cur, bs_cur, frag)
+                        self._copy_regs(bs_cur, bs_next)
+                        self._copy_regs(a_cur, a_next)
+                    tile_idx += Int32(1)
+            cute.arch.sync_threads()
+            if tile_idx < k_tiles:
+                self._load_bs_regs(bs_cur, smem, tid, t.b_sh_rd, t.s_sh_rd, Int32(0), Int32(0))
+                self._load_a_regs(a_cur, smem, t.a_sh_rd, Int32(0), Int32(0))

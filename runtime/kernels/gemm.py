@@ -1,0 +1,198 @@
+"""`w4a16_moe_gemm`: one grouped W4A16 GEMM over routed tokens (usable as FC1 or FC2).
+
+    a:        (M, K) token rows (FC1: each token feeds its top_k routes) or
+              (M * top_k, K) route rows (FC2: `a_per_route=True`)
+    weights:  PackedNvfp4 with N outputs, K inputs, E experts (runtime/weights.py)
+    topk_ids: (M, top_k) int32/int64 expert of each route
+    out:      (M * top_k, N), row r = route r = token * top_k + k
+              out[r] = a[src(r)] @ W[topk_ids[r]]^T  (* topk_weights[r] if mul_topk_weights)
+                       (relu(.)**2 if epilogue="relu2")
+
+The launch plan (route block size, tile, persistent grid) comes from
+runtime/planning.py for the exact M and the bundle's device profile; it names
+the kernel by key, so the bundle must have been built for this problem.  For
+M <= 6 the routes are used directly (no packing); otherwise `pack_routes`
+groups them by expert first.  The whole persistent grid must be co-resident
+(split-K slices wait on each other): checked with the occupancy API on the
+first use of each kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from cuda.bindings import driver
+
+from ..bundle import Bundle, LoadedKernel, check_cu, current_stream_handle
+from ..errors import BadInputError, LaunchError
+from ..planning import GemmPlan, plan_gemm
+from ..tensors import INT32_MAX, check_rank, check_tensor
+from ..types import DType
+from ..weights import PackedNvfp4
+from .gemm_spec import Epilogue, GemmSpec, Routes
+from .route_pack import pack_routes, route_pack_workspace_elements
+
+
+@dataclass
+class GemmWorkspace:
+    """Buffers one GEMM launch needs; allocate once (e.g. for the largest M) to capture CUDA graphs.
+
+    `locks` must be zero before the first launch; every launch leaves it zero.
+    """
+
+    c_tmp: torch.Tensor  # float32 split-K partials
+    locks: torch.Tensor  # int32 split-K turn counters
+    route_indices: torch.Tensor  # int32 packed route slots
+    block_experts: torch.Tensor  # int32 expert per packed block
+    route_count: torch.Tensor  # int32[1]
+    route_pack: torch.Tensor  # int32 scratch of the multi-CTA route packing
+
+    @classmethod
+    def allocate(cls, plan: GemmPlan, m: int, top_k: int, num_experts: int, device) -> "GemmWorkspace":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            c_tmp=torch.empty(max(plan.splitk_scratch_floats, 4), dtype=torch.float32, device=device),
+            locks=torch.zeros(max(plan.lock_slots, 1), **i32),
+            route_indices=torch.empty(max(plan.max_route_slots, 4), **i32),
+            block_experts=torch.empty(max(plan.max_route_blocks, 1), **i32),
+            route_count=torch.zeros(1, **i32),
+            route_pack=torch.empty(max(route_pack_workspace_elements(m * top_k, num_experts), 1), **i32),
+        )
+
+    def fits(self, plan: GemmPlan, m: int, top_k: int, num_experts: int) -> bool:
+        return (
+            self.c_tmp.numel() >= plan.splitk_scratch_floats
+            and self.locks.numel() >= plan.lock_slots
+            and self.route_indices.numel() >= plan.max_route_slots
+            and self.block_experts.numel() >= plan.max_route_blocks
+            and self.route_pack.numel() >= route_pack_workspace_elements(m * top_k, num_experts)
+        )
+
+
+def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
+                  mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
+                  scale_format: str = "e4m3_k16") -> GemmSpec:
+    """The kernel specialization a plan selects (shared with the bundle enumeration)."""
+    return GemmSpec(
+        dtype=dtype,
+        n=n,
+        k=k,
+        top_k=1 if a_per_route else top_k,
+        tile_n=plan.tile.tile_n,
+        tile_k=plan.tile.tile_k,
+        moe_block_size=plan.moe_block_size,
+        blocks_per_sm=plan.blocks_per_sm,
+        mul_topk_weights=mul_topk_weights,
+        routes=Routes.DIRECT if plan.direct_topk_routes else Routes.PACKED,
+        epilogue=Epilogue(epilogue),
+        layout=layout,
+        scale_format=scale_format,
+    )
+
+
+class _GemmLaunch:
+    """A resolved kernel plus its checked residency, cached per (bundle, spec)."""
+
+    def __init__(self, bundle: Bundle, spec: GemmSpec):
+        self.spec = spec
+        self.kernel: LoadedKernel = bundle.kernel(spec.key())
+        self.kernel.bind(spec.SIGNATURE)
+        resident = check_cu(
+            driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.kernel.function, self.kernel.block[0], self.kernel.record.dynamic_smem_bytes
+            ),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )
+        if resident < spec.blocks_per_sm:
+            raise LaunchError(
+                f"{spec.key().describe()}: only {resident} CTAs per SM fit on {bundle.profile.name} "
+                f"({self.kernel.record.registers} registers, {self.kernel.record.dynamic_smem_bytes} B shared), "
+                f"the plan needs {spec.blocks_per_sm}; a persistent grid that is not co-resident can deadlock "
+                "in the split-K waits. Rebuild the bundle for this device profile."
+            )
+
+
+def w4a16_moe_gemm(
+    bundle: Bundle,
+    a: torch.Tensor,
+    weights: PackedNvfp4,
+    topk_ids: torch.Tensor,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    mul_topk_weights: bool = False,
+    a_per_route: bool = False,
+    epilogue: str = "none",
+    out: torch.Tensor | None = None,
+    workspace: GemmWorkspace | None = None,
+) -> torch.Tensor:
+    """Grouped W4A16 GEMM of routed rows; returns `out` (M * top_k, N), allocated if None.
+
+    Launches on torch's current stream.  CUDA-graph capturable when `out` and a
+    `workspace` that fits (GemmWorkspace.allocate for the largest M) are given and
+    topk_ids is int32 (int64 ids are converted, which allocates).
+    """
+    check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
+    m, top_k = topk_ids.shape
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise BadInputError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not isinstance(weights, PackedNvfp4):
+        raise BadInputError(f"weights must be a PackedNvfp4 (runtime/weights.py), got {type(weights).__name__}")
+    if m * top_k > INT32_MAX // max(weights.n, 1):
+        raise BadInputError(f"M * top_k = {m * top_k} routes of {weights.n} outputs exceed 32-bit indexing")
+    device, dtype = bundle.device, weights.dtype.torch
+    rows = m * top_k if a_per_route else m
+    check_tensor(a, "a", dtype=dtype, shape=(rows, weights.k), device=device)
+    check_tensor(topk_ids, "topk_ids", dtype=topk_ids.dtype, shape=(m, top_k), device=device, align=4)
+    if weights.device != device:
+        raise BadInputError(f"weights are on {weights.device}, the bundle on {device}")
+    if mul_topk_weights:
+        if topk_weights is None:
+            raise BadInputError("mul_topk_weights=True needs topk_weights (M, top_k) float32")
+        check_tensor(topk_weights, "topk_weights", dtype=torch.float32, shape=(m, top_k), device=device, align=4)
+    if out is None:
+        out = torch.empty((m * top_k, weights.n), dtype=dtype, device=device)
+    check_tensor(out, "out", dtype=dtype, shape=(m * top_k, weights.n), device=device)
+    if m == 0:
+        return out
+
+    cache_key = ("w4a16_moe_gemm", m, top_k, weights.n, weights.k, weights.num_experts, weights.dtype,
+                 a_per_route, mul_topk_weights, epilogue)
+    entry = bundle.plans.get(cache_key)
+    if entry is None:
+        plan = plan_gemm(m, weights.n, weights.k, top_k, weights.num_experts, bundle.profile,
+                         scale_format=weights.scale_format)
+        spec = gemm_spec_for(plan, weights.dtype, weights.n, weights.k, top_k, a_per_route=a_per_route,
+                             mul_topk_weights=mul_topk_weights, epilogue=epilogue, layout=weights.layout,
+                             scale_format=weights.scale_format)
+        launch = bundle.plans.get(("w4a16_gemm_kernel", spec)) or _GemmLaunch(bundle, spec)
+        bundle.plans[("w4a16_gemm_kernel", spec)] = launch
+        entry = bundle.plans[cache_key] = (plan, launch)
+    plan, launch = entry
+
+    if workspace is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace")
+        workspace = GemmWorkspace.allocate(plan, m, top_k, weights.num_experts, device)
+    elif not workspace.fits(plan, m, top_k, weights.num_experts):
+        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.allocate for the largest M")
+
+    if plan.direct_topk_routes:
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        route_indices = block_experts = route_count = ids
+    else:
+        route_indices, block_experts, route_count = pack_routes(
+            bundle, topk_ids, weights.num_experts, plan.moe_block_size,
+            packed_route_indices=workspace.route_indices[: plan.max_route_slots],
+            block_expert_ids=workspace.block_experts[: plan.max_route_blocks],
+            packed_route_count=workspace.route_count, workspace=workspace.route_pack,
+        )
+    tokens = m * top_k if a_per_route else m
+    tw = topk_weights if mul_topk_weights else workspace.c_tmp
+    launch.kernel.launch(
+        plan.grid_x, current_stream_handle(bundle.device_index),
+        a.data_ptr(), weights.qweight.data_ptr(), out.data_ptr(), weights.scales.data_ptr(),
+        weights.global_scale.data_ptr(), route_indices.data_ptr(), block_experts.data_ptr(), route_count.data_ptr(),
+        tw.data_ptr(), workspace.c_tmp.data_ptr(), workspace.locks.data_ptr(), tokens,
+    )
+    return out

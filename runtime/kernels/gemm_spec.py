@@ -1,0 +1,257 @@
+"""Compile-time facts and shared-memory geometry of one W4A16 grouped MoE GEMM kernel.
+
+The kernel (codegen/kernels/w4a16_gemm*.py, ported from the seed's
+`W4A16GemmKernel`) computes, for every packed route block of `moe_block_size`
+rows routed to expert e,
+
+    out[route, :] = (A[route // top_k, :] @ W_e^T) * global_scale[e] (* topk_weight[route])
+
+with W_e the NVFP4 weights in the packed layout of docs/layouts.md.  A is
+(tokens, K) for FC1 (top_k > 1) or (routes, K) for FC2 (top_k = 1); out is
+(routes, N).  Everything the kernel bakes in is a field here; everything else
+(token count, grid size, buffers) is a launch argument, so one kernel serves
+every token count whose plan picks the same tile.
+
+Geometry is plain arithmetic shared by codegen (shared-memory offsets) and the
+runtime (dynamic shared-memory bytes, scratch sizes).  Units follow the seed:
+"int4" = 16 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from ..abi import Param, ParamKind, Signature
+from ..errors import BadInputError
+from ..keys import KernelKey
+from ..types import DType
+
+STAGES = 4  # cp.async pipeline depth
+PACK_FACTOR = 8  # FP4 values per 32-bit word
+MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)
+SCALE_GROUP = 16  # e4m3_k16: one block scale per 16 k
+
+
+class Routes(str, Enum):
+    """How a CTA finds the rows of its M-block."""
+
+    PACKED = "packed"  # packed_route_indices / block_expert_ids from pack_routes
+    PACKED_SINGLE = "packed_single"  # packed, at most one valid row per block (1 token: experts are distinct)
+    DIRECT = "direct"  # no packing: route r = its own 8-row block, expert = topk_ids[r] (small M)
+
+
+class Epilogue(str, Enum):
+    NONE = "none"
+    RELU2 = "relu2"  # out = relu(x)**2, for non-gated FC1
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    FAMILY = "w4a16_moe_gemm"
+    VERSION = 1
+    SIGNATURE = Signature(
+        (
+            Param("a", ParamKind.PTR, "(rows, K) dtype row-major activations, 16B aligned"),
+            Param("qweight", ParamKind.PTR, "(E, K/16, 2N) int32 packed FP4 weights (docs/layouts.md)"),
+            Param("out", ParamKind.PTR, "(routes, N) dtype row-major output, row = route index"),
+            Param("scales", ParamKind.PTR, "(E, K/16, N) uint8 S0E5M3 block scales, permuted"),
+            Param("global_scale", ParamKind.PTR, "(E,) float32, decode compensation folded in"),
+            Param("route_indices", ParamKind.PTR, "int32 packed route indices, or flat topk_ids (direct)"),
+            Param("block_experts", ParamKind.PTR, "int32 expert per packed block (-1 = empty)"),
+            Param("route_count", ParamKind.PTR, "int32[1] packed slot count"),
+            Param("topk_weights", ParamKind.PTR, "(routes,) float32 router weights (read if mul_topk_weights)"),
+            Param("c_tmp", ParamKind.PTR, "float32 split-K partials, lock_slots * 16*m_blocks * tile_n"),
+            Param("locks", ParamKind.PTR, "int32[lock_slots] split-K turn counters, zero between launches"),
+            Param("tokens", ParamKind.I32, "M, the number of token rows routed (routes = M * top_k)"),
+        )
+    )
+
+    dtype: DType
+    n: int
+    k: int
+    top_k: int
+    tile_n: int
+    tile_k: int
+    moe_block_size: int
+    blocks_per_sm: int
+    mul_topk_weights: bool = False
+    routes: Routes = Routes.PACKED
+    epilogue: Epilogue = Epilogue.NONE
+    layout: str = "packed"
+    scale_format: str = "e4m3_k16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        object.__setattr__(self, "routes", Routes(self.routes))
+        object.__setattr__(self, "epilogue", Epilogue(self.epilogue))
+        if self.layout != "packed" or self.scale_format != "e4m3_k16":
+            raise BadInputError(
+                f"only layout 'packed' with scale_format 'e4m3_k16' is implemented, got {self.layout!r}/{self.scale_format!r}"
+            )
+        for name in ("n", "k", "top_k", "tile_n", "tile_k", "moe_block_size", "blocks_per_sm"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise BadInputError(f"{name} must be a positive int, got {v!r}")
+        if self.moe_block_size not in MOE_BLOCK_SIZES:
+            raise BadInputError(f"moe_block_size must be one of {MOE_BLOCK_SIZES}, got {self.moe_block_size}")
+        if self.tile_n % 64 or self.tile_k % 64:
+            raise BadInputError(f"tile_n and tile_k must be multiples of 64, got {self.tile_n}x{self.tile_k}")
+        if self.threads not in (128, 256):
+            raise BadInputError(f"tile_n * tile_k / 64 must be 128 or 256 threads, got {self.threads}")
+        if self.n % self.tile_n or self.k % self.tile_k:
+            raise BadInputError(
+                f"N={self.n} and K={self.k} must be multiples of the tile {self.tile_n}x{self.tile_k} (no tail tiles)"
+            )
+        if self.routes is not Routes.PACKED and self.moe_block_size != 8:
+            raise BadInputError(f"routes={self.routes.value} uses 8-row blocks, got moe_block_size {self.moe_block_size}")
+        if not 1 <= self.blocks_per_sm <= 8:
+            raise BadInputError(f"blocks_per_sm must be in [1, 8], got {self.blocks_per_sm}")
+
+    # --------------------------------------------------------------- key
+
+    def key(self) -> KernelKey:
+        return KernelKey(
+            self.FAMILY,
+            self.VERSION,
+            {
+                "dtype": self.dtype.value,
+                "n": self.n,
+                "k": self.k,
+                "top_k": self.top_k,
+                "tile_n": self.tile_n,
+                "tile_k": self.tile_k,
+                "moe_block_size": self.moe_block_size,
+                "blocks_per_sm": self.blocks_per_sm,
+                "mul_topk_weights": self.mul_topk_weights,
+                "routes": self.routes.value,
+                "epilogue": self.epilogue.value,
+                "layout": self.layout,
+                "scale_format": self.scale_format,
+            },
+        )
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> "GemmSpec":
+        return cls(**facts)
+
+    # --------------------------------------------------------------- geometry
+
+    @property
+    def threads(self) -> int:
+        return self.tile_n * self.tile_k // 64
+
+    @property
+    def m_blocks(self) -> int:
+        """16-row MMA blocks per CTA tile (the 8-row path uses one, half filled)."""
+        return (self.moe_block_size + 15) // 16
+
+    @property
+    def n_blocks(self) -> int:
+        return self.tile_n // 16
+
+    @property
+    def k_blocks(self) -> int:
+        return self.tile_k // 16
+
+    @property
+    def n_tiles(self) -> int:
+        return self.n // self.tile_n
+
+    @property
+    def k_tiles(self) -> int:
+        return self.k // self.tile_k
+
+    @property
+    def n_warps(self) -> int:
+        """Warps side by side along N (64 columns each)."""
+        return self.n_blocks // 4
+
+    # A (activations): one row of a stage is tile_k elements = k_blocks * 2 int4.
+    @property
+    def a_sh_stride(self) -> int:
+        return 2 * self.k_blocks
+
+    @property
+    def a_sh_stage(self) -> int:
+        return self.a_sh_stride * 16 * self.m_blocks
+
+    @property
+    def a_rows_per_iter(self) -> int:
+        return self.threads // self.a_sh_stride
+
+    @property
+    def a_sh_wr_delta(self) -> int:
+        return self.a_sh_stride * self.a_rows_per_iter
+
+    @property
+    def a_sh_wr_iters(self) -> int:
+        return -(-self.a_sh_stage // self.a_sh_wr_delta)
+
+    # B (weights): a 16-k row of the tile is tile_n * 16 / 8 words = tile_n / 2 int4.
+    @property
+    def b_sh_stride(self) -> int:
+        return self.tile_n // 2
+
+    @property
+    def b_sh_stage(self) -> int:
+        return self.b_sh_stride * self.k_blocks
+
+    @property
+    def b_sh_wr_iters(self) -> int:
+        """16-k rows each thread consumes per stage (= cp.async B copies per thread per stage)."""
+        return self.b_sh_stage // self.threads
+
+    # Scales: one byte per column per 16-k row: tile_n / 16 int4 per row.
+    @property
+    def s_sh_stride(self) -> int:
+        return self.tile_n // 16
+
+    @property
+    def s_sh_stage(self) -> int:
+        return self.k_blocks * self.s_sh_stride
+
+    # Shared-memory map (int4 offsets).  Route metadata first, then one region
+    # reused by the B pipeline and the epilogue reduction, then scales, then A.
+    @property
+    def sh_route_off(self) -> int:
+        return 0
+
+    @property
+    def sh_rd_route_off(self) -> int:
+        return self.moe_block_size // 4
+
+    @property
+    def sh_topk_off(self) -> int:
+        return self.moe_block_size // 2
+
+    @property
+    def sh_valid_count_off(self) -> int:
+        return self.moe_block_size // 2 + self.moe_block_size // 2
+
+    @property
+    def sh_b_off(self) -> int:
+        return self.sh_valid_count_off + 1
+
+    @property
+    def sh_red_off(self) -> int:
+        return self.sh_b_off
+
+    @property
+    def sh_s_off(self) -> int:
+        red = (2 * self.n_blocks + 1) * 16 * self.m_blocks
+        b = STAGES * self.b_sh_stage
+        return self.sh_b_off + max(red, b)
+
+    @property
+    def sh_a_off(self) -> int:
+        return self.sh_s_off + STAGES * self.s_sh_stage
+
+    @property
+    def shared_bytes(self) -> int:
+        return 16 * (self.sh_a_off + STAGES * self.a_sh_stage)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Shared memory requested at launch (the manifest records it; all of it is dynamic)."""
+        return self.shared_bytes
