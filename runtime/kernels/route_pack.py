@@ -64,7 +64,10 @@ MAX_EXPERTS = 512  # per-warp counts live in shared memory: WARPS x MAX_EXPERTS 
 # Shared memory of every route-pack kernel (one storage layout for all stages):
 # per-warp counts, expert ends, expert fill marks, per-warp scan sums.
 SMEM_BYTES = 4 * (WARPS * MAX_EXPERTS + 2 * MAX_EXPERTS + WARPS)
-SINGLE_CTA_MAX_ROUTES = 4096  # above this, the three-pass multi-CTA path
+# Above this many routes, the three-pass multi-CTA path.  The single stage holds all its
+# routes in registers (8 per thread); on the H200 it packs 4096 routes in ~9 us where
+# the three launches take ~10 us, and it is ~3.4 us for decode (8 routes).
+SINGLE_CTA_MAX_ROUTES = 4096
 MULTI_MIN_CHUNK = 2048  # routes per CTA on the multi-CTA path, at least ...
 MULTI_MAX_CHUNKS = 64  # ... and at most this many CTAs (the scan walks chunks serially)
 
