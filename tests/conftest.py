@@ -18,19 +18,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _built_bundle(env: str, name: str) -> Path:
+    path = Path(os.environ.get(env, ROOT / "generated" / name))
+    if not (path / "manifest.json").is_file():
+        pytest.fail(f"{path} is not built: run `cuteaot build specs/{name}.yaml` first")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle_dir() -> Path:
     """The tiny bundle built by `make kernels SPEC=specs/tiny.yaml` (or CUTEAOT_TEST_BUNDLE)."""
-    path = Path(os.environ.get("CUTEAOT_TEST_BUNDLE", ROOT / "generated" / "tiny"))
-    if not (path / "manifest.json").is_file():
-        pytest.fail(f"{path} is not built: run `cuteaot build specs/tiny.yaml` first")
-    return path
+    return _built_bundle("CUTEAOT_TEST_BUNDLE", "tiny")
 
 
 @pytest.fixture(scope="session")
 def gemm_bundle_dir() -> Path:
     """The GEMM test bundle built by `cuteaot build specs/tiny-gemm.yaml` (or CUTEAOT_GEMM_BUNDLE)."""
-    path = Path(os.environ.get("CUTEAOT_GEMM_BUNDLE", ROOT / "generated" / "tiny-gemm"))
-    if not (path / "manifest.json").is_file():
-        pytest.fail(f"{path} is not built: run `cuteaot build specs/tiny-gemm.yaml` first")
-    return path
+    return _built_bundle("CUTEAOT_GEMM_BUNDLE", "tiny-gemm")

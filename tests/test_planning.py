@@ -382,3 +382,14 @@ def test_plan_input_errors():
     with pytest.raises(BadInputError, match="scale_format must be one of"):
         plan_gemm(4, 1536, 2048, 8, 128, H200, scale_format="e2m1")
     assert plan_gemm(4, 1536, 2048, 8, 128, H200, scale_format="e4m3_k16").tile == TileConfig(128, 128)
+
+
+def test_fit_check_footprint_covers_the_kernels_shared_memory():
+    """The planner's (seed) footprint must not under-estimate what the kernel really allocates."""
+    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+
+    for block in (8, 16, 32, 48, 64):
+        for tile in SMALL_BATCH_TILE_CONFIGS + LARGE_BATCH_TILE_CONFIGS:
+            spec = GemmSpec(dtype="bf16", n=4096, k=4096, top_k=8, tile_n=tile.tile_n, tile_k=tile.tile_k,
+                            moe_block_size=block, blocks_per_sm=1)
+            assert shared_memory_footprint(block, tile, ScaleFormat.E4M3_K16) >= spec.shared_bytes, (block, tile)

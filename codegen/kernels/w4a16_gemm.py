@@ -54,7 +54,6 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         self.m8 = spec.moe_block_size == 8
         self.relu2 = spec.epilogue is Epilogue.RELU2
         self.direct = spec.routes is Routes.DIRECT
-        self.single = spec.routes is Routes.PACKED_SINGLE
 
     @cute.jit
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
@@ -226,11 +225,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         src_sh = smem + Int32(s.sh_rd_route_off * 16)
         topk_sh = smem + Int32(s.sh_topk_off * 16)
         valid = Int32(1)
-        if cutlass.const_expr(self.direct or self.single):
+        if cutlass.const_expr(self.direct):
             if tid == Int32(0):
                 idx = route_block
-                if cutlass.const_expr(self.single):
-                    idx = I.ld_global_nc_i32(ops.route_indices + Int64(route_block * Int32(8)) * Int64(4))
                 I.st_shared_i32(route_sh, idx)
                 I.st_shared_i32(src_sh, idx // Int32(s.top_k))
                 if cutlass.const_expr(s.mul_topk_weights):

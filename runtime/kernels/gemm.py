@@ -49,15 +49,20 @@ class GemmWorkspace:
     route_pack: torch.Tensor  # int32 scratch of the multi-CTA route packing
 
     @classmethod
-    def allocate(cls, plan: GemmPlan, m: int, top_k: int, num_experts: int, device) -> "GemmWorkspace":
+    def allocate(cls, plan: GemmPlan, m: int, top_k: int, num_experts: int, device,
+                 at_least: "GemmWorkspace | None" = None) -> "GemmWorkspace":
+        """Buffers for `plan` at M = m, each at least as large as in `at_least` (when growing one)."""
+        def size(wanted: int, name: str) -> int:
+            return max(wanted, 4, at_least and getattr(at_least, name).numel() or 0)
+
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
-            c_tmp=torch.empty(max(plan.splitk_scratch_floats, 4), dtype=torch.float32, device=device),
-            locks=torch.zeros(max(plan.lock_slots, 1), **i32),
-            route_indices=torch.empty(max(plan.max_route_slots, 4), **i32),
-            block_experts=torch.empty(max(plan.max_route_blocks, 1), **i32),
+            c_tmp=torch.empty(size(plan.splitk_scratch_floats, "c_tmp"), dtype=torch.float32, device=device),
+            locks=torch.zeros(size(plan.lock_slots, "locks"), **i32),
+            route_indices=torch.empty(size(plan.max_route_slots, "route_indices"), **i32),
+            block_experts=torch.empty(size(plan.max_route_blocks, "block_experts"), **i32),
             route_count=torch.zeros(1, **i32),
-            route_pack=torch.empty(max(route_pack_workspace_elements(m * top_k, num_experts), 1), **i32),
+            route_pack=torch.empty(size(route_pack_workspace_elements(m * top_k, num_experts), "route_pack"), **i32),
         )
 
     def fits(self, plan: GemmPlan, m: int, top_k: int, num_experts: int) -> bool:
@@ -170,10 +175,18 @@ def w4a16_moe_gemm(
         entry = bundle.plans[cache_key] = (plan, launch)
     plan, launch = entry
 
+    stream = current_stream_handle(bundle.device_index)
     if workspace is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace")
-        workspace = GemmWorkspace.allocate(plan, m, top_k, weights.num_experts, device)
+        # One workspace per stream, grown on demand: launches on a stream are ordered, so they
+        # can share it, and the locks stay zero between launches.
+        ws_key = ("w4a16_gemm_workspace", stream)
+        workspace = bundle.plans.get(ws_key)
+        if workspace is None or not workspace.fits(plan, m, top_k, weights.num_experts):
+            if torch.cuda.is_current_stream_capturing():
+                raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace")
+            workspace = bundle.plans[ws_key] = GemmWorkspace.allocate(
+                plan, m, top_k, weights.num_experts, device, at_least=workspace
+            )
     elif not workspace.fits(plan, m, top_k, weights.num_experts):
         raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.allocate for the largest M")
 
@@ -190,7 +203,7 @@ def w4a16_moe_gemm(
     tokens = m * top_k if a_per_route else m
     tw = topk_weights if mul_topk_weights else workspace.c_tmp
     launch.kernel.launch(
-        plan.grid_x, current_stream_handle(bundle.device_index),
+        plan.grid_x, stream,
         a.data_ptr(), weights.qweight.data_ptr(), out.data_ptr(), weights.scales.data_ptr(),
         weights.global_scale.data_ptr(), route_indices.data_ptr(), block_experts.data_ptr(), route_count.data_ptr(),
         tw.data_ptr(), workspace.c_tmp.data_ptr(), workspace.locks.data_ptr(), tokens,

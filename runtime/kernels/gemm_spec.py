@@ -25,6 +25,7 @@ from enum import Enum
 from ..abi import Param, ParamKind, Signature
 from ..errors import BadInputError
 from ..keys import KernelKey
+from ..planning import TileConfig, cta_m_blocks
 from ..types import DType
 
 STAGES = 4  # cp.async pipeline depth
@@ -37,7 +38,6 @@ class Routes(str, Enum):
     """How a CTA finds the rows of its M-block."""
 
     PACKED = "packed"  # packed_route_indices / block_expert_ids from pack_routes
-    PACKED_SINGLE = "packed_single"  # packed, at most one valid row per block (1 token: experts are distinct)
     DIRECT = "direct"  # no packing: route r = its own 8-row block, expert = topk_ids[r] (small M)
 
 
@@ -97,8 +97,7 @@ class GemmSpec:
             raise BadInputError(f"moe_block_size must be one of {MOE_BLOCK_SIZES}, got {self.moe_block_size}")
         if self.tile_n % 64 or self.tile_k % 64:
             raise BadInputError(f"tile_n and tile_k must be multiples of 64, got {self.tile_n}x{self.tile_k}")
-        if self.threads not in (128, 256):
-            raise BadInputError(f"tile_n * tile_k / 64 must be 128 or 256 threads, got {self.threads}")
+        TileConfig(self.tile_k, self.tile_n)  # validates the thread count (128 or 256)
         if self.n % self.tile_n or self.k % self.tile_k:
             raise BadInputError(
                 f"N={self.n} and K={self.k} must be multiples of the tile {self.tile_n}x{self.tile_k} (no tail tiles)"
@@ -138,21 +137,25 @@ class GemmSpec:
     # --------------------------------------------------------------- geometry
 
     @property
+    def tile(self) -> TileConfig:
+        return TileConfig(self.tile_k, self.tile_n)
+
+    @property
     def threads(self) -> int:
-        return self.tile_n * self.tile_k // 64
+        return self.tile.threads
 
     @property
     def m_blocks(self) -> int:
         """16-row MMA blocks per CTA tile (the 8-row path uses one, half filled)."""
-        return (self.moe_block_size + 15) // 16
+        return cta_m_blocks(self.moe_block_size)
 
     @property
     def n_blocks(self) -> int:
-        return self.tile_n // 16
+        return self.tile.n_blocks
 
     @property
     def k_blocks(self) -> int:
-        return self.tile_k // 16
+        return self.tile.k_blocks
 
     @property
     def n_tiles(self) -> int:
