@@ -128,12 +128,16 @@ class _Progress:
         self.stream.flush()
 
 
-def _compile_all(todo: list[Job], workers: int, progress: bool) -> dict[Job, tuple[dict, bytes]]:
+def _compile_all(todo: list[Job], workers: int, progress: bool, on_done=None) -> dict[Job, tuple[dict, bytes]]:
+    """Compile `todo`; `on_done(job, result)` runs as each finishes (the build caches it there, so
+    an interrupted or failed build keeps everything that did compile)."""
     results: dict[Job, tuple[dict, bytes]] = {}
     bar = _Progress(len(todo)) if progress and todo else None
 
     def done(job: Job, result: tuple[dict, bytes]) -> None:
         results[job] = result
+        if on_done:
+            on_done(job, result)
         if bar:
             bar.step(f"{job.arch} {job.key.family} {result[0]['compile_seconds']:.2f}s")
 
@@ -223,12 +227,15 @@ def build(
     cache = out_root / ".cache"
     ids = {job: _cache_id(job, fingerprint, tools) for job in selected}
     todo = [j for j in selected if not (cache / j.arch / f"{ids[j]}.json").is_file()]
-    compiled = _compile_all(todo, workers or os.cpu_count() or 1, progress)
     report = BuildReport(out_root / name)
-    for job, (record, cubin) in compiled.items():
-        _atomic_write(cache / job.arch / f"{ids[job]}.cubin", cubin)
+
+    def cache_one(job: Job, result: tuple[dict, bytes]) -> None:
+        record, cubin = result
+        _atomic_write(cache / job.arch / f"{ids[job]}.cubin", cubin)  # cubin first: the json marks it complete
         _atomic_write(cache / job.arch / f"{ids[job]}.json", json.dumps(record, sort_keys=True).encode())
         report.built.append((f"{job.arch} {job.key.family} {job.key.digest[:12]}", record["compile_seconds"]))
+
+    _compile_all(todo, workers or os.cpu_count() or 1, progress, on_done=cache_one)
     report.reused = len(selected) - len(todo)
     records, cubins = [], {}
     for job in selected:

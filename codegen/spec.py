@@ -33,8 +33,7 @@ import yaml
 from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
-from cuteaot.runtime.kernels.gemm import gemm_spec_for
-from cuteaot.runtime.planning import plan_gemm
+from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
 from cuteaot.runtime.types import Activation, DType
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -66,10 +65,8 @@ class MoeProblem:
         FC1: tokens x hidden -> routes x fc1_n (relu2 applied in its epilogue for relu2);
         FC2: routes x intermediate -> routes x hidden, router weights applied.
         """
-        fc1 = plan_gemm(m, self.fc1_n, self.hidden_size, self.top_k, self.num_experts, profile,
-                        scale_format="e4m3_k16")
-        fc2 = plan_gemm(m, self.hidden_size, self.intermediate_size, self.top_k, self.num_experts, profile,
-                        scale_format="e4m3_k16")
+        fc1 = plan_for(m, self.fc1_n, self.hidden_size, self.top_k, self.num_experts, profile)
+        fc2 = plan_for(m, self.hidden_size, self.intermediate_size, self.top_k, self.num_experts, profile)
         relu2 = self.activation is Activation.RELU2
         return {
             "fc1_gemm": gemm_spec_for(fc1, dtype, self.fc1_n, self.hidden_size, self.top_k, a_per_route=False,
