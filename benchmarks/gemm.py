@@ -18,12 +18,13 @@ import torch
 
 from benchmarks.common import device_us, hbm_copy_bandwidth
 from cuteaot.runtime import GemmWorkspace, load_bundle, pack_nvfp4, w4a16_moe_gemm
-from cuteaot.runtime.planning import plan_gemm
+from cuteaot.runtime.kernels.gemm import plan_for
 from tests.reference.nvfp4 import quantize_nvfp4
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "qwen3-235b-a22b": (4096, 1536, 128, 8),
+    "gpt-oss-120b": (2880, 2880, 128, 4),  # NVFP4 weights (MXFP4 is a later layout), zero-padded storage
 }
 MS = [1, 8, 64, 512, 4096]
 
@@ -52,7 +53,7 @@ def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict
     topk_w = torch.rand(m, top_k, device="cuda")
     a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m * top_k, n, device="cuda", dtype=torch.bfloat16)
-    plan = plan_gemm(m, n, k, top_k, experts, bundle.profile, scale_format="e4m3_k16")
+    plan = plan_for(m, n, k, top_k, experts, bundle.profile)
     ws = GemmWorkspace.allocate(plan, m, top_k, experts, "cuda")
     ours = device_us(lambda: w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route,
                                             a_per_route=per_route, out=out, workspace=ws))

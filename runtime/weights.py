@@ -43,7 +43,16 @@ WORDS_PER_SLAB = LANES * WORDS_PER_LANE  # 128 = 64 columns * 16 k / 8 nibbles
 FP4_PER_WORD = 8
 FP4_BITS = 4
 FP4_MASK = 0xF
-GEMM_K_MULTIPLE = 64  # the GEMM streams K in tiles of 64 (4 k-groups); it has no k tail path
+# Stored dimensions are padded with zero weights to multiples of these, so every problem has a
+# GEMM tile (64- and 128-wide tiles divide them); the GEMM reads the logical N x K only.
+STORED_N_MULTIPLE = 128
+STORED_K_MULTIPLE = 128
+VECTOR_ELEMENTS = 8  # activations and outputs move in 16-byte vectors: logical N and K are multiples
+
+
+def stored_dims(n: int, k: int) -> tuple[int, int]:
+    """(N, K) as stored in the packed layout: the logical sizes rounded up to the padding multiples."""
+    return -(-n // STORED_N_MULTIPLE) * STORED_N_MULTIPLE, -(-k // STORED_K_MULTIPLE) * STORED_K_MULTIPLE
 
 # Nibble i of a packed word holds (k = 2t + dk, column c0 + 8 * half) for NIBBLE_SOURCES[i] = (dk, half).
 # The device decodes nibble pairs (3, 7), (2, 6) from the word and (1, 5), (0, 4) from word << 8
@@ -94,17 +103,25 @@ class PackedNvfp4:
     layout: ClassVar[str] = "packed"
     scale_format: ClassVar[str] = "e4m3_k16"
 
-    qweight: torch.Tensor  # (E, K/16, 2N) i32
-    scales: torch.Tensor  # (E, K/16, N) u8, S0E5M3
+    qweight: torch.Tensor  # (E, Ks/16, 2Ns) i32, (Ns, Ks) = stored_dims(n, k)
+    scales: torch.Tensor  # (E, Ks/16, Ns) u8, S0E5M3
     global_scale: torch.Tensor  # (E,) f32, compensation included
     num_experts: int
-    n: int
-    k: int
+    n: int  # logical output features
+    k: int  # logical input features
     dtype: DType
     flushed_scales: int = 0
 
+    @property
+    def n_stored(self) -> int:
+        return stored_dims(self.n, self.k)[0]
+
+    @property
+    def k_stored(self) -> int:
+        return stored_dims(self.n, self.k)[1]
+
     def __post_init__(self):
-        e, kg, n = self.num_experts, self.k // SCALE_GROUP_K, self.n
+        e, kg, n = self.num_experts, self.k_stored // SCALE_GROUP_K, self.n_stored
         expected = {
             "qweight": (self.qweight, torch.int32, (e, kg, 2 * n)),
             "scales": (self.scales, torch.uint8, (e, kg, n)),
@@ -119,9 +136,9 @@ class PackedNvfp4:
                 )
         if not isinstance(self.dtype, DType):
             raise BadInputError(f"PackedNvfp4.dtype must be a DType, got {self.dtype!r}")
-        if n % SLAB_N or self.k % GEMM_K_MULTIPLE:
+        if self.n % VECTOR_ELEMENTS or self.k % SCALE_GROUP_K:
             raise BadInputError(
-                f"PackedNvfp4 needs N % {SLAB_N} == 0 and K % {GEMM_K_MULTIPLE} == 0, got N={n}, K={self.k}"
+                f"PackedNvfp4 needs N % {VECTOR_ELEMENTS} == 0 and K % {SCALE_GROUP_K} == 0, got N={self.n}, K={self.k}"
             )
         devices = {self.qweight.device, self.scales.device, self.global_scale.device}
         if len(devices) != 1:
@@ -163,9 +180,10 @@ def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch
     """
     if not isinstance(packed, PackedNvfp4):
         raise BadInputError(f"packed must be a PackedNvfp4, got {type(packed).__name__}")
-    codes = _unpack_codes(packed.qweight, packed.n, packed.k)
-    weight = _codes_to_bytes(codes)
-    weight_scale = _decode_scale_bytes(_unorder_scale_bytes(packed.scales))
+    n, k = packed.n, packed.k
+    codes = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored)
+    weight = _codes_to_bytes(codes)[:, :n, : k // 2].contiguous()
+    weight_scale = _decode_scale_bytes(_unorder_scale_bytes(packed.scales))[:, :n, : k // SCALE_GROUP_K].contiguous()
     weight_scale_2 = packed.global_scale / GLOBAL_SCALE_COMPENSATION[packed.dtype]
     return weight, weight_scale, weight_scale_2
 
@@ -191,12 +209,8 @@ def prepare_w13(
     except ValueError:
         raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
     elem = _check_dtype(dtype)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] % SLAB_N:
-        raise BadInputError(
-            f"w13_weight has {weight.shape[1]} rows = 2 * I with I = {weight.shape[1] / 2:g}; I must be "
-            f"a multiple of {SLAB_N // 2} so that [gate | up] fills whole {SLAB_N}-column slabs of the "
-            "packed layout (pad the intermediate size)"
-        )
+    if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] % 2:
+        raise BadInputError(f"w13_weight has {weight.shape[1]} rows; [gate | up] needs an even count (2 * I)")
     num_experts, rows, k = _check_modelopt(weight, weight_scale, "w13_")
     half = rows // 2
     if row_order is W13Order.UP_GATE:
@@ -264,15 +278,10 @@ def _check_modelopt(weight: object, weight_scale: object, prefix: str) -> tuple[
             f"K = 2 * {w_name}.shape[2] = {k} must be a multiple of {SCALE_GROUP_K} "
             "(one e4m3 block scale and one packed row per 16 k)"
         )
-    if k % GEMM_K_MULTIPLE:
+    if n % VECTOR_ELEMENTS:
         raise BadInputError(
-            f"K = 2 * {w_name}.shape[2] = {k} must be a multiple of {GEMM_K_MULTIPLE}: the GEMM "
-            f"streams K in {GEMM_K_MULTIPLE}-element tiles and has no partial-tile path (pad K with zeros)"
-        )
-    if n % SLAB_N:
-        raise BadInputError(
-            f"N = {w_name}.shape[1] = {n} must be a multiple of {SLAB_N}: the packed layout stores "
-            f"{SLAB_N}-column slabs, one per warp-wide 16-byte load (pad the output features)"
+            f"N = {w_name}.shape[1] = {n} must be a multiple of {VECTOR_ELEMENTS}: the GEMM stores "
+            f"outputs in 16-byte vectors of {VECTOR_ELEMENTS} elements"
         )
     expected = (num_experts, n, k // SCALE_GROUP_K)
     if tuple(weight_scale.shape) != expected:
@@ -365,6 +374,12 @@ def _pack(
             f"compensation) overflows float32; {dtype.value} needs weight_scale_2 < {limit:g}, got max "
             f"{float(weight_scale_2.max()):g}"
         )
+    n_stored, k_stored = stored_dims(n, k)
+    if (n_stored, k_stored) != (n, k):  # zero weights and zero scales: contribute exactly 0
+        weight = torch.nn.functional.pad(weight, (0, (k_stored - k) // 2, 0, n_stored - n))
+        weight_scale = torch.nn.functional.pad(
+            weight_scale.view(torch.uint8), (0, (k_stored - k) // SCALE_GROUP_K, 0, n_stored - n)
+        ).view(torch.float8_e4m3fn)
     scale_bytes, flushed = _encode_scale_bytes(weight_scale, dtype)
     return PackedNvfp4(
         qweight=_pack_codes(_bytes_to_codes(weight)),

@@ -9,6 +9,7 @@ import torch
 
 from cuteaot.runtime import BadInputError, DType
 from cuteaot.runtime.weights import (
+    stored_dims,
     PackedNvfp4,
     ScaleFlushWarning,
     pack_nvfp4,
@@ -52,15 +53,25 @@ def _assert_same_packed(a: PackedNvfp4, b: PackedNvfp4):
     assert (a.n, a.k, a.num_experts, a.dtype) == (b.n, b.k, b.num_experts, b.dtype)
 
 
+
+def _decode(packed, dtype):
+    """The device-decode emulation of the stored (padded) matrix, cropped to the logical N x K;
+    the padding must decode to exact zeros."""
+    full = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, dtype)
+    assert not full[:, packed.n :].any() and not full[:, :, packed.k :].any(), "padding must be zero"
+    return full[:, : packed.n, : packed.k]
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("experts,n,k", [(1, 64, 64), (3, 128, 192), (2, 320, 128)])
+@pytest.mark.parametrize("experts,n,k", [(1, 64, 64), (3, 128, 192), (2, 320, 128), (2, 40, 48)])
 def test_pack_unpack_round_trip_is_bit_exact(dtype, experts, n, k):
     # bf16 keeps only scales >= 2**-6 (e4m3 exponent field >= 1, byte >= 0x08); fp16 keeps all.
     min_byte = 0x08 if dtype == "bf16" else 0x00
     weight, scale, scale_2 = _random_modelopt(experts, n, k, min_scale_byte=min_byte, seed=n + k)
     packed = pack_nvfp4(weight, scale, scale_2, dtype)
-    assert packed.qweight.shape == (experts, k // 16, 2 * n) and packed.qweight.dtype == torch.int32
-    assert packed.scales.shape == (experts, k // 16, n) and packed.scales.dtype == torch.uint8
+    n_stored, k_stored = stored_dims(n, k)  # zero-padded to multiples of 128
+    assert packed.qweight.shape == (experts, k_stored // 16, 2 * n_stored) and packed.qweight.dtype == torch.int32
+    assert packed.scales.shape == (experts, k_stored // 16, n_stored) and packed.scales.dtype == torch.uint8
+    assert (packed.n, packed.k) == (n, k)
     assert packed.flushed_scales == 0 and packed.dtype is DType(dtype)
     assert (packed.layout, packed.scale_format) == ("packed", "e4m3_k16")
     w_back, s_back, s2_back = unpack_nvfp4(packed)
@@ -75,7 +86,7 @@ def test_device_decode_emulation_matches_modelopt_exactly(dtype, experts, n, k):
     weight, scale, scale_2 = quantize_nvfp4(_realistic_weights(experts, n, k, seed=k))
     packed = pack_nvfp4(weight, scale, scale_2.view(-1, 1), dtype)  # (E, 1) is accepted too
     assert packed.flushed_scales == 0
-    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, dtype)
+    decoded = _decode(packed, dtype)
     reference = dequantize_modelopt(weight, scale, scale_2)
     assert reference.abs().amax() > 0 and (reference != 0).float().mean() > 0.5
     # Every product in the decode is exact (see docs/layouts.md), so float32 results are identical.
@@ -87,7 +98,7 @@ def test_emulation_uses_arbitrary_nibbles_and_scales():
     for dtype, min_byte in (("bf16", 0x08), ("fp16", 0x00)):
         weight, scale, scale_2 = _random_modelopt(2, 128, 64, min_scale_byte=min_byte, seed=7)
         packed = pack_nvfp4(weight, scale, scale_2, dtype)
-        decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, dtype)
+        decoded = _decode(packed, dtype)
         assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2)), dtype
 
 
@@ -117,7 +128,7 @@ def test_bf16_flushes_scales_below_2_pow_minus_6_with_a_warning():
     _, s_back, _ = unpack_nvfp4(packed)
     expected = scale.float().masked_fill(scale.float() < 2.0**-6, 0.0)
     assert torch.equal(s_back.float(), expected)
-    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "bf16")
+    decoded = _decode(packed, "bf16")
     assert torch.equal(decoded, dequantize_modelopt(weight, s_back, scale_2))
     assert torch.equal(decoded[0, 0, 16:32], torch.zeros(16))
 
@@ -129,7 +140,7 @@ def test_fp16_keeps_small_scales_exactly():
         packed = pack_nvfp4(weight, scale, scale_2, "fp16")
     assert packed.flushed_scales == 0
     assert torch.equal(unpack_nvfp4(packed)[1].view(torch.uint8), scale.view(torch.uint8))
-    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "fp16")
+    decoded = _decode(packed, "fp16")
     assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
 
 
@@ -147,7 +158,7 @@ def test_w13_shared_global_scale_is_exact_in_both_orders():
     weight, scale, scale_2 = quantize_nvfp4(torch.cat((gate, up), dim=1))  # one scale_2 per expert
     packed = prepare_w13(weight, scale, scale_2, "bf16")
     assert (packed.n, packed.k) == (192, 128)
-    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "bf16")
+    decoded = _decode(packed, "bf16")
     assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
 
     inter = gate.shape[1]
@@ -172,7 +183,7 @@ def test_w13_different_gate_up_scales_fold_into_block_scales(order):
 
     packed = prepare_w13(weight, scale, pair, "fp16", order=order)
     assert torch.equal(packed.global_scale, us2 * COMPENSATION["fp16"])
-    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "fp16")
+    decoded = _decode(packed, "fp16")
     inter = gate.shape[1]
     assert torch.equal(decoded[:, inter:], reference[:, inter:])  # the half that owns the global scale
     # The gate half's block scales were re-rounded to e4m3: at most half a step (2**-4 relative)
@@ -187,7 +198,7 @@ def test_w2_packs_down_projection():
     weight, scale, scale_2 = quantize_nvfp4(_realistic_weights(2, 128, 64, seed=5))  # (E, H, I)
     packed = prepare_w2(weight, scale, scale_2, DType.FP16)
     assert (packed.n, packed.k, packed.num_experts) == (128, 64, 2)
-    decoded = decode_packed_like_device(packed.qweight, packed.scales, packed.global_scale, "fp16")
+    decoded = _decode(packed, "fp16")
     assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
     moved = packed.to("cpu")
     _assert_same_packed(moved, packed)
@@ -213,8 +224,7 @@ def _bad_scale_value(byte):
         ((_ok()[0].float(), *_ok()[1:]), "weight must have dtype torch.uint8"),
         ((_ok()[0], _ok()[1].float(), _ok()[2]), "weight_scale must have dtype torch.float8_e4m3fn"),
         ((_ok()[0][0], *_ok()[1:]), r"3-D \[E, N, K/2\]"),
-        (_ok(n=96), "N = weight.shape.1. = 96 must be a multiple of 64"),
-        (_ok(k=32), "K = 2 . weight.shape.2. = 32 must be a multiple of 64: the GEMM streams K"),
+        (_ok(n=100), "N = weight.shape.1. = 100 must be a multiple of 8"),
         ((torch.zeros(2, 64, 12, dtype=torch.uint8), *_ok()[1:]), "= 24 must be a multiple of 16"),
         ((_ok()[0], _ok(n=128)[1], _ok()[2]), r"weight_scale must have shape \[E, N, K/16\] = \(2, 64, 4\)"),
         ((_ok(n=128)[0][:, ::2], *_ok()[1:]), "contiguous"),
@@ -244,8 +254,8 @@ def test_dtype_and_overflow_errors():
 
 
 def test_w13_and_w2_errors_name_their_tensors():
-    weight, scale, scale_2 = _ok(n=96)
-    with pytest.raises(BadInputError, match=r"I = 48; I must be a multiple of 32"):
+    weight, scale, scale_2 = _ok(n=97)
+    with pytest.raises(BadInputError, match=r"w13_weight has 97 rows; \[gate \| up\] needs an even count"):
         prepare_w13(weight, scale, scale_2, "bf16")
     weight, scale, scale_2 = _ok(n=128)
     with pytest.raises(BadInputError, match="order must be one of"):
@@ -260,7 +270,7 @@ def test_w13_and_w2_errors_name_their_tensors():
 
 def test_packed_object_checks_its_tensors():
     packed = pack_nvfp4(*_ok(), "bf16")
-    with pytest.raises(BadInputError, match=r"PackedNvfp4.scales must be a torch.uint8 tensor of shape \(2, 4, 64\)"):
+    with pytest.raises(BadInputError, match=r"PackedNvfp4.scales must be a torch.uint8 tensor of shape \(2, 8, 128\)"):
         PackedNvfp4(packed.qweight, packed.scales[:, :2], packed.global_scale, 2, 64, 64, DType.BF16)
     with pytest.raises(BadInputError, match="packed must be a PackedNvfp4"):
         unpack_nvfp4(packed.qweight)

@@ -215,7 +215,11 @@ class EpilogueMixin:
         c_sh_rd = c_sh_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)
         for _ in cutlass.range_constexpr(-(-rows // per_iter)):
             row = c_gl_wr // c_gl_stride
-            if row < valid_rows:
+            col = c_gl_wr - row * c_gl_stride  # 16-byte chunk in the (stored) tile row
+            store = row < valid_rows
+            if cutlass.const_expr(s.n_out is not None):  # zero-padded N: columns past n_out are not stored
+                store = store and col < Int32(s.n_out // 8)
+            if store:
                 route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
                 q0, q1, q2, q3 = I.ld_shared_v4_u32(self._sh(smem, Int32(s.sh_red_off) + c_sh_rd))
                 if cutlass.const_expr(s.mul_topk_weights):
@@ -229,7 +233,7 @@ class EpilogueMixin:
                     q1 = self._relu2_pair(q1)
                     q2 = self._relu2_pair(q2)
                     q3 = self._relu2_pair(q3)
-                out_int4 = Int64(route) * Int64(s.n // 8) + Int64(c_gl_wr - row * c_gl_stride)
+                out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
                 I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
             c_gl_wr += c_gl_stride * Int32(per_iter)
             c_sh_rd += c_sh_stride * Int32(per_iter)

@@ -101,7 +101,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         tail_mn_tiles = global_mn_tiles
         full_grid_mn_iters = Int32(0)
         one_tile_per_cta = Int32(0)
-        if cutlass.const_expr(self.m8):
+        if cutlass.const_expr(self.m8 and self.s.whole_tiles_m8):
             if global_mn_tiles <= grid_x:
                 one_tile_per_cta = Int32(1)
         if one_tile_per_cta != Int32(0):

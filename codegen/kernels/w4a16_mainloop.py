@@ -21,8 +21,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Int32, Int64, Uint32
 
-from cuteaot.runtime.kernels.gemm_spec import STAGES
-
 from .. import intrinsics as I
 
 
@@ -76,10 +74,14 @@ class MainloopMixin:
             src_row = Int32(0)
             if row < Int32(s.moe_block_size):
                 src_row = I.ld_shared_i32(smem + Int32(s.sh_rd_route_off * 16) + row * Int32(4))
-            a_int4 = Int64(src_row) * Int64(s.k // 8) + Int64(k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0)
+            chunk = k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0
+            a_int4 = Int64(src_row) * Int64(s.a_width // 8) + Int64(chunk)
             dst = self._sh(smem, Int32(s.sh_a_off) + pipe * Int32(s.a_sh_stage)
                            + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr))
-            I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), (row < valid_rows).to(Int32))
+            load = row < valid_rows
+            if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
+                load = load and chunk < Int32(s.k_in // 8)
+            I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), load.to(Int32))
         for i in cutlass.range_constexpr(s.b_sh_wr_iters):
             b_int4 = t.b_gl_rd + Int64(k_tile * Int32(s.k_blocks) + Int32(i * (s.threads // s.b_sh_stride))) * Int64(
                 s.n // 2
@@ -96,23 +98,23 @@ class MainloopMixin:
 
     @cute.jit
     def _prefetch_initial(self, ops, t, smem, tid, k_tiles: Int32, k_start: Int32, valid_rows: Int32):
-        for pipe in cutlass.range_constexpr(STAGES - 1):
+        for pipe in cutlass.range_constexpr(self.s.stages - 1):
             if Int32(pipe) < k_tiles:
                 self._stage_k_tile(ops, t, smem, tid, Int32(pipe), k_start + Int32(pipe), valid_rows)
             else:
                 cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(STAGES - 2)
+        cute.arch.cp_async_wait_group(self.s.stages - 2)
         cute.arch.sync_threads()
 
     @cute.jit
     def _prefetch_lookahead(self, ops, t, smem, tid, pipe: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32,
                             k_start: Int32, valid_rows: Int32):
-        fetch = tile_idx + Int32(STAGES - 1)
+        fetch = tile_idx + Int32(self.s.stages - 1)
         if fetch < k_tiles:
-            self._stage_k_tile(ops, t, smem, tid, Int32((pipe + STAGES - 1) % STAGES), k_start + fetch, valid_rows)
+            self._stage_k_tile(ops, t, smem, tid, Int32((pipe + self.s.stages - 1) % self.s.stages), k_start + fetch, valid_rows)
         else:
             cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(STAGES - 2)
+        cute.arch.cp_async_wait_group(self.s.stages - 2)
         cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ register fragments
@@ -168,8 +170,8 @@ class MainloopMixin:
                 self._load_a_regs(a_next, smem, a_sh_rd, Int32(pipe), Int32(kk + 1))
         else:
             if tile_idx + Int32(1) < k_tiles:
-                self._load_bs_regs(bs_next, smem, tid, b_sh_rd, s_sh_rd, Int32((pipe + 1) % STAGES), Int32(0))
-                self._load_a_regs(a_next, smem, a_sh_rd, Int32((pipe + 1) % STAGES), Int32(0))
+                self._load_bs_regs(bs_next, smem, tid, b_sh_rd, s_sh_rd, Int32((pipe + 1) % self.s.stages), Int32(0))
+                self._load_a_regs(a_next, smem, a_sh_rd, Int32((pipe + 1) % self.s.stages), Int32(0))
 
     @cute.jit
     def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, sc: Uint32):
@@ -238,7 +240,7 @@ class MainloopMixin:
 
         tile_idx = Int32(0)
         while tile_idx < k_tiles:
-            for pipe in cutlass.range_constexpr(STAGES):
+            for pipe in cutlass.range_constexpr(self.s.stages):
                 if tile_idx < k_tiles:
                     for kk in cutlass.range_constexpr(s.b_sh_wr_iters):
                         self._load_next(bs_next, a_next, smem, tid, t.b_sh_rd, t.s_sh_rd, t.a_sh_rd, pipe, kk,

@@ -29,7 +29,7 @@ from ..errors import BadInputError, LaunchError
 from ..planning import GemmPlan, plan_gemm
 from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import DType
-from ..weights import PackedNvfp4
+from ..weights import PackedNvfp4, stored_dims
 from .gemm_spec import Epilogue, GemmSpec, Routes
 from .route_pack import pack_routes, route_pack_workspace_elements
 
@@ -75,14 +75,26 @@ class GemmWorkspace:
         )
 
 
+def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile) -> GemmPlan:
+    """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
+    n_stored, k_stored = stored_dims(n, k)
+    return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16")
+
+
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
                   mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
                   scale_format: str = "e4m3_k16") -> GemmSpec:
-    """The kernel specialization a plan selects (shared with the bundle enumeration)."""
+    """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
+
+    The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.
+    """
+    n_stored, k_stored = stored_dims(n, k)
     return GemmSpec(
         dtype=dtype,
-        n=n,
-        k=k,
+        n=n_stored,
+        k=k_stored,
+        n_out=None if n == n_stored else n,
+        k_in=None if k == k_stored else k,
         top_k=1 if a_per_route else top_k,
         tile_n=plan.tile.tile_n,
         tile_k=plan.tile.tile_k,
@@ -165,8 +177,7 @@ def w4a16_moe_gemm(
                  a_per_route, mul_topk_weights, epilogue)
     entry = bundle.plans.get(cache_key)
     if entry is None:
-        plan = plan_gemm(m, weights.n, weights.k, top_k, weights.num_experts, bundle.profile,
-                         scale_format=weights.scale_format)
+        plan = plan_for(m, weights.n, weights.k, top_k, weights.num_experts, bundle.profile)
         spec = gemm_spec_for(plan, weights.dtype, weights.n, weights.k, top_k, a_per_route=a_per_route,
                              mul_topk_weights=mul_topk_weights, epilogue=epilogue, layout=weights.layout,
                              scale_format=weights.scale_format)

@@ -28,7 +28,7 @@ from ..keys import KernelKey
 from ..planning import TileConfig, cta_m_blocks
 from ..types import DType
 
-STAGES = 4  # cp.async pipeline depth
+STAGES = 4  # default cp.async pipeline depth (the seed's)
 PACK_FACTOR = 8  # FP4 values per 32-bit word
 MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)
 SCALE_GROUP = 16  # e4m3_k16: one block scale per 16 k
@@ -80,6 +80,14 @@ class GemmSpec:
     epilogue: Epilogue = Epilogue.NONE
     layout: str = "packed"
     scale_format: str = "e4m3_k16"
+    stages: int = STAGES
+    # 8-row blocks: when every output tile fits in the grid, give each CTA one whole tile (the
+    # seed's choice, made for the fused kernel's barriers) instead of splitting K over the grid.
+    whole_tiles_m8: bool = True
+    # Logical sizes when the stored weights are zero-padded (runtime/weights.stored_dims): A rows
+    # are k_in wide and out rows n_out wide; None = not padded.  Both are multiples of 8.
+    n_out: int | None = None
+    k_in: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -102,8 +110,14 @@ class GemmSpec:
             raise BadInputError(
                 f"N={self.n} and K={self.k} must be multiples of the tile {self.tile_n}x{self.tile_k} (no tail tiles)"
             )
+        for name, stored in (("n_out", self.n), ("k_in", self.k)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v < stored or v % 8):
+                raise BadInputError(f"{name} must be None or a multiple of 8 in (0, {stored}), got {v!r}")
         if self.routes is not Routes.PACKED and self.moe_block_size != 8:
             raise BadInputError(f"routes={self.routes.value} uses 8-row blocks, got moe_block_size {self.moe_block_size}")
+        if not isinstance(self.stages, int) or not 3 <= self.stages <= 12:
+            raise BadInputError(f"stages must be an int in [3, 12], got {self.stages!r}")
         if not 1 <= self.blocks_per_sm <= 8:
             raise BadInputError(f"blocks_per_sm must be in [1, 8], got {self.blocks_per_sm}")
 
@@ -127,6 +141,10 @@ class GemmSpec:
                 "epilogue": self.epilogue.value,
                 "layout": self.layout,
                 "scale_format": self.scale_format,
+                "stages": self.stages,
+                "whole_tiles_m8": self.whole_tiles_m8,
+                "n_out": self.n_out,
+                "k_in": self.k_in,
             },
         )
 
@@ -156,6 +174,16 @@ class GemmSpec:
     @property
     def k_blocks(self) -> int:
         return self.tile.k_blocks
+
+    @property
+    def out_width(self) -> int:
+        """Elements per output row (the logical N)."""
+        return self.n if self.n_out is None else self.n_out
+
+    @property
+    def a_width(self) -> int:
+        """Elements per activation row (the logical K)."""
+        return self.k if self.k_in is None else self.k_in
 
     @property
     def n_tiles(self) -> int:
@@ -243,16 +271,16 @@ class GemmSpec:
     @property
     def sh_s_off(self) -> int:
         red = (2 * self.n_blocks + 1) * 16 * self.m_blocks
-        b = STAGES * self.b_sh_stage
+        b = self.stages * self.b_sh_stage
         return self.sh_b_off + max(red, b)
 
     @property
     def sh_a_off(self) -> int:
-        return self.sh_s_off + STAGES * self.s_sh_stage
+        return self.sh_s_off + self.stages * self.s_sh_stage
 
     @property
     def shared_bytes(self) -> int:
-        return 16 * (self.sh_a_off + STAGES * self.a_sh_stage)
+        return 16 * (self.sh_a_off + self.stages * self.a_sh_stage)
 
     @property
     def dynamic_smem_bytes(self) -> int:
