@@ -81,6 +81,7 @@ _RESIDENT_SHARED_MEMORY_PER_BLOCK = 1536
 _REGISTER_UNIT_PER_THREAD = 8
 _MAX_REGISTERS_PER_THREAD = 255
 # Persistent CTAs per SM: the seed caps 1-MMA-row tiles at 4 and larger ones at 2.
+M8_BLOCKS_PER_SM = 2  # measured on the H200, see blocks_per_sm
 _MAX_BLOCKS_PER_SM_ONE_M_BLOCK = 4
 _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK = 2
 # The seed's "enough work" rule charges 4 CTAs per (n tile, route) pair.
@@ -265,9 +266,13 @@ def blocks_per_sm(
 ) -> int:
     """Persistent CTAs per SM: what registers, shared memory and threads allow, then the seed's caps.
 
-    Block size 8 (the decode path) pins one CTA per SM: it is bound by weight
-    bandwidth, and in the fused kernel every extra CTA is one more participant in
-    the grid barriers.  One-MMA-row tiles go up to 4, taller ones up to 2.  When
+    Block size 8 (the decode path) runs M8_BLOCKS_PER_SM CTAs per SM whatever the
+    register estimate says: the kernel's launch bound makes ptxas fit the registers
+    (128 per thread at 256 threads), and on the H200 two CTAs per SM were 10-25 %
+    faster than the seed's one for Qwen3 shapes at M = 8..64 (benchmarks/tune_gemm.py,
+    docs/benchmarks.md).  The seed pinned one because in its fused kernel every CTA
+    is a grid-barrier participant; the fused path can pin it again.  One-MMA-row
+    tiles go up to 4, taller ones up to 2.  When
     the problem is small (fewer than 4 CTAs of work per (N tile, route)), the count
     drops so the grid is not mostly idle.
     """
@@ -277,13 +282,11 @@ def blocks_per_sm(
     unit = _REGISTER_UNIT_PER_THREAD
     registers_per_block = -(-registers // unit) * unit * tile.threads
     smem = shared_memory_footprint(moe_block_size, tile, scale_format)
-    limit = min(
-        profile.registers_per_sm // registers_per_block,
-        profile.max_shared_memory_per_block_optin // (smem + _RESIDENT_SHARED_MEMORY_PER_BLOCK),
-        profile.max_threads_per_sm // tile.threads,
-    )
+    smem_limit = profile.max_shared_memory_per_block_optin // (smem + _RESIDENT_SHARED_MEMORY_PER_BLOCK)
+    threads_limit = profile.max_threads_per_sm // tile.threads
+    limit = min(profile.registers_per_sm // registers_per_block, smem_limit, threads_limit)
     if moe_block_size == 8:
-        limit = 1
+        limit = max(min(M8_BLOCKS_PER_SM, smem_limit, threads_limit), 1)
     elif cta_m_blocks(moe_block_size) == 1:
         limit = max(min(limit, _MAX_BLOCKS_PER_SM_ONE_M_BLOCK), 1)
     else:

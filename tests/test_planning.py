@@ -228,12 +228,14 @@ GPTOSS_FC1, GPTOSS_FC2 = (5760, 2880), (2880, 2880)
 # blocks_per_sm = min(regs, smem) then capped; regs = 65536 // (ceil8(r) * threads),
 # smem = optin // (footprint + 1536); H200 optin 232448, GB10 101376.
 QWEN_EXPECTED = {
-    # m=1: direct (m <= 6), block 8: every candidate pinned to 1 CTA/SM -> first, (128, 128)
-    ("h200", 1): (8, True, (128, 128), 1, 132),
-    ("gb10", 1): (8, True, (128, 128), 1, 48),
-    # m=64: 64*8/128/8 = 0.5 < 0.9 -> block 8, packed; 1 CTA/SM again
-    ("h200", 64): (8, False, (128, 128), 1, 132),
-    ("gb10", 64): (8, False, (128, 128), 1, 48),
+    # m=1: direct (m <= 6), block 8: min(M8_BLOCKS_PER_SM=2, smem, threads), registers ignored.
+    # H200: (128,128) min(2, 232448//59136=3, 2048//256=8) = 2, ties -> first, (128, 128).
+    # GB10: (128,128) min(2, 101376//59136=1) = 1; (64,128) min(2, 101376//30464=3) = 2 -> (64, 128)
+    ("h200", 1): (8, True, (128, 128), 2, 264),
+    ("gb10", 1): (8, True, (64, 128), 2, 96),
+    # m=64: 64*8/128/8 = 0.5 < 0.9 -> block 8, packed; same counts
+    ("h200", 64): (8, False, (128, 128), 2, 264),
+    ("gb10", 64): (8, False, (64, 128), 2, 96),
     # m=200: block 16 (one MMA row).  H200: (128,128) regs 65536//(160*256)=1;
     # (64,128) min(65536//(144*128)=3, 232448//30464=7)=3; (128,64) min(3, 6)=3 -> tie, first: (64,128)
     ("h200", 200): (16, False, (64, 128), 3, 396),
@@ -283,16 +285,16 @@ def test_qwen3_decode_plan_details():
     plan = plan_gemm(1, *QWEN30_FC1, 8, 128, H200, scale_format=K16)
     # (256 threads, 1 m block, 8 n blocks, 8 k blocks, block 8) -> 118 in the SM121 table
     assert plan.registers == 118 and plan.shared_memory_bytes == 57600
-    assert plan.splitk_scratch_floats == 270336  # 132 * 16 * 128
+    assert plan.splitk_scratch_floats == 540672  # 264 lock slots * 16 * 128
 
 
 # gpt-oss-120b: MXFP4 (e8m0_k32), top 4 of 128.  FC1 N=5760 K=2880: 2880 % 128 = 64 and
 # 5760 % 256 = 128, so only (tile_k 64, tile_n 128) fits (footprints: g32 column above).
 GPTOSS_FC1_EXPECTED = {
     # (profile, m): (block, direct, blocks_per_sm, grid_x, slots, route_blocks)
-    ("h200", 1): (8, True, 1, 132, 32, 4),  # 4 routes, each a block of 8
-    ("gb10", 1): (8, True, 1, 48, 32, 4),
-    ("h200", 200): (8, False, 1, 132, 1696, 212),  # 200*4/128/8 = 0.78; 800 + 128*7 = 1696
+    ("h200", 1): (8, True, 2, 264, 32, 4),  # 4 routes, each a block of 8; block 8 -> 2 CTAs/SM
+    ("gb10", 1): (8, True, 2, 96, 32, 4),
+    ("h200", 200): (8, False, 2, 264, 1696, 212),  # 200*4/128/8 = 0.78; 800 + 128*7 = 1696
     ("h200", 400): (16, False, 3, 396, 3520, 220),  # min(3, 232448//28416=8) = 3; 1600 + 128*15
     ("gb10", 400): (16, False, 3, 144, 3520, 220),  # min(3, 101376//28416=3) = 3
     ("h200", 1000): (48, False, 2, 264, 10032, 209),  # 4000 + 128*47 = 10016 -> 209 * 48

@@ -1,0 +1,246 @@
+"""Try GEMM kernel variants (tile, CTAs/SM, pipeline depth, split-K for 8-row blocks) on real shapes.
+
+    python -m benchmarks.tune_gemm build [--out generated]   # on the builder (needs CuTeDSL)
+    python -m benchmarks.tune_gemm run [--bundle generated/tune-gemm] [--json F]   # on the GPU
+
+`build` compiles every variant into one bundle; `run` launches each variant for
+the shapes and token counts below with the planner's routes but the variant's
+kernel and grid, checks it against the planner's own choice, and prints the
+median device time and the share of HBM bandwidth.  The winners go into
+runtime/planning.py; this tool is how they were found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+SHAPES = {  # name: (n, k, top_k, experts, a_per_route)
+    "qwen3-30b fc1": (1536, 2048, 8, 128, False),
+    "qwen3-30b fc2": (2048, 768, 8, 128, True),
+    "qwen3-235b fc1": (3072, 4096, 8, 128, False),
+}
+MS = (1, 8, 64)
+# name: (tile_n, tile_k, blocks_per_sm, stages, whole_tiles_m8) for 8-row blocks (M <= 115 here)
+VARIANTS = {
+    "seed": (128, 128, 1, 4, True),
+    "splitk": (128, 128, 1, 4, False),
+    "splitk 2/SM": (128, 128, 2, 4, False),
+    "splitk 2/SM 8st": (128, 128, 2, 8, False),
+    "whole 2/SM 8st": (128, 128, 2, 8, True),
+    "n128k64 4/SM": (128, 64, 4, 4, False),
+    "n128k64 3/SM 8st": (128, 64, 3, 8, False),
+    "n64k128 4/SM": (64, 128, 4, 4, False),
+}
+
+
+# Large M (block 64, M = 4096): name -> (tile_n, tile_k, blocks_per_sm, stages)
+LARGE_MS = (512, 4096)
+LARGE_VARIANTS = {
+    "n128k64 2/SM": (128, 64, 2, 4),
+    "n128k64 2/SM 3st": (128, 64, 2, 3),
+    "n128k64 1/SM 6st": (128, 64, 1, 6),
+    "n256k64 1/SM": (256, 64, 1, 4),
+    "n64k128 2/SM": (64, 128, 2, 4),
+}
+
+
+def large_specs(block: int):
+    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+
+    specs = []
+    for n, k, top_k, _, per_route in SHAPES.values():
+        for tile_n, tile_k, bps, stages in LARGE_VARIANTS.values():
+            specs.append(GemmSpec(
+                dtype="bf16", n=n, k=k, top_k=1 if per_route else top_k, tile_n=tile_n, tile_k=tile_k,
+                moe_block_size=block, blocks_per_sm=bps, mul_topk_weights=per_route, stages=stages,
+            ))
+    return specs
+
+
+def variant_specs():
+    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+
+    specs = []
+    for n, k, top_k, _, per_route in SHAPES.values():
+        for routes in ("direct", "packed"):
+            for tile_n, tile_k, bps, stages, whole in VARIANTS.values():
+                specs.append(GemmSpec(
+                    dtype="bf16", n=n, k=k, top_k=1 if per_route else top_k, tile_n=tile_n, tile_k=tile_k,
+                    moe_block_size=8, blocks_per_sm=bps, mul_topk_weights=per_route, routes=routes,
+                    stages=stages, whole_tiles_m8=whole,
+                ))
+    return specs
+
+
+def build(out: str) -> None:
+    from pathlib import Path
+
+    from cuteaot.codegen.build import _compile_all, _manifest, source_fingerprint, toolchain, write_bundle
+    from cuteaot.codegen.enumerate import Job
+    from cuteaot.codegen.spec import BundleSpec
+    from cuteaot.runtime.devices import PROFILES
+    from cuteaot.runtime.kernels import route_pack_specs
+
+    specs = variant_specs() + large_specs(48) + large_specs(64)
+    keys = [s.key() for s in specs] + [s.key() for s in route_pack_specs()]
+    jobs = sorted({Job.of(key, "sm_90a") for key in keys})
+    compiled = _compile_all(jobs, 2, True)
+    records, cubins = [], {}
+    import hashlib
+
+    for job in jobs:
+        record, data = compiled[job]
+        rel = f"{job.arch}/{job.key.digest}.cubin"
+        records.append(dict(record, file=rel, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data)))
+        cubins[rel] = data
+    spec = BundleSpec("tune-gemm", (PROFILES["h200"],), (), "benchmarks/tune_gemm.py", "-")
+    write_bundle(Path(out) / "tune-gemm", _manifest(spec, records, source_fingerprint(), toolchain(), None), cubins)
+    print(f"built {len(jobs)} kernels into {out}/tune-gemm")
+
+
+def run(bundle_path: str, json_path: str | None) -> None:
+    import torch
+
+    from benchmarks.common import device_us, hbm_copy_bandwidth
+    from benchmarks.gemm import random_packed
+    from cuteaot.runtime import LaunchError, load_bundle, pack_routes
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace, _GemmLaunch
+    from cuteaot.runtime.kernels.gemm_spec import Routes
+    from cuteaot.runtime.kernels.gemm import plan_for
+
+    bundle = load_bundle(bundle_path)
+    hbm = hbm_copy_bandwidth()
+    sms = bundle.profile.sm_count
+    specs = variant_specs()
+    rows = []
+    for shape, (n, k, top_k, experts, per_route) in SHAPES.items():
+        packed = random_packed(experts, n, k)
+        for m in MS:
+            g = torch.Generator().manual_seed(m)
+            ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+            topk_w = torch.rand(m, top_k, device="cuda")
+            a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+            plan = plan_for(m, n, k, top_k, experts, bundle.profile)
+            big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 16 * 256)
+            ws = GemmWorkspace.allocate(big, m, top_k, experts, "cuda")
+            routes = "direct" if plan.direct_topk_routes else "packed"
+            if routes == "direct":
+                r_idx = b_exp = r_cnt = ids
+            else:
+                r_idx, b_exp, r_cnt = pack_routes(bundle, ids, experts, 8,
+                                                  packed_route_indices=ws.route_indices,
+                                                  block_expert_ids=ws.block_experts,
+                                                  packed_route_count=ws.route_count, workspace=ws.route_pack)
+            hit = int(torch.unique(ids).numel())
+            weight_bytes = hit * (n * k // 2 + n * k // 16 + 4)
+            reference = None
+            for name, (tile_n, tile_k, bps, stages, whole) in VARIANTS.items():
+                spec = next(s for s in specs if s.n == n and s.k == k and s.routes is Routes(routes)
+                            and (s.tile_n, s.tile_k, s.blocks_per_sm, s.stages, s.whole_tiles_m8)
+                            == (tile_n, tile_k, bps, stages, whole))
+                try:
+                    launch = _GemmLaunch(bundle, spec)
+                except LaunchError as exc:  # not co-resident on this GPU: report, do not run
+                    print(f"{shape:15s} M={m:3d} {name:18s} skipped: {exc}", flush=True)
+                    continue
+                out = torch.full((m * top_k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                tokens = m * top_k if per_route else m
+
+                def call(launch=launch, out=out, grid=sms * bps):
+                    launch.kernel.launch(grid, torch.cuda.current_stream().cuda_stream, a.data_ptr(),
+                                         packed.qweight.data_ptr(), out.data_ptr(), packed.scales.data_ptr(),
+                                         packed.global_scale.data_ptr(), r_idx.data_ptr(), b_exp.data_ptr(),
+                                         r_cnt.data_ptr(), topk_w.data_ptr(), ws.c_tmp.data_ptr(),
+                                         ws.locks.data_ptr(), tokens)
+
+                call()
+                torch.cuda.synchronize()
+                if reference is None:
+                    reference = out.float()
+                diff = float((out.float() - reference).abs().max())
+                us = device_us(call)
+                row = {"shape": shape, "M": m, "variant": name, "us": us,
+                       "pct_hbm": 100 * weight_bytes / hbm / (us * 1e-6), "max_diff_vs_seed": diff}
+                rows.append(row)
+                print(f"{shape:15s} M={m:3d} {name:18s} {us:8.1f} us {row['pct_hbm']:5.1f}% HBM  diff {diff:.2e}",
+                      flush=True)
+    rows += run_large(bundle, hbm)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"hbm_Bps": hbm, "rows": rows}, f, indent=1)
+
+
+def run_large(bundle, hbm) -> list[dict]:
+    """Large-M variants: the planner's route block size, each variant's tile, grid and depth."""
+    import torch
+
+    from benchmarks.common import device_us
+    from benchmarks.gemm import random_packed
+    from cuteaot.runtime import LaunchError, pack_routes
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace, _GemmLaunch, plan_for
+
+    sms = bundle.profile.sm_count
+    rows = []
+    for shape, (n, k, top_k, experts, per_route) in SHAPES.items():
+        packed = random_packed(experts, n, k)
+        for m in LARGE_MS:
+            plan = plan_for(m, n, k, top_k, experts, bundle.profile)
+            specs = large_specs(plan.moe_block_size)
+            g = torch.Generator().manual_seed(m)
+            ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+            topk_w = torch.rand(m, top_k, device="cuda")
+            a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+            big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 64 * 256)
+            ws = GemmWorkspace.allocate(big, m, top_k, experts, "cuda")
+            r_idx, b_exp, r_cnt = pack_routes(bundle, ids, experts, plan.moe_block_size,
+                                              packed_route_indices=ws.route_indices,
+                                              block_expert_ids=ws.block_experts,
+                                              packed_route_count=ws.route_count, workspace=ws.route_pack)
+            flops = 2 * m * top_k * n * k
+            reference = None
+            for name, (tile_n, tile_k, bps, stages) in LARGE_VARIANTS.items():
+                spec = next(s for s in specs if s.n == n and s.k == k
+                            and (s.tile_n, s.tile_k, s.blocks_per_sm, s.stages) == (tile_n, tile_k, bps, stages))
+                try:
+                    launch = _GemmLaunch(bundle, spec)
+                except LaunchError as exc:
+                    print(f"{shape:15s} M={m:5d} {name:18s} skipped: {exc}", flush=True)
+                    continue
+                out = torch.full((m * top_k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                tokens = m * top_k if per_route else m
+
+                def call(launch=launch, out=out, grid=sms * bps):
+                    launch.kernel.launch(grid, torch.cuda.current_stream().cuda_stream, a.data_ptr(),
+                                         packed.qweight.data_ptr(), out.data_ptr(), packed.scales.data_ptr(),
+                                         packed.global_scale.data_ptr(), r_idx.data_ptr(), b_exp.data_ptr(),
+                                         r_cnt.data_ptr(), topk_w.data_ptr(), ws.c_tmp.data_ptr(),
+                                         ws.locks.data_ptr(), tokens)
+
+                call()
+                torch.cuda.synchronize()
+                if reference is None:
+                    reference = out.float()
+                diff = float((out.float() - reference).abs().max())
+                us = device_us(call, iters=5, reps=5)
+                row = {"shape": shape, "M": m, "variant": name, "us": us, "TFLOP/s": flops / us / 1e6,
+                       "max_diff_vs_first": diff}
+                rows.append(row)
+                print(f"{shape:15s} M={m:5d} b{plan.moe_block_size} {name:18s} {us:8.1f} us "
+                      f"{row['TFLOP/s']:6.1f} TF/s  diff {diff:.2e}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["build", "run"])
+    ap.add_argument("--out", default="generated")
+    ap.add_argument("--bundle", default="generated/tune-gemm")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    build(args.out) if args.mode == "build" else run(args.bundle, args.json)
+
+
+if __name__ == "__main__":
+    main()
