@@ -237,7 +237,6 @@ def dequant_nf3x8_bf16(lo16: Uint32, hi8: Uint32, pool0, pool1, pool2, pool3, *,
         " shl.b32 t, l, 8;\n or.b32 l, l, t;\n and.b32 l, l, 0x00FF00FF;\n"
         " shl.b32 t, l, 4;\n or.b32 l, l, t;\n and.b32 l, l, 0x0F0F0F0F;\n"
         " shl.b32 t, l, 2;\n or.b32 l, l, t;\n and.b32 l, l, 0x33333333;\n"
-        " and.b32 t, l, 0x0C0C0C0C;\n shl.b32 t, t, 2;\n and.b32 l, l, 0x03030303;\n or.b32 l, l, t;\n"
         # spread 8 bits of hi8 into bit 2 of 8 nibbles
         " and.b32 h, $5, 0xFF;\n"
         " shl.b32 t, h, 12;\n or.b32 h, h, t;\n and.b32 h, h, 0x000F000F;\n"
