@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the pure-Python package, run every GPU test and the
 # benchmarks, leave logs under $OUT.  Usage (on the GPU machine, bundles carried
-# in generated/: tiny, tiny-gemm, bench-gemm):
+# in generated/: tiny, tiny-gemm, probes, bench-gemm, tune-gemm):
 #   bash benchmarks/gpu_session.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,6 +13,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -m pytest -m gpu -p no:cacheprovider -q -s --timeout=300 ${1:+-k "$1"} tests 2>&1 | tee "$OUT/gpu_tests.log"
 if [ -d generated/bench-gemm ]; then
   timeout 300 python3 -m benchmarks.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
+fi
+if [ -d generated/tune-gemm ]; then
+  timeout 240 python3 -m benchmarks.tune_gemm run --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune_gemm.log"
 fi
 if [ -n "${LAUNCH_BENCH:-}" ]; then
   python3 -m benchmarks.launch_overhead --json "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/bench.log"

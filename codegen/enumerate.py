@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import route_pack_specs
+from cuteaot.runtime.kernels.probe import probe_specs
 
 from .spec import BundleSpec
 
@@ -60,10 +61,12 @@ def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
 
 
 def kernel_keys(spec: BundleSpec) -> list[KernelKey]:
-    """Architecture-independent kernels (element-wise, route packing)."""
+    """Architecture-independent kernels (element-wise, route packing, test-only probes)."""
     keys = {key for *_, roles in problem_kernels(spec) for key in roles.values()}
     if any(p.gemm for p in spec.moe):
         keys |= {s.key() for s in route_pack_specs()}
+    if spec.probes:
+        keys |= {s.key() for s in probe_specs()}
     return sorted(keys, key=lambda k: k.canonical)
 
 

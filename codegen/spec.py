@@ -18,6 +18,8 @@ name the file, the line, the field and what is allowed.
         fast_math: true             # one value or a list to enumerate
         tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending
         gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing
+    probes: true                    # optional: also build the test-only intrinsic probe kernels
+                                    # (`moe` may then be left out; see specs/probes.yaml)
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class BundleSpec:
     moe: tuple[MoeProblem, ...]
     file: str
     sha256: str
+    probes: bool = False  # build the `intrinsic_probe` kernels (runtime/kernels/probe.py)
 
 
 class _Node:
@@ -251,7 +254,11 @@ def load_spec(path: str | Path) -> BundleSpec:
     if root is None:
         raise SpecError(file, 1, "(top level)", "the spec is empty")
     r = _Reader(file)
-    top = r.mapping(_convert(root, file), "", required={"bundle", "targets", "moe"}, optional={"description"})
+    top_node = _convert(root, file)
+    top = r.mapping(top_node, "", required={"bundle", "targets"}, optional={"description", "moe", "probes"})
+    probes = r.boolean(top["probes"], "probes") if "probes" in top else False
+    if "moe" not in top and not probes:
+        raise r.fail(top_node, "(top level)", "missing required key(s): moe (only a `probes: true` spec may omit it)")
     targets_node = top["targets"]
     if not isinstance(targets_node.value, list) or not targets_node.value:
         raise r.fail(targets_node, "targets", f"expected a non-empty list of device profiles from {sorted(PROFILES)}")
@@ -262,8 +269,8 @@ def load_spec(path: str | Path) -> BundleSpec:
         if PROFILES[t.value] in targets:
             raise r.fail(t, "targets", f"{t.value!r} is listed twice")
         targets.append(PROFILES[t.value])
-    moe_node = top["moe"]
-    if not isinstance(moe_node.value, list) or not moe_node.value:
+    moe_node = top.get("moe", _Node([], top_node.line))
+    if "moe" in top and (not isinstance(moe_node.value, list) or not moe_node.value):
         raise r.fail(moe_node, "moe", "expected a non-empty list of MoE problems")
     problems = [_problem(r, p, f"moe[{i}]") for i, p in enumerate(moe_node.value)]
     seen: dict[str, int] = {}
@@ -277,4 +284,5 @@ def load_spec(path: str | Path) -> BundleSpec:
         moe=tuple(problems),
         file=file,
         sha256=hashlib.sha256(text.encode()).hexdigest(),
+        probes=probes,
     )

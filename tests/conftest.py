@@ -35,3 +35,9 @@ def tiny_bundle_dir() -> Path:
 def gemm_bundle_dir() -> Path:
     """The GEMM test bundle built by `cuteaot build specs/tiny-gemm.yaml` (or CUTEAOT_GEMM_BUNDLE)."""
     return _built_bundle("CUTEAOT_GEMM_BUNDLE", "tiny-gemm")
+
+
+@pytest.fixture(scope="session")
+def probe_bundle_dir() -> Path:
+    """The intrinsic probe bundle built by `cuteaot build specs/probes.yaml` (or CUTEAOT_PROBE_BUNDLE)."""
+    return _built_bundle("CUTEAOT_PROBE_BUNDLE", "probes")
