@@ -138,7 +138,7 @@ def test_gemm_kernel_compiles_without_spills():
     from cuteaot.runtime.kernels.gemm_spec import GemmSpec
 
     for block, routes, tile_n, tile_k, bps in ((8, "direct", 128, 128, 2), (8, "packed", 128, 128, 2),
-                                               (64, "packed", 128, 64, 2)):
+                                               (64, "packed", 128, 64, 2), (48, "packed", 256, 64, 1)):
         spec = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=tile_n, tile_k=tile_k, moe_block_size=block,
                         blocks_per_sm=bps, mul_topk_weights=True, routes=routes)
         record = compile_kernel(spec.key(), "sm_90a").record

@@ -81,7 +81,13 @@ class MainloopMixin:
             load = row < valid_rows
             if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
                 load = load and chunk < Int32(s.k_in // 8)
-            I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), load.to(Int32))
+            if cutlass.const_expr(s.a_rows_per_iter * s.a_sh_wr_iters > 16 * s.m_blocks):
+                # tile_n = 256 with 1 or 3 MMA rows: the last pass covers rows past the stage; issue
+                # nothing for them (a zero-fill would overwrite the next stage or run off the end)
+                if row < Int32(16 * s.m_blocks):
+                    I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), load.to(Int32))
+            else:
+                I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), load.to(Int32))
         for i in cutlass.range_constexpr(s.b_sh_wr_iters):
             b_int4 = t.b_gl_rd + Int64(k_tile * Int32(s.k_blocks) + Int32(i * (s.threads // s.b_sh_stride))) * Int64(
                 s.n // 2
