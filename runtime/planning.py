@@ -522,6 +522,7 @@ class GemmPlan:
     max_route_blocks: int
     lock_slots: int
     splitk_scratch_floats: int
+    whole_tiles_m8: bool = False  # 8-row blocks: one whole-K tile per CTA when they all fit (no split-K)
 
     @property
     def cta_m_blocks(self) -> int:
@@ -571,8 +572,14 @@ def plan_gemm(
         tile, used_registers, per_sm = _check_pinned(
             m, n, k, top_k, block, scale_format, profile, pinned_tile, registers
         )
-    grid_x = profile.sm_count * per_sm
     routes = m * top_k
+    whole_tiles = block == 8 and per_sm == 1
+    if direct and routes * (n // tile.tile_n) <= profile.sm_count:
+        # Every output tile fits on its own SM: one whole-K tile per CTA, one CTA per SM. Two per SM
+        # would stack pairs of tiles on half the SMs (measured on the H200: Qwen3-30B FC1 at M = 1
+        # 11.4 us at 1/SM vs 17.9 us at 2/SM).
+        per_sm, whole_tiles = 1, True
+    grid_x = profile.sm_count * per_sm
     if direct:
         slots, blocks = routes * block, routes
     else:
@@ -592,6 +599,7 @@ def plan_gemm(
         max_route_blocks=blocks,
         lock_slots=lock_slots(grid_x),
         splitk_scratch_floats=splitk_scratch_floats(grid_x, block, tile.tile_n),
+        whole_tiles_m8=whole_tiles,
     )
 
 

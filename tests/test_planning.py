@@ -259,6 +259,11 @@ def test_qwen3_plans(shape, profile_name, m):
     n, k = shape
     plan = plan_gemm(m, n, k, 8, 128, PROFILES[profile_name], scale_format=K16)
     block, direct, (tile_k, tile_n), per_sm, grid_x = QWEN_EXPECTED[(profile_name, m)]
+    if direct and 8 * (n // tile_n) <= PROFILES[profile_name].sm_count:
+        # direct routes whose 8 * N/tile_n whole tiles fit one per SM: 1 CTA/SM, no split-K
+        # (H200: Qwen3-30B FC1 8 * 12 = 96 and FC2 8 * 16 = 128 <= 132; 235B 192 / 256 do not)
+        per_sm, grid_x = 1, grid_x // 2
+    assert plan.whole_tiles_m8 == (block == 8 and per_sm == 1)
     assert (plan.moe_block_size, plan.direct_topk_routes) == (block, direct)
     assert (plan.tile.tile_k, plan.tile.tile_n, plan.blocks_per_sm, plan.grid_x) == (tile_k, tile_n, per_sm, grid_x)
     assert plan.lock_slots == grid_x
@@ -285,7 +290,8 @@ def test_qwen3_decode_plan_details():
     plan = plan_gemm(1, *QWEN30_FC1, 8, 128, H200, scale_format=K16)
     # (256 threads, 1 m block, 8 n blocks, 8 k blocks, block 8) -> 118 in the SM121 table
     assert plan.registers == 118 and plan.shared_memory_bytes == 57600
-    assert plan.splitk_scratch_floats == 540672  # 264 lock slots * 16 * 128
+    assert plan.splitk_scratch_floats == 270336  # 96 whole tiles fit: 1/SM, 132 lock slots * 16 * 128
+    assert plan.whole_tiles_m8 and plan.blocks_per_sm == 1
 
 
 # gpt-oss-120b: MXFP4 (e8m0_k32), top 4 of 128.  FC1 N=5760 K=2880: 2880 % 128 = 64 and

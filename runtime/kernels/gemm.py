@@ -102,6 +102,7 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         blocks_per_sm=plan.blocks_per_sm,
         mul_topk_weights=mul_topk_weights,
         routes=Routes.DIRECT if plan.direct_topk_routes else Routes.PACKED,
+        whole_tiles_m8=plan.whole_tiles_m8,
         epilogue=Epilogue(epilogue),
         layout=layout,
         scale_format=scale_format,
