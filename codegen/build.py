@@ -99,6 +99,7 @@ class BuildReport:
     reused: int = 0
     seconds: float = 0.0
     unchanged: bool = False
+    spills: list[str] = field(default_factory=list)  # kernels that use local memory / stack
 
     def summary(self) -> str:
         lines = [
@@ -108,6 +109,9 @@ class BuildReport:
         slow = sorted(self.built, key=lambda t: -t[1])[:5]
         if slow:
             lines.append("slowest: " + "; ".join(f"{d} {s:.2f} s" for d, s in slow))
+        if self.spills:
+            lines.append(f"warning: {len(self.spills)} kernel(s) spill registers (see `cuteaot inspect`): "
+                         + "; ".join(self.spills[:6]) + (" ..." if len(self.spills) > 6 else ""))
         return "\n".join(lines)
 
 
@@ -244,6 +248,11 @@ def build(
         rel = f"{job.arch}/{job.key.digest}.cubin"
         record.update(file=rel, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
         records.append(record)
+        if record["stack_bytes"] or record["local_bytes"]:
+            report.spills.append(
+                f"{job.arch} {job.key.family} {job.key.digest[:12]} ({record['registers']} regs, "
+                f"{record['stack_bytes']} B stack, {record['local_bytes']} B local)"
+            )
         cubins[rel] = data
     shard_info = None if shard is None else {"index": shard[0], "count": shard[1]}
     manifest = _manifest(spec, records, fingerprint, tools, shard_info)
