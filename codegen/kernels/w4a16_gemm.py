@@ -286,11 +286,17 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             a_sh_wr=Int32(s.a_sh_stride) * a_row + (tid - a_row * Int32(s.a_sh_stride)),
             b_gl_rd=b_gl_rd,
             scales_base=Int64(s.n * s.k // 256) * Int64(expert),
-            b_sh_rd=tid + (tid // Int32(s.b_sh_stride)) * Int32(s.b_sh_stride * (s.b_sh_wr_iters - 1)),
-            s_sh_rd=Int32(8) * (warp % Int32(s.n_warps)) + lane // Int32(4),
-            a_sh_rd=(Int32(s.a_sh_stride) * (lane % Int32(lanes_per_row)) + lane // Int32(lanes_per_row)
-                     + Int32(2 * s.b_sh_wr_iters) * (warp // Int32(s.n_warps))),
         )
+        # Shared-memory read addresses of this thread, hoisted out of the main loop (stage, row and
+        # MMA row block only add constants to them): B words, scale pairs, swizzled A rows.
+        warp_row = warp // Int32(s.n_warps)  # which K slice of the tile this warp consumes
+        b_sh_rd = tid + (tid // Int32(s.b_sh_stride)) * Int32(s.b_sh_stride * (s.b_sh_wr_iters - 1))
+        s_sh_rd = Int32(8) * (warp % Int32(s.n_warps)) + lane // Int32(4)
+        a_sh_rd = (Int32(s.a_sh_stride) * (lane % Int32(lanes_per_row)) + lane // Int32(lanes_per_row)
+                   + Int32(2 * s.b_sh_wr_iters) * warp_row)
+        t.b_rd = smem + b_sh_rd * Int32(16)
+        t.s_rd = smem + Int32(s.sh_s_off * 16) + (s_sh_rd + Int32(s.b_sh_wr_iters * 2 * s.s_sh_stride) * warp_row) * Int32(8)
+        t.a_rd = [smem + self._a_swizzle(Int32(2 * kk) + a_sh_rd) * Int32(16) for kk in range(s.b_sh_wr_iters)]
         if cutlass.const_expr(self.m8):
             acc = cute.make_rmem_tensor((4, 4), Float32)
         else:

@@ -66,58 +66,73 @@ class MainloopMixin:
     # ------------------------------------------------------------------ staging
 
     @cute.jit
-    def _stage_k_tile(self, ops, t, smem: Int32, tid: Int32, pipe: Int32, k_tile: Int32, valid_rows: Int32):
-        """Issue the cp.async copies of k-tile `k_tile` into stage `pipe` and commit them."""
+    def _plan_staging(self, ops, t, smem: Int32, tid: Int32, valid_rows: Int32):
+        """Per-thread copy addresses for k-tile 0 / stage 0, computed once per tile.
+
+        A stage's copies then only add `k_tile * stride` to the global address and a constant
+        to the shared one, so the unrolled main loop carries no address arithmetic beyond that.
+        """
         s = self.s
+        t.a_src, t.a_ok, t.a_dst, t.a_in_stage = [], [], [], []
         for i in cutlass.range_constexpr(s.a_sh_wr_iters):
             row = Int32(s.a_rows_per_iter * i) + t.a_gl_rd_row
             src_row = Int32(0)
             if row < Int32(s.moe_block_size):
                 src_row = I.ld_shared_i32(smem + Int32(s.sh_rd_route_off * 16) + row * Int32(4))
-            chunk = k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0
-            a_int4 = Int64(src_row) * Int64(s.a_width // 8) + Int64(chunk)
-            dst = self._sh(smem, Int32(s.sh_a_off) + pipe * Int32(s.a_sh_stage)
-                           + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr))
-            load = row < valid_rows
+            t.a_src.append(ops.a + (Int64(src_row) * Int64(s.a_width // 8) + Int64(t.a_gl_rd_col0)) * Int64(16))
+            t.a_ok.append(row < valid_rows)
+            t.a_in_stage.append(row < Int32(16 * s.m_blocks))
+            t.a_dst.append(smem + (Int32(s.sh_a_off) + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr)) * Int32(16))
+        t.b_src = ops.qweight + t.b_gl_rd * Int64(16)
+        t.b_dst = smem + (Int32(s.sh_b_off) + tid) * Int32(16)
+        t.s_ok = tid < Int32(s.s_sh_stage)
+        n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
+        t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
+                                + Int64(n_group)) * Int64(16)
+        t.s_dst = smem + (Int32(s.sh_s_off) + tid) * Int32(16)
+
+    @cute.jit
+    def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
+        """Issue the cp.async copies of k-tile `k_tile` into stage `pipe` and commit them."""
+        s = self.s
+        k64 = Int64(k_tile)
+        for i in cutlass.range_constexpr(s.a_sh_wr_iters):
+            load = t.a_ok[i]
             if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
-                load = load and chunk < Int32(s.k_in // 8)
-            if cutlass.const_expr(s.a_rows_per_iter * s.a_sh_wr_iters > 16 * s.m_blocks):
-                # tile_n = 256 with 1 or 3 MMA rows: the last pass covers rows past the stage; issue
+                load = load and k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0 < Int32(s.k_in // 8)
+            src = t.a_src[i] + k64 * Int64(s.a_sh_stride * 16)
+            dst = t.a_dst[i] + Int32(pipe * s.a_sh_stage * 16)
+            if cutlass.const_expr(s.a_rows_per_iter * (i + 1) > 16 * s.m_blocks):
+                # tile_n = 256 with 1 or 3 MMA rows: this pass covers rows past the stage; issue
                 # nothing for them (a zero-fill would overwrite the next stage or run off the end)
-                if row < Int32(16 * s.m_blocks):
-                    I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), load.to(Int32))
+                if t.a_in_stage[i]:
+                    I.cp_async_16_zfill(dst, src, load.to(Int32))
             else:
-                I.cp_async_16_zfill(dst, ops.a + a_int4 * Int64(16), load.to(Int32))
+                I.cp_async_16_zfill(dst, src, load.to(Int32))
+        b_row = s.threads // s.b_sh_stride  # 16-k rows one pass of the CTA covers
         for i in cutlass.range_constexpr(s.b_sh_wr_iters):
-            b_int4 = t.b_gl_rd + Int64(k_tile * Int32(s.k_blocks) + Int32(i * (s.threads // s.b_sh_stride))) * Int64(
-                s.n // 2
-            )
-            dst = self._sh(smem, Int32(s.sh_b_off) + pipe * Int32(s.b_sh_stage) + Int32(i * s.threads) + tid)
-            I.cp_async_16(dst, ops.qweight + b_int4 * Int64(16))
-        if tid < Int32(s.s_sh_stage):
-            k_group = k_tile * Int32(s.k_blocks) + tid // Int32(s.s_sh_stride)
-            n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
-            s_int4 = t.scales_base + Int64(k_group) * Int64(s.n // 16) + Int64(n_group)
-            dst = self._sh(smem, Int32(s.sh_s_off) + pipe * Int32(s.s_sh_stage) + tid)
-            I.cp_async_16(dst, ops.scales + s_int4 * Int64(16))
+            I.cp_async_16(t.b_dst + Int32((pipe * s.b_sh_stage + i * s.threads) * 16),
+                          t.b_src + k64 * Int64(s.k_blocks * (s.n // 2) * 16) + Int64(i * b_row * (s.n // 2) * 16))
+        if t.s_ok:
+            I.cp_async_16(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _prefetch_initial(self, ops, t, smem, tid, k_tiles: Int32, k_start: Int32, valid_rows: Int32):
+    def _prefetch_initial(self, ops, t, k_tiles: Int32, k_start: Int32):
         for pipe in cutlass.range_constexpr(self.s.stages - 1):
             if Int32(pipe) < k_tiles:
-                self._stage_k_tile(ops, t, smem, tid, Int32(pipe), k_start + Int32(pipe), valid_rows)
+                self._stage_k_tile(ops, t, pipe, k_start + Int32(pipe))
             else:
                 cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(self.s.stages - 2)
         cute.arch.sync_threads()
 
     @cute.jit
-    def _prefetch_lookahead(self, ops, t, smem, tid, pipe: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32,
-                            k_start: Int32, valid_rows: Int32):
+    def _prefetch_lookahead(self, ops, t, pipe: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32,
+                            k_start: Int32):
         fetch = tile_idx + Int32(self.s.stages - 1)
         if fetch < k_tiles:
-            self._stage_k_tile(ops, t, smem, tid, Int32((pipe + self.s.stages - 1) % self.s.stages), k_start + fetch, valid_rows)
+            self._stage_k_tile(ops, t, (pipe + self.s.stages - 1) % self.s.stages, k_start + fetch)
         else:
             cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(self.s.stages - 2)
@@ -126,17 +141,21 @@ class MainloopMixin:
     # ------------------------------------------------------------------ register fragments
 
     @cute.jit
-    def _load_a_regs(self, regs: cute.Tensor, smem: Int32, a_sh_rd: Int32, pipe: Int32, kk: Int32):
+    def _load_a_regs(self, regs: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
+        """ldmatrix the activation fragments of 16-k row `kk` of stage `pipe`.
+
+        t.a_rd[kk] is this lane's swizzled shared address for MMA row block 0, computed once
+        per tile; stage and row block only add constants (the swizzle XOR repeats every 8 rows).
+        """
         s = self.s
-        base = Int32(s.sh_a_off) + pipe * Int32(s.a_sh_stage)
         if cutlass.const_expr(self.m8):
-            r0, r1 = I.ldmatrix_x2(self._sh(smem, base + self._a_swizzle(Int32(2) * kk + a_sh_rd)))
+            r0, r1 = I.ldmatrix_x2(t.a_rd[kk] + Int32((s.sh_a_off + pipe * s.a_sh_stage) * 16))
             regs[0] = r0
             regs[1] = r1
         else:
             for mb in cutlass.range_constexpr(s.m_blocks):
                 r0, r1, r2, r3 = I.ldmatrix_x4(
-                    self._sh(smem, base + self._a_swizzle(Int32(2) * kk + Int32(mb * s.a_sh_stride * 16) + a_sh_rd))
+                    t.a_rd[kk] + Int32((s.sh_a_off + pipe * s.a_sh_stage + mb * s.a_sh_stride * 16) * 16)
                 )
                 regs[mb, 0] = r0
                 regs[mb, 1] = r1
@@ -144,17 +163,17 @@ class MainloopMixin:
                 regs[mb, 3] = r3
 
     @cute.jit
-    def _load_bs_regs(self, regs: cute.Tensor, smem: Int32, tid: Int32, b_sh_rd: Int32, s_sh_rd: Int32,
-                      pipe: Int32, kk: Int32):
-        """Four weight words (one per jj) and four scale pairs of 16-k row `kk` of stage `pipe`."""
+    def _load_bs_regs(self, regs: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
+        """Four weight words (one per jj) and four scale pairs of 16-k row `kk` of stage `pipe`.
+
+        t.b_rd / t.s_rd are this thread's shared addresses in stage 0, row 0 (computed once per
+        tile); stage and row add constants, so the loads take immediate offsets.
+        """
         s = self.s
         q0, q1, q2, q3 = I.ld_shared_v4_u32(
-            self._sh(smem, Int32(s.sh_b_off) + pipe * Int32(s.b_sh_stage) + Int32(s.b_sh_stride) * kk + b_sh_rd)
+            t.b_rd + Int32((s.sh_b_off + pipe * s.b_sh_stage + s.b_sh_stride * kk) * 16)
         )
-        group = Int32(s.b_sh_wr_iters) * ((tid // Int32(32)) // Int32(s.n_warps)) + kk
-        s_addr = (smem + Int32(s.sh_s_off * 16) + pipe * Int32(s.s_sh_stage * 16)
-                  + (s_sh_rd + group * Int32(2 * s.s_sh_stride)) * Int32(8))
-        p0, p1 = I.ld_shared_v2_u32(s_addr)
+        p0, p1 = I.ld_shared_v2_u32(t.s_rd + Int32(pipe * s.s_sh_stage * 16 + kk * 2 * s.s_sh_stride * 8))
         s0, s1 = self._dequant_scales(p0)
         s2, s3 = self._dequant_scales(p1)
         regs[0, 0] = q0
@@ -167,17 +186,17 @@ class MainloopMixin:
         regs[1, 3] = s3
 
     @cute.jit
-    def _load_next(self, bs_next, a_next, smem, tid, b_sh_rd, s_sh_rd, a_sh_rd, pipe: cutlass.Constexpr[int],
-                   kk: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32):
+    def _load_next(self, bs_next, a_next, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int],
+                   tile_idx: Int32, k_tiles: Int32):
         """Registers for the 16-k row after (pipe, kk): the next row, or row 0 of the next stage."""
         if cutlass.const_expr(kk + 1 < self.s.b_sh_wr_iters):
             if tile_idx < k_tiles:
-                self._load_bs_regs(bs_next, smem, tid, b_sh_rd, s_sh_rd, Int32(pipe), Int32(kk + 1))
-                self._load_a_regs(a_next, smem, a_sh_rd, Int32(pipe), Int32(kk + 1))
+                self._load_bs_regs(bs_next, t, pipe, kk + 1)
+                self._load_a_regs(a_next, t, pipe, kk + 1)
         else:
             if tile_idx + Int32(1) < k_tiles:
-                self._load_bs_regs(bs_next, smem, tid, b_sh_rd, s_sh_rd, Int32((pipe + 1) % self.s.stages), Int32(0))
-                self._load_a_regs(a_next, smem, a_sh_rd, Int32((pipe + 1) % self.s.stages), Int32(0))
+                self._load_bs_regs(bs_next, t, (pipe + 1) % self.s.stages, 0)
+                self._load_a_regs(a_next, t, (pipe + 1) % self.s.stages, 0)
 
     @cute.jit
     def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, sc: Uint32):
@@ -220,44 +239,35 @@ class MainloopMixin:
                         acc[mb, jj, half, 2] = d2
                         acc[mb, jj, half, 3] = d3
 
-    @cute.jit
-    def _copy_regs(self, dst: cute.Tensor, src: cute.Tensor):
-        for i in cutlass.range_constexpr(cute.size(dst)):
-            dst[i] = src[i]
-
     # ------------------------------------------------------------------ the loop
 
     @cute.jit
     def _mainloop(self, ops, t, smem: Int32, tid: Int32, acc: cute.Tensor, k_start: Int32, k_tiles: Int32,
                   valid_rows: Int32):
         s = self.s
-        self._prefetch_initial(ops, t, smem, tid, k_tiles, k_start, valid_rows)
-        if cutlass.const_expr(self.m8):
-            a_cur = cute.make_rmem_tensor((2,), Uint32)
-            a_next = cute.make_rmem_tensor((2,), Uint32)
-        else:
-            a_cur = cute.make_rmem_tensor((s.m_blocks, 4), Uint32)
-            a_next = cute.make_rmem_tensor((s.m_blocks, 4), Uint32)
-        bs_cur = cute.make_rmem_tensor((2, 4), Uint32)
-        bs_next = cute.make_rmem_tensor((2, 4), Uint32)
+        self._plan_staging(ops, t, smem, tid, valid_rows)
+        self._prefetch_initial(ops, t, k_tiles, k_start)
+        # Two register sets, one per 16-k row of a stage (there are always two rows per thread:
+        # b_sh_wr_iters == 2): row kk computes from set kk while the other set is being loaded,
+        # so nothing is copied between "current" and "next" registers.
+        a_shape = (2,) if self.m8 else (s.m_blocks, 4)
+        a_regs = [cute.make_rmem_tensor(a_shape, Uint32), cute.make_rmem_tensor(a_shape, Uint32)]
+        bs_regs = [cute.make_rmem_tensor((2, 4), Uint32), cute.make_rmem_tensor((2, 4), Uint32)]
         frag = cute.make_rmem_tensor((2, 2), Uint32)
-        self._load_bs_regs(bs_cur, smem, tid, t.b_sh_rd, t.s_sh_rd, Int32(0), Int32(0))
-        self._load_a_regs(a_cur, smem, t.a_sh_rd, Int32(0), Int32(0))
+        self._load_bs_regs(bs_regs[0], t, 0, 0)
+        self._load_a_regs(a_regs[0], t, 0, 0)
 
         tile_idx = Int32(0)
         while tile_idx < k_tiles:
             for pipe in cutlass.range_constexpr(self.s.stages):
                 if tile_idx < k_tiles:
-                    for kk in cutlass.range_constexpr(s.b_sh_wr_iters):
-                        self._load_next(bs_next, a_next, smem, tid, t.b_sh_rd, t.s_sh_rd, t.a_sh_rd, pipe, kk,
-                                        tile_idx, k_tiles)
-                        if cutlass.const_expr(kk == s.b_sh_wr_iters - 2):  # b_sh_wr_iters is always 2
-                            self._prefetch_lookahead(ops, t, smem, tid, pipe, tile_idx, k_tiles, k_start, valid_rows)
-                        self._mma_row(acc, a_cur, bs_cur, frag)
-                        self._copy_regs(bs_cur, bs_next)
-                        self._copy_regs(a_cur, a_next)
+                    for kk in cutlass.range_constexpr(2):
+                        self._load_next(bs_regs[1 - kk], a_regs[1 - kk], t, pipe, kk, tile_idx, k_tiles)
+                        if cutlass.const_expr(kk == 0):
+                            self._prefetch_lookahead(ops, t, pipe, tile_idx, k_tiles, k_start)
+                        self._mma_row(acc, a_regs[kk], bs_regs[kk], frag)
                     tile_idx += Int32(1)
             cute.arch.sync_threads()
             if tile_idx < k_tiles:
-                self._load_bs_regs(bs_cur, smem, tid, t.b_sh_rd, t.s_sh_rd, Int32(0), Int32(0))
-                self._load_a_regs(a_cur, smem, t.a_sh_rd, Int32(0), Int32(0))
+                self._load_bs_regs(bs_regs[0], t, 0, 0)
+                self._load_a_regs(a_regs[0], t, 0, 0)

@@ -230,8 +230,13 @@ class GemmSpec:
 
     @property
     def b_sh_wr_iters(self) -> int:
-        """16-k rows each thread consumes per stage (= cp.async B copies per thread per stage)."""
-        return self.b_sh_stage // self.threads
+        """16-k rows each thread consumes per stage (= cp.async B copies per thread per stage).
+
+        Always 2: (tile_n/2 * tile_k/16) / (tile_n * tile_k / 64); the main loop relies on it.
+        """
+        rows = self.b_sh_stage // self.threads
+        assert rows == 2, rows
+        return rows
 
     # Scales: one byte per column per 16-k row: tile_n / 16 int4 per row.
     @property
