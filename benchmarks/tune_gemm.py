@@ -106,7 +106,7 @@ def run(bundle_path: str, json_path: str | None) -> None:
     from benchmarks.common import device_us, hbm_copy_bandwidth
     from benchmarks.gemm import random_packed
     from cuteaot.runtime import LaunchError, load_bundle, pack_routes
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace, _GemmLaunch
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace, PersistentLaunch
     from cuteaot.runtime.kernels.gemm_spec import Routes
     from cuteaot.runtime.kernels.gemm import plan_for
 
@@ -141,7 +141,7 @@ def run(bundle_path: str, json_path: str | None) -> None:
                             and (s.tile_n, s.tile_k, s.blocks_per_sm, s.stages, s.whole_tiles_m8)
                             == (tile_n, tile_k, bps, stages, whole))
                 try:
-                    launch = _GemmLaunch(bundle, spec)
+                    launch = PersistentLaunch(bundle, spec)
                 except LaunchError as exc:  # not co-resident on this GPU: report, do not run
                     print(f"{shape:15s} M={m:3d} {name:18s} skipped: {exc}", flush=True)
                     continue
@@ -179,7 +179,7 @@ def run_large(bundle, hbm) -> list[dict]:
     from benchmarks.common import device_us
     from benchmarks.gemm import random_packed
     from cuteaot.runtime import LaunchError, pack_routes
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace, _GemmLaunch, plan_for
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace, PersistentLaunch, plan_for
 
     sms = bundle.profile.sm_count
     rows = []
@@ -204,7 +204,7 @@ def run_large(bundle, hbm) -> list[dict]:
                 spec = next(s for s in specs if s.n == n and s.k == k
                             and (s.tile_n, s.tile_k, s.blocks_per_sm, s.stages) == (tile_n, tile_k, bps, stages))
                 try:
-                    launch = _GemmLaunch(bundle, spec)
+                    launch = PersistentLaunch(bundle, spec)
                 except LaunchError as exc:
                     print(f"{shape:15s} M={m:5d} {name:18s} skipped: {exc}", flush=True)
                     continue

@@ -298,9 +298,13 @@ def blocks_per_sm(
 
 
 def select_tile(
-    m: int, n: int, k: int, top_k: int, moe_block_size: int, scale_format: ScaleFormat, profile: DeviceProfile
+    m: int, n: int, k: int, top_k: int, moe_block_size: int, scale_format: ScaleFormat, profile: DeviceProfile,
+    *, threads: int | None = None,
 ) -> tuple[TileConfig, int]:
     """The candidate tile with the most blocks per SM (earliest on ties), and that count.
+
+    threads restricts the candidates to one CTA size (the fused kernel runs FC1 and FC2
+    with the same threads).
 
     Raises BadInputError naming every candidate and why it does not fit when none does.
     """
@@ -308,6 +312,9 @@ def select_tile(
     best: tuple[TileConfig, int] | None = None
     reasons = []
     for tile in candidates:
+        if threads is not None and tile.threads != threads:
+            reasons.append(f"(tile_k={tile.tile_k}, tile_n={tile.tile_n}): not {threads} threads")
+            continue
         reason = tile_misfit(n, k, moe_block_size, tile, scale_format, profile)
         if reason is not None:
             reasons.append(f"(tile_k={tile.tile_k}, tile_n={tile.tile_n}): {reason}")

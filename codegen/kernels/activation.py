@@ -65,25 +65,29 @@ class ActivationKernel:
         bidx, _, _ = cute.arch.block_idx()
         v = Int64(bidx) * THREADS + Int64(tidx)
         if v < Int64(rows) * self.vectors_per_row:
-            row = v // self.vectors_per_row
-            col = (v - row * self.vectors_per_row) * VECTOR
-            x_src = cute.make_tensor(fc1 + (row * self.width + col), cute.make_layout(VECTOR))
-            x = cute.make_rmem_tensor(VECTOR, self.elem)
-            x.store(x_src.load())
-            y = cute.make_rmem_tensor(VECTOR, self.elem)
-            if cutlass.const_expr(self.gated):
-                u_src = cute.make_tensor(fc1 + (row * self.width + self.inter + col), cute.make_layout(VECTOR))
-                u = cute.make_rmem_tensor(VECTOR, self.elem)
-                u.store(u_src.load())
-                for i in cutlass.range_constexpr(VECTOR):
-                    y[i] = self._silu_times_up(x[i].to(cutlass.Float32), u[i].to(cutlass.Float32)).to(self.elem)
-            else:
-                for i in cutlass.range_constexpr(VECTOR):
-                    r = cute.arch.fmax(x[i].to(cutlass.Float32), cutlass.Float32(0.0))
-                    y[i] = (r * r).to(self.elem)
-            dst = cute.make_tensor(out + (row * self.inter + col), cute.make_layout(VECTOR))
-            dst.store(y.load())
+            self.apply_vector(fc1, out, v)
 
+    @cute.jit
+    def apply_vector(self, fc1: cute.Pointer, out: cute.Pointer, v: Int64):
+        """Activate the VECTOR outputs of vector v (also called by the fused MoE kernel)."""
+        row = v // self.vectors_per_row
+        col = (v - row * self.vectors_per_row) * VECTOR
+        x_src = cute.make_tensor(fc1 + (row * self.width + col), cute.make_layout(VECTOR))
+        x = cute.make_rmem_tensor(VECTOR, self.elem)
+        x.store(x_src.load())
+        y = cute.make_rmem_tensor(VECTOR, self.elem)
+        if cutlass.const_expr(self.gated):
+            u_src = cute.make_tensor(fc1 + (row * self.width + self.inter + col), cute.make_layout(VECTOR))
+            u = cute.make_rmem_tensor(VECTOR, self.elem)
+            u.store(u_src.load())
+            for i in cutlass.range_constexpr(VECTOR):
+                y[i] = self._silu_times_up(x[i].to(cutlass.Float32), u[i].to(cutlass.Float32)).to(self.elem)
+        else:
+            for i in cutlass.range_constexpr(VECTOR):
+                r = cute.arch.fmax(x[i].to(cutlass.Float32), cutlass.Float32(0.0))
+                y[i] = (r * r).to(self.elem)
+        dst = cute.make_tensor(out + (row * self.inter + col), cute.make_layout(VECTOR))
+        dst.store(y.load())
 
 def build(spec: ActivationSpec):
     elem = cutlass_dtype(spec.dtype)

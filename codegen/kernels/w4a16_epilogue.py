@@ -30,6 +30,13 @@ class EpilogueMixin:
         return I.pack_f32x2_bf16x2(x0, x1)
 
     @cute.jit
+    def _red_pair(self, addr: Int64, v: Uint32):
+        if cutlass.const_expr(self.is_fp16):
+            I.red_add_f16x2(addr, v)
+        else:
+            I.red_add_bf16x2(addr, v)
+
+    @cute.jit
     def _st_elem(self, addr: Int32, v):
         if cutlass.const_expr(self.is_fp16):
             I.st_shared_f16_from_f32(addr, v)
@@ -233,8 +240,16 @@ class EpilogueMixin:
                     q1 = self._relu2_pair(q1)
                     q2 = self._relu2_pair(q2)
                     q3 = self._relu2_pair(q3)
-                out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
-                I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
+                if cutlass.const_expr(s.sum_topk > 0):
+                    # fused top-k sum: add this route's row into its token's row (zeroed before)
+                    addr = ops.out + (Int64(route // Int32(s.sum_topk)) * Int64(s.out_width // 8) + Int64(col)) * Int64(16)
+                    self._red_pair(addr, q0)
+                    self._red_pair(addr + Int64(4), q1)
+                    self._red_pair(addr + Int64(8), q2)
+                    self._red_pair(addr + Int64(12), q3)
+                else:
+                    out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
+                    I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
             c_gl_wr += c_gl_stride * Int32(per_iter)
             c_sh_rd += c_sh_stride * Int32(per_iter)
         cute.arch.sync_threads()

@@ -109,10 +109,14 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
     )
 
 
-class _GemmLaunch:
-    """A resolved kernel plus its checked residency, cached per (bundle, spec)."""
+class PersistentLaunch:
+    """A resolved persistent kernel (GEMM or fused MoE) whose co-residency has been checked.
 
-    def __init__(self, bundle: Bundle, spec: GemmSpec):
+    Its CTAs wait on each other (split-K turns, grid barriers), so a grid with CTAs that
+    are not resident at once would deadlock: refuse the kernel instead.  Cached per spec.
+    """
+
+    def __init__(self, bundle: Bundle, spec):
         self.spec = spec
         self.kernel: LoadedKernel = bundle.kernel(spec.key())
         self.kernel.bind(spec.SIGNATURE)
@@ -127,7 +131,7 @@ class _GemmLaunch:
                 f"{spec.key().describe()}: only {resident} CTAs per SM fit on {bundle.profile.name} "
                 f"({self.kernel.record.registers} registers, {self.kernel.record.dynamic_smem_bytes} B shared), "
                 f"the plan needs {spec.blocks_per_sm}; a persistent grid that is not co-resident can deadlock "
-                "in the split-K waits. Rebuild the bundle for this device profile."
+                "in its split-K waits or grid barriers. Rebuild the bundle for this device profile."
             )
 
 
@@ -182,7 +186,7 @@ def w4a16_moe_gemm(
         spec = gemm_spec_for(plan, weights.dtype, weights.n, weights.k, top_k, a_per_route=a_per_route,
                              mul_topk_weights=mul_topk_weights, epilogue=epilogue, layout=weights.layout,
                              scale_format=weights.scale_format)
-        launch = bundle.plans.get(("w4a16_gemm_kernel", spec)) or _GemmLaunch(bundle, spec)
+        launch = bundle.plans.get(("w4a16_gemm_kernel", spec)) or PersistentLaunch(bundle, spec)
         bundle.plans[("w4a16_gemm_kernel", spec)] = launch
         entry = bundle.plans[cache_key] = (plan, launch)
     plan, launch = entry
