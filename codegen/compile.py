@@ -19,7 +19,7 @@ from cuteaot.runtime.errors import BuildError
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import FAMILIES
 
-from .kernels import activation, probe, route_pack, topk_sum, w4a16_gemm
+from .kernels import activation, probe, route_pack, topk_sum, w4a16_fused, w4a16_gemm
 from .ptx import check_abi, parse_entry
 from .resources import read_resources
 
@@ -29,6 +29,7 @@ BUILDERS = {
     "moe_topk_sum": topk_sum.build,
     "moe_route_pack": route_pack.build,
     "w4a16_moe_gemm": w4a16_gemm.build,
+    "w4a16_fused_moe": w4a16_fused.build,
     "intrinsic_probe": probe.build,
 }
 # Dynamic shared memory per family (bytes) where it is a constant; a spec with a

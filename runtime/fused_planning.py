@@ -1,0 +1,185 @@
+"""Launch planning for the fused W4A16 MoE kernel (FC1 -> activation -> FC2 in one launch).
+
+Plain Python shared by the build (which fused kernels to compile) and the
+server (grid, buffer capacities).  It builds on runtime/planning.py: both
+GEMMs use one route block size (they read the same packed routes), one CTA
+size (one kernel) and one blocks-per-SM count (one persistent grid).
+
+Two regimes, as in the seed:
+
+* decode (M <= DECODE_MAX_M, no expert_map, no amax calibration): every route is
+  its own 8-row block read straight from topk_ids (no route packing); FC2 adds
+  each route's row into its token's output row with red.add, so the top-k sum
+  is folded into the kernel and the output is zeroed in its prologue.  The grid
+  is right-sized to a whole number of FC1 tile waves, so each CTA owns whole-K
+  FC1 tiles (no split-K), and wide N tiles are chosen where they save a wave.
+* packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
+  separate top-k sum kernel combines them; the grid is every co-resident CTA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import DeviceProfile
+from .errors import BadInputError
+from .planning import (
+    ALLOWED_MOE_BLOCK_SIZES,
+    LARGE_BATCH_TILE_CONFIGS,
+    SMALL_BATCH_TILE_CONFIGS,
+    ScaleFormat,
+    TileConfig,
+    _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
+    _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
+    blocks_per_sm,
+    cta_m_blocks,
+    estimated_registers,
+    max_packed_route_slots,
+    select_route_block_size,
+    select_tile,
+    splitk_scratch_floats,
+    tile_misfit,
+)
+from .weights import stored_dims
+
+DECODE_MAX_M = 8  # tokens up to which the decode regime (direct routes, fused top-k sum) is used
+BARRIER_WORDS = 4  # int32 words before the split-K lock slots: grid-barrier count, sense, padding
+WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
+_SCALE = ScaleFormat.E4M3_K16
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """One fused launch: kernel facts (tiles, block, blocks/SM) and launch facts (grid)."""
+
+    m: int
+    decode: bool
+    moe_block_size: int
+    fc1_tile: TileConfig
+    fc2_tile: TileConfig
+    blocks_per_sm: int
+    grid_x: int
+    max_grid_x: int  # sm_count * blocks_per_sm: co-residency bound, sizes locks and scratch
+    max_route_slots: int
+    max_route_blocks: int
+
+    @property
+    def whole_tiles_m8(self) -> bool:
+        """8-row blocks take one whole-K tile per CTA when the tiles fit the grid (the seed's fused choice)."""
+        return self.moe_block_size == 8
+
+    @property
+    def lock_words(self) -> int:
+        return BARRIER_WORDS + self.max_grid_x
+
+    @property
+    def c_tmp_floats(self) -> int:
+        """Split-K scratch shared by both GEMMs (FC2 starts after a grid barrier)."""
+        return max(splitk_scratch_floats(self.max_grid_x, self.moe_block_size, t.tile_n)
+                   for t in (self.fc1_tile, self.fc2_tile))
+
+
+def fused_gemm_dims(hidden_size: int, intermediate_size: int, gated: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Stored (N, K) of FC1 and FC2 (sizes zero-padded to multiples of 128, runtime/weights.py)."""
+    fc1_n = intermediate_size * (2 if gated else 1)
+    return stored_dims(fc1_n, hidden_size), stored_dims(hidden_size, intermediate_size)
+
+
+def plan_fused(
+    m: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+    gated: bool,
+    profile: DeviceProfile,
+    *,
+    expert_map: bool = False,
+    collect_amax: bool = False,
+) -> FusedPlan:
+    """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count)."""
+    for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                    ("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise BadInputError(f"{name} must be a positive int, got {v!r}")
+    if top_k > num_experts:
+        raise BadInputError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    (n1, k1), (n2, k2) = fused_gemm_dims(hidden_size, intermediate_size, gated)
+    decode = m <= DECODE_MAX_M and not expert_map and not collect_amax
+    block = 8 if decode else select_route_block_size(m, top_k, num_experts)
+    routes = m * top_k
+
+    t1, _ = select_tile(m, n1, k1, top_k, block, _SCALE, profile)
+    t2, _ = select_tile(m, n2, k2, top_k, block, _SCALE, profile)
+    if t1.threads != t2.threads:
+        threads = min(t1.threads, t2.threads)
+        t1, _ = select_tile(m, n1, k1, top_k, block, _SCALE, profile, threads=threads)
+        t2, _ = select_tile(m, n2, k2, top_k, block, _SCALE, profile, threads=threads)
+    if decode:
+        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile)
+
+    def per_sm(n: int, tile: TileConfig) -> int:
+        return blocks_per_sm(m, n, top_k, block, tile, _SCALE, profile, estimated_registers(tile, block))
+
+    bps = min(per_sm(n1, t1), per_sm(n2, t2))
+    cap = profile.sm_count * bps
+    grid_x = cap
+    if decode:
+        # the fewest whole FC1 waves that fit the co-resident grid, one whole tile per CTA a wave
+        fc1_tiles = routes * (n1 // t1.tile_n)
+        waves = -(-fc1_tiles // cap)
+        if fc1_tiles % waves == 0:
+            grid_x = fc1_tiles // waves
+        slots, blocks = routes * block, routes
+    else:
+        slots = max_packed_route_slots(routes, block, num_experts)
+        blocks = slots // block
+    return FusedPlan(
+        m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
+        grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks,
+    )
+
+
+def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile) -> tuple[TileConfig, TileConfig]:
+    """The seed's decode overrides: 256-wide N tiles where they remove a persistent wave.
+
+    FC1 widens only when the default tile needs two waves of SMs and the wide one
+    fits one; FC2 (usually twice FC1's tiles) widens whenever it fits, so it runs in
+    FC1's waves.  Both keep 256 threads (the fused kernel's one CTA size).  The
+    seed's further 512x32 FC2 tile is not ported (tiles here are multiples of 64).
+    """
+    def fits(n, k):
+        return tile_misfit(n, k, 8, WIDE_TILE, _SCALE, profile) is None
+
+    sms = profile.sm_count
+    default_tiles = routes * (n1 // t1.tile_n)
+    if (t1 == TileConfig(128, 128) and sms < default_tiles <= 2 * sms and default_tiles // 2 <= sms
+            and fits(n1, k1)):
+        t1 = WIDE_TILE
+    if t2 == TileConfig(128, 128) and t1.threads == WIDE_TILE.threads and fits(n2, k2):
+        t2 = WIDE_TILE
+    return t1, t2
+
+
+def workspace_bounds(max_tokens: int, top_k: int, num_experts: int, profile: DeviceProfile) -> dict[str, int]:
+    """Upper bounds of every buffer a fused launch with m <= max_tokens can need on `profile`.
+
+    Exact per-plan sizes depend on m; a layer preallocates these bounds once so that
+    every bucket (and CUDA-graph capture) runs without allocating.
+    """
+    routes = max_tokens * top_k
+    tiles = {t.tile_n for t in SMALL_BATCH_TILE_CONFIGS + LARGE_BATCH_TILE_CONFIGS} | {WIDE_TILE.tile_n}
+
+    def grid(block: int) -> int:  # blocks_per_sm's caps: 4 CTAs/SM for one-MMA-row tiles, 2 for taller
+        per_sm = _MAX_BLOCKS_PER_SM_ONE_M_BLOCK if cta_m_blocks(block) == 1 else _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK
+        return profile.sm_count * per_sm
+
+    c_tmp = max(splitk_scratch_floats(grid(b), b, n) for b in ALLOWED_MOE_BLOCK_SIZES for n in tiles)
+    slots = max([routes * 8] + [max_packed_route_slots(routes, b, num_experts) for b in ALLOWED_MOE_BLOCK_SIZES])
+    return {
+        "c_tmp_floats": c_tmp,
+        "lock_words": BARRIER_WORDS + max(grid(b) for b in ALLOWED_MOE_BLOCK_SIZES),
+        "route_slots": slots,
+        "route_blocks": max(routes, max(max_packed_route_slots(routes, b, num_experts) // b
+                                        for b in ALLOWED_MOE_BLOCK_SIZES)),
+    }

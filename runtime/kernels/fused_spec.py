@@ -1,0 +1,218 @@
+"""Compile-time facts of one fused W4A16 MoE kernel: FC1 -> activation -> FC2 in one launch.
+
+The kernel (codegen/kernels/w4a16_fused.py, ported from the seed's
+`W4A16FusedMoeKernel`) is a persistent grid that runs
+
+    [decode: zero out]  FC1 GEMM  |barrier|  activation  |barrier|
+    [expert_map: zero FC2 rows |barrier|]  [amax]  FC2 GEMM
+
+where the two GEMMs are the grouped GEMM of gemm_spec.py, specialised by
+`fc1_gemm` / `fc2_gemm` below, and |barrier| is a sense-reversing grid
+barrier on the first words of `locks`.  Every CTA of the grid must be resident
+at once (the runtime checks it with the occupancy API before the first launch).
+
+Buffers (row = route = token * top_k + k; widths are the logical sizes):
+    fc1_out   (routes, 2I | I)   FC1 output (gated: [gate | up])
+    activated (routes, I)        activation output = FC2 input (relu2: FC1 writes it directly)
+    fc2_out   (routes, H)        FC2 output rows (packed path; may alias fc1_out), or
+              (M, H)             the final output, summed over top-k in the kernel (decode)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..abi import Param, ParamKind, Signature
+from ..errors import BadInputError
+from ..fused_planning import BARRIER_WORDS, FusedPlan, fused_gemm_dims
+from ..keys import KernelKey
+from ..planning import TileConfig
+from ..types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT, Activation, DType
+from .activation import ActivationSpec
+from .gemm_spec import Epilogue, GemmSpec, Routes
+
+
+@dataclass(frozen=True)
+class FusedSpec:
+    FAMILY = "w4a16_fused_moe"
+    VERSION = 1
+    SIGNATURE = Signature(
+        (
+            Param("a", ParamKind.PTR, "(M, H) dtype hidden states"),
+            Param("w13", ParamKind.PTR, "(E, H/16, 2*N1) int32 packed FC1 weights"),
+            Param("w2", ParamKind.PTR, "(E, I/16, 2*H) int32 packed FC2 weights"),
+            Param("fc1_out", ParamKind.PTR, "(routes, fc1 width) dtype FC1 output"),
+            Param("activated", ParamKind.PTR, "(routes, I) dtype activation output"),
+            Param("fc2_out", ParamKind.PTR, "(routes, H) dtype FC2 rows, or (M, H) output when decode"),
+            Param("w13_scales", ParamKind.PTR, "FC1 uint8 S0E5M3 block scales, permuted"),
+            Param("w2_scales", ParamKind.PTR, "FC2 uint8 S0E5M3 block scales, permuted"),
+            Param("w13_global_scale", ParamKind.PTR, "(E,) float32"),
+            Param("w2_global_scale", ParamKind.PTR, "(E,) float32"),
+            Param("route_indices", ParamKind.PTR, "int32 packed route slots, or flat topk_ids (decode)"),
+            Param("block_experts", ParamKind.PTR, "int32 expert per packed block (-1 = none/remote)"),
+            Param("route_count", ParamKind.PTR, "int32[1] packed slot count"),
+            Param("topk_weights", ParamKind.PTR, "(M, top_k) float32 router weights"),
+            Param("c_tmp", ParamKind.PTR, "float32 split-K partials (shared by FC1 and FC2)"),
+            Param("locks", ParamKind.PTR, "int32: barrier words then split-K lock slots; zero between launches"),
+            Param("amax", ParamKind.PTR, "(layers, E, 2) float32 activation maxima (read if collect_amax)"),
+            Param("layer", ParamKind.I32, "layer index into amax"),
+            Param("tokens", ParamKind.I32, "M"),
+        )
+    )
+
+    dtype: DType
+    hidden_size: int  # logical H
+    intermediate_size: int  # logical I (per tensor-parallel shard)
+    top_k: int
+    activation: Activation
+    fc1_tile_n: int
+    fc1_tile_k: int
+    fc2_tile_n: int
+    fc2_tile_k: int
+    moe_block_size: int
+    blocks_per_sm: int
+    decode: bool = False  # direct routes + top-k sum folded into FC2 (M <= 8)
+    router_weight_on_input: bool = False  # router weight applied to FC1's output rows instead of FC2's
+    expert_map: bool = False  # some experts are remote: zero FC2 rows before FC2
+    collect_amax: bool = False  # calibration: max |FC1 input| and |FC2 input| per expert into amax
+    fast_math: bool = True
+    swiglu_alpha: Optional[float] = None
+    swiglu_beta: Optional[float] = None
+    swiglu_limit: Optional[float] = None
+    whole_tiles_m8: bool = True
+    amax_experts: int = 0  # collect_amax: experts in the weights (rows of the amax table); else 0
+
+    @classmethod
+    def for_plan(cls, plan: FusedPlan, dtype: DType, hidden_size: int, intermediate_size: int, num_experts: int,
+                 top_k: int, activation: Activation | str, *, router_weight_on_input: bool = False,
+                 expert_map: bool = False, collect_amax: bool = False, fast_math: bool = True,
+                 swiglu_alpha: float | None = None, swiglu_beta: float | None = None,
+                 swiglu_limit: float | None = None) -> "FusedSpec":
+        """The kernel a plan selects; num_experts = experts in the weights (sizes the amax table only)."""
+        act = Activation(activation)
+        if act is Activation.RELU2:
+            fast_math = False  # no transcendental
+        if act is Activation.SWIGLUOAI:
+            swiglu_alpha = SWIGLUOAI_DEFAULT_ALPHA if swiglu_alpha is None else float(swiglu_alpha)
+            swiglu_beta = SWIGLUOAI_DEFAULT_BETA if swiglu_beta is None else float(swiglu_beta)
+            swiglu_limit = SWIGLUOAI_DEFAULT_LIMIT if swiglu_limit is None else float(swiglu_limit)
+        return cls(
+            dtype=DType(dtype), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            top_k=top_k, activation=act, amax_experts=num_experts if collect_amax else 0,
+            fc1_tile_n=plan.fc1_tile.tile_n, fc1_tile_k=plan.fc1_tile.tile_k,
+            fc2_tile_n=plan.fc2_tile.tile_n, fc2_tile_k=plan.fc2_tile.tile_k,
+            moe_block_size=plan.moe_block_size, blocks_per_sm=plan.blocks_per_sm, decode=plan.decode,
+            router_weight_on_input=bool(router_weight_on_input), expert_map=bool(expert_map),
+            collect_amax=bool(collect_amax), fast_math=bool(fast_math),
+            swiglu_alpha=None if swiglu_alpha is None else float(swiglu_alpha),
+            swiglu_beta=None if swiglu_beta is None else float(swiglu_beta),
+            swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
+            whole_tiles_m8=plan.whole_tiles_m8,
+        )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        object.__setattr__(self, "activation", Activation(self.activation))
+        if self.decode and (self.expert_map or self.collect_amax or self.moe_block_size != 8):
+            raise BadInputError("decode (direct routes, fused top-k sum) needs 8-row blocks, no expert_map, no amax")
+        if (self.amax_experts > 0) != self.collect_amax:
+            raise BadInputError("amax_experts is the amax table's expert count: set exactly when collect_amax")
+        if self.fc1_tile_n * self.fc1_tile_k != self.fc2_tile_n * self.fc2_tile_k:
+            raise BadInputError("FC1 and FC2 tiles must use the same CTA size (tile_n * tile_k / 64 threads)")
+        for name in ("swiglu_alpha", "swiglu_beta", "swiglu_limit"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise BadInputError(f"{name} must be finite, got {v}")
+        self.activation_spec  # validates I and the swiglu parameters
+        self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
+
+    # --------------------------------------------------------------- parts
+
+    @property
+    def gated(self) -> bool:
+        return self.activation.is_gated
+
+    @property
+    def activation_spec(self) -> ActivationSpec:
+        return ActivationSpec(self.activation, self.dtype, self.intermediate_size, self.fast_math,
+                              self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
+
+    def _gemm(self, n, k, logical_n, logical_k, tile_n, tile_k, **facts) -> GemmSpec:
+        return GemmSpec(
+            dtype=self.dtype, n=n, k=k, n_out=None if logical_n == n else logical_n,
+            k_in=None if logical_k == k else logical_k, tile_n=tile_n, tile_k=tile_k,
+            moe_block_size=self.moe_block_size, blocks_per_sm=self.blocks_per_sm,
+            routes=Routes.DIRECT if self.decode else Routes.PACKED, whole_tiles_m8=self.whole_tiles_m8, **facts,
+        )
+
+    @property
+    def fc1_width(self) -> int:
+        return self.intermediate_size * (2 if self.gated else 1)
+
+    @property
+    def fc1_gemm(self) -> GemmSpec:
+        (n1, k1), _ = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+        return self._gemm(n1, k1, self.fc1_width, self.hidden_size, self.fc1_tile_n, self.fc1_tile_k,
+                          top_k=self.top_k, mul_topk_weights=self.router_weight_on_input,
+                          epilogue=Epilogue.NONE if self.gated else Epilogue.RELU2)
+
+    @property
+    def fc2_gemm(self) -> GemmSpec:
+        _, (n2, k2) = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+        return self._gemm(n2, k2, self.hidden_size, self.intermediate_size, self.fc2_tile_n, self.fc2_tile_k,
+                          top_k=1, mul_topk_weights=not self.router_weight_on_input, epilogue=Epilogue.NONE,
+                          sum_topk=self.top_k if self.decode else 0)
+
+    @property
+    def fc1_tile(self) -> TileConfig:
+        return TileConfig(self.fc1_tile_k, self.fc1_tile_n)
+
+    @property
+    def threads(self) -> int:
+        return self.fc1_gemm.threads
+
+    @property
+    def shared_bytes(self) -> int:
+        return max(self.fc1_gemm.shared_bytes, self.fc2_gemm.shared_bytes)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        return self.shared_bytes
+
+    @property
+    def barrier_words(self) -> int:
+        return BARRIER_WORDS
+
+    # --------------------------------------------------------------- key
+
+    def key(self) -> KernelKey:
+        facts = {
+            "dtype": self.dtype.value,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "amax_experts": self.amax_experts,
+            "top_k": self.top_k,
+            "activation": self.activation.value,
+            "fc1_tile_n": self.fc1_tile_n,
+            "fc1_tile_k": self.fc1_tile_k,
+            "fc2_tile_n": self.fc2_tile_n,
+            "fc2_tile_k": self.fc2_tile_k,
+            "moe_block_size": self.moe_block_size,
+            "blocks_per_sm": self.blocks_per_sm,
+            "decode": self.decode,
+            "router_weight_on_input": self.router_weight_on_input,
+            "expert_map": self.expert_map,
+            "collect_amax": self.collect_amax,
+            "fast_math": self.fast_math,
+            "swiglu_alpha": self.swiglu_alpha,
+            "swiglu_beta": self.swiglu_beta,
+            "swiglu_limit": self.swiglu_limit,
+            "whole_tiles_m8": self.whole_tiles_m8,
+        }
+        return KernelKey(self.FAMILY, self.VERSION, facts)
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> "FusedSpec":
+        return cls(**facts)
