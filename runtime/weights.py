@@ -85,6 +85,7 @@ class W13Order(str, Enum):
 
     GATE_UP = "gate_up"  # ModelOpt's usual w13: gate rows [0, I), up rows [I, 2I)
     UP_GATE = "up_gate"  # w31: up rows first
+    INTERLEAVED = "interleaved"  # gpt-oss: gate rows at even indices, up rows at odd ones
 
 
 class ScaleFlushWarning(UserWarning):
@@ -216,6 +217,9 @@ def prepare_w13(
     if row_order is W13Order.UP_GATE:
         weight = torch.cat((weight[:, half:], weight[:, :half]), dim=1)
         weight_scale = torch.cat((weight_scale[:, half:], weight_scale[:, :half]), dim=1)
+    elif row_order is W13Order.INTERLEAVED:  # de-interleave at preparation time: the kernels read [gate | up]
+        weight = torch.cat((weight[:, 0::2], weight[:, 1::2]), dim=1)
+        weight_scale = torch.cat((weight_scale[:, 0::2], weight_scale[:, 1::2]), dim=1)
     global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, half)
     packed = _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_")
     _warn_if_flushed(packed, "w13_weight_scale")

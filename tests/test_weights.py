@@ -167,6 +167,11 @@ def test_w13_shared_global_scale_is_exact_in_both_orders():
     _assert_same_packed(prepare_w13(swapped_w, swapped_s, scale_2, "bf16", order="up_gate"), packed)
     pair = scale_2.view(-1, 1).expand(-1, 2).contiguous()  # equal (gate, up) values: still exact
     _assert_same_packed(prepare_w13(weight, scale, pair, "bf16"), packed)
+    # gpt-oss interleaves the rows (g0, u0, g1, u1, ...): de-interleaved at preparation
+    mixed_w = torch.stack((weight[:, :inter], weight[:, inter:]), dim=2).reshape(weight.shape)
+    mixed_s = torch.stack((scale[:, :inter], scale[:, inter:]), dim=2).reshape(scale.shape)
+    assert torch.equal(mixed_w[:, 1], weight[:, inter])
+    _assert_same_packed(prepare_w13(mixed_w, mixed_s, scale_2, "bf16", order="interleaved"), packed)
 
 
 @pytest.mark.parametrize("order", ["gate_up", "up_gate"])

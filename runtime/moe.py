@@ -1,0 +1,347 @@
+"""The serving API: one fused W4A16 MoE layer, built once, called every step.
+
+    layer = MoeLayer(bundle, w13, w2, top_k=8, activation="silu")   # prepare_w13 / prepare_w2 weights
+    out = layer(hidden_states, topk_weights, topk_ids)               # (M, H), same dtype as the input
+
+A call validates its inputs, picks the launch plan of its token count (cached),
+and launches on torch's current stream:
+
+* M <= 8 (no expert_map, no calibration): one fused kernel; routes read straight
+  from topk_ids, the top-k sum folded into FC2 (red.add into the zeroed output).
+* otherwise: route packing, the fused kernel (FC2 rows per route), the top-k sum.
+
+Buffers are preallocated for `max_tokens` (default: the largest token bucket of
+the bundle); larger calls run in chunks of `max_tokens` tokens.  Each stream gets
+its own workspace (the first call on a stream allocates it; CUDA-graph capture on
+a stream that has none uses the layer's default workspace, allocated with the
+layer), so layers may run on several streams at once.  Every launch leaves the
+barrier/lock words at zero.  `run_w4a16_moe` is the functional form; the
+`cuteaot::moe_layer` torch custom op makes a layer usable under torch.compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .bundle import Bundle, current_stream_handle
+from .errors import BadInputError
+from .fused_planning import FusedPlan, plan_fused, workspace_bounds
+from .kernels.fused_spec import FusedSpec
+from .kernels.gemm import PersistentLaunch
+from .kernels.route_pack import MAX_EXPERTS, pack_routes, route_pack_workspace_elements
+from .kernels.topk_sum import moe_topk_sum
+from .tensors import check_rank, check_tensor
+from .types import Activation, DType
+from .weights import PackedNvfp4
+
+__all__ = ["MoeLayer", "MoeWorkspace", "run_w4a16_moe"]
+
+
+@dataclass
+class MoeWorkspace:
+    """Every buffer a layer's launches need for up to `max_tokens` tokens (no allocation per call)."""
+
+    max_tokens: int
+    fc13: torch.Tensor  # FC1 output rows, reused for FC2 output rows (routes x max(fc1 width, H))
+    activated: torch.Tensor  # routes x I
+    c_tmp: torch.Tensor  # float32 split-K partials
+    locks: torch.Tensor  # int32 barrier words + lock slots; zero between launches
+    route_indices: torch.Tensor
+    block_experts: torch.Tensor
+    route_count: torch.Tensor
+    route_pack: torch.Tensor
+
+    @classmethod
+    def allocate(cls, layer: "MoeLayer", max_tokens: int) -> "MoeWorkspace":
+        b = workspace_bounds(max_tokens, layer.top_k, layer.route_experts, layer.bundle.profile)
+        routes = max_tokens * layer.top_k
+        dev, i32 = layer.device, dict(dtype=torch.int32, device=layer.device)
+        return cls(
+            max_tokens=max_tokens,
+            fc13=torch.empty(routes * max(layer.fc1_width, layer.hidden_size), dtype=layer.dtype.torch, device=dev),
+            activated=torch.empty(routes * layer.intermediate_size, dtype=layer.dtype.torch, device=dev),
+            c_tmp=torch.empty(b["c_tmp_floats"], dtype=torch.float32, device=dev),
+            locks=torch.zeros(b["lock_words"], **i32),
+            route_indices=torch.empty(b["route_slots"], **i32),
+            block_experts=torch.empty(b["route_blocks"], **i32),
+            route_count=torch.zeros(1, **i32),
+            route_pack=torch.empty(route_pack_workspace_elements(routes, layer.route_experts), **i32),
+        )
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    plan: FusedPlan
+    spec: FusedSpec
+    launch: PersistentLaunch
+
+
+_LAYERS: "weakref.WeakValueDictionary[str, MoeLayer]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+class MoeLayer:
+    """A fused W4A16 MoE layer bound to one bundle, one device and one set of prepared weights.
+
+    w13: prepare_w13(...) (N = 2I gate|up for silu/swigluoai, N = I for relu2; K = H)
+    w2:  prepare_w2(...)  (N = H, K = I)
+    expert_map: optional (global experts,) int32 on the device: global id -> local
+        weight index, -1 for experts held by other ranks; their routes contribute 0.
+    router_weight_on_input: scale FC1's rows by the router weight (= weighting the
+        input, FC1 being linear) instead of FC2's.
+    validate_ids: check topk_ids values on the host (one device sync per call; skipped
+        under CUDA-graph capture and torch.compile).  Out-of-range ids are otherwise
+        dropped by the kernels, leaving their rows undefined.
+    """
+
+    def __init__(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4, *, top_k: int,
+                 activation: Activation | str = "silu", swiglu_alpha: float | None = None,
+                 swiglu_beta: float | None = None, swiglu_limit: float | None = None, fast_math: bool = True,
+                 router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None,
+                 max_tokens: int | None = None, validate_ids: bool = True):
+        try:
+            self.activation = Activation(activation)
+        except ValueError:
+            raise BadInputError(f"activation must be one of {[a.value for a in Activation]}, got {activation!r}") from None
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not isinstance(w, PackedNvfp4):
+                raise BadInputError(f"{name} must be a PackedNvfp4 (prepare_{name}), got {type(w).__name__}")
+            if w.device != bundle.device:
+                raise BadInputError(f"{name} is on {w.device}, the bundle on {bundle.device}")
+        if w13.dtype != w2.dtype:
+            raise BadInputError(f"w13 was prepared for {w13.dtype.value}, w2 for {w2.dtype.value}")
+        if w13.num_experts != w2.num_experts:
+            raise BadInputError(f"w13 has {w13.num_experts} experts, w2 {w2.num_experts}")
+        gated = self.activation.is_gated
+        inter = w2.k
+        if w13.n != inter * (2 if gated else 1) or w13.k != w2.n:
+            raise BadInputError(
+                f"w13 is {w13.n}x{w13.k} and w2 {w2.n}x{w2.k} (N x K); {self.activation.value} needs "
+                f"w13 = {'2I' if gated else 'I'} x H and w2 = H x I"
+            )
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise BadInputError(f"top_k must be a positive int, got {top_k!r}")
+        self.bundle, self.device, self.dtype = bundle, bundle.device, w13.dtype
+        self.w13, self.w2 = w13, w2
+        self.hidden_size, self.intermediate_size, self.top_k = w13.k, inter, top_k
+        self.fc1_width = w13.n
+        self.num_experts = w13.num_experts
+        self.expert_map = expert_map
+        if expert_map is not None:
+            check_rank(expert_map, "expert_map", 1, "(global experts,) int32")
+            check_tensor(expert_map, "expert_map", dtype=torch.int32, shape=tuple(expert_map.shape),
+                         device=self.device, align=4)
+            lo, hi = (int(v) for v in torch.aminmax(expert_map))
+            if lo < -1 or hi >= self.num_experts:
+                raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
+                                    f"got range [{lo}, {hi}]")
+        self.route_experts = self.num_experts if expert_map is None else expert_map.shape[0]
+        if self.route_experts > MAX_EXPERTS:
+            raise BadInputError(f"at most {MAX_EXPERTS} experts are supported, got {self.route_experts}")
+        if top_k > self.route_experts:
+            raise BadInputError(f"top_k={top_k} exceeds the {self.route_experts} experts")
+        self.options = dict(router_weight_on_input=bool(router_weight_on_input), fast_math=bool(fast_math),
+                            swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
+        FusedSpec.for_plan(plan_fused(1, self.hidden_size, inter, self.route_experts, top_k, gated, bundle.profile),
+                           self.dtype, self.hidden_size, inter, self.num_experts, top_k, self.activation,
+                           **self.options)  # validates the activation parameters now
+        self.max_tokens = _bundle_max_tokens(bundle) if max_tokens is None else max_tokens
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise BadInputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        self.validate_ids = validate_ids
+        self._resolved: dict[tuple[int, bool], _Resolved] = {}
+        # Layers of one shape share workspaces (a model's layers run one after another on a stream).
+        self._ws_key = ("moe_workspace", self.hidden_size, inter, self.fc1_width, top_k, self.route_experts,
+                        self.dtype, self.max_tokens)
+        if (*self._ws_key, "default") not in bundle.plans:
+            bundle.plans[(*self._ws_key, "default")] = MoeWorkspace.allocate(self, self.max_tokens)
+        self.id = f"moe-layer-{next(_IDS)}"
+        _LAYERS[self.id] = self
+
+    # ------------------------------------------------------------------ resolution
+
+    def resolve(self, m: int, collect_amax: bool = False) -> _Resolved:
+        """The plan, kernel spec and checked kernel of an m-token call (cached)."""
+        r = self._resolved.get((m, collect_amax))
+        if r is None:
+            plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.route_experts, self.top_k,
+                              self.activation.is_gated, self.bundle.profile, expert_map=self.expert_map is not None,
+                              collect_amax=collect_amax)
+            spec = FusedSpec.for_plan(plan, self.dtype, self.hidden_size, self.intermediate_size, self.num_experts,
+                                      self.top_k, self.activation, expert_map=self.expert_map is not None,
+                                      collect_amax=collect_amax, **self.options)
+            key = ("w4a16_fused_kernel", spec)
+            launch = self.bundle.plans.get(key) or PersistentLaunch(self.bundle, spec)
+            self.bundle.plans[key] = launch
+            r = self._resolved[(m, collect_amax)] = _Resolved(plan, spec, launch)
+        return r
+
+    def workspace(self, stream: int | None = None) -> MoeWorkspace:
+        """The workspace of a stream (torch's current one by default), allocated on first use.
+
+        Shared by every layer of this shape on the bundle.  The first stream takes the
+        default workspace allocated with the first layer; a stream first seen while it
+        captures a CUDA graph also uses it (allocate-free capture): replay such graphs on
+        one stream at a time, or run the layer once on each capture stream beforehand.
+        """
+        stream = current_stream_handle(self.device.index) if stream is None else stream
+        plans = self.bundle.plans
+        ws = plans.get((*self._ws_key, stream))
+        if ws is None:
+            default = plans[(*self._ws_key, "default")]
+            if _capturing(self.device):
+                return default
+            taken = any(k[:-1] == self._ws_key and k[-1] != "default" and v is default
+                        for k, v in plans.items() if isinstance(k, tuple) and k[:1] == ("moe_workspace",))
+            ws = MoeWorkspace.allocate(self, self.max_tokens) if taken else default
+            plans[(*self._ws_key, stream)] = ws
+        return ws
+
+    # ------------------------------------------------------------------ call
+
+    def __call__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 out: torch.Tensor | None = None, activation_amax: torch.Tensor | None = None,
+                 layer_idx: int | None = None) -> torch.Tensor:
+        """(M, H) output = sum_k w_k * FC2_e(act(FC1_e(x))) over each token's top-k experts e."""
+        if torch.compiler.is_compiling():
+            if out is None:
+                out = torch.empty_like(hidden_states)
+            torch.ops.cuteaot.moe_layer(hidden_states, topk_weights, topk_ids, out, activation_amax,
+                                        -1 if layer_idx is None else layer_idx, self.id)
+            return out
+        m = self._check(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx)
+        if out is None:
+            out = torch.empty((m, self.hidden_size), dtype=self.dtype.torch, device=self.device)
+        if m == 0:
+            return out
+        ws = self.workspace()
+        for start in range(0, m, self.max_tokens):
+            stop = min(m, start + self.max_tokens)
+            self._launch(hidden_states[start:stop], topk_weights[start:stop], topk_ids[start:stop],
+                         out[start:stop], activation_amax, layer_idx, ws)
+        return out
+
+    def _launch(self, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace) -> None:
+        m = x.shape[0]
+        r = self.resolve(m, amax is not None)
+        plan, spec = r.plan, r.spec
+        routes = m * self.top_k
+        if plan.decode:
+            ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+            route_indices = block_experts = route_count = ids
+        else:
+            route_indices, block_experts, route_count = pack_routes(
+                self.bundle, topk_ids, self.route_experts, plan.moe_block_size, expert_map=self.expert_map,
+                packed_route_indices=ws.route_indices[: plan.max_route_slots],
+                block_expert_ids=ws.block_experts[: plan.max_route_blocks],
+                packed_route_count=ws.route_count,
+                workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
+            )
+        fc2_target = out if plan.decode else ws.fc13
+        r.launch.kernel.launch(
+            plan.grid_x, current_stream_handle(self.device.index),
+            x.data_ptr(), self.w13.qweight.data_ptr(), self.w2.qweight.data_ptr(), ws.fc13.data_ptr(),
+            ws.activated.data_ptr(), fc2_target.data_ptr(), self.w13.scales.data_ptr(), self.w2.scales.data_ptr(),
+            self.w13.global_scale.data_ptr(), self.w2.global_scale.data_ptr(), route_indices.data_ptr(),
+            block_experts.data_ptr(), route_count.data_ptr(), topk_weights.data_ptr(), ws.c_tmp.data_ptr(),
+            ws.locks.data_ptr(), (amax if amax is not None else ws.c_tmp).data_ptr(),
+            0 if layer_idx is None else layer_idx, m,
+        )
+        if not plan.decode:
+            fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
+            moe_topk_sum(self.bundle, fc2, out)
+
+    # ------------------------------------------------------------------ validation
+
+    def _check(self, x, topk_weights, topk_ids, out, amax, layer_idx) -> int:
+        check_rank(x, "hidden_states", 2, f"(M, {self.hidden_size})")
+        m = x.shape[0]
+        dt = self.dtype.torch
+        check_tensor(x, "hidden_states", dtype=dt, shape=(m, self.hidden_size), device=self.device)
+        check_rank(topk_ids, "topk_ids", 2, f"(M, {self.top_k})")
+        if topk_ids.shape[1] != self.top_k:
+            raise BadInputError(f"topk_ids has top_k={topk_ids.shape[1]}, the layer was built for top_k={self.top_k}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise BadInputError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        check_tensor(topk_ids, "topk_ids", dtype=topk_ids.dtype, shape=(m, self.top_k), device=self.device, align=4)
+        check_tensor(topk_weights, "topk_weights", dtype=torch.float32, shape=(m, self.top_k), device=self.device,
+                     align=4)
+        if out is not None:
+            check_tensor(out, "out", dtype=dt, shape=(m, self.hidden_size), device=self.device)
+        if amax is not None:
+            check_rank(amax, "activation_amax", 3, f"(layers, {self.num_experts}, 2) float32")
+            check_tensor(amax, "activation_amax", dtype=torch.float32,
+                         shape=(amax.shape[0], self.num_experts, 2), device=self.device, align=4)
+            if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < amax.shape[0]:
+                raise BadInputError(f"layer_idx must be an int in [0, {amax.shape[0]}) with activation_amax, "
+                                    f"got {layer_idx!r}")
+        elif layer_idx is not None:
+            raise BadInputError("layer_idx is only used with activation_amax (calibration)")
+        if self.validate_ids and m and not _capturing(self.device):
+            lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+            low = -1 if self.expert_map is not None else 0
+            if lo < low or hi >= self.route_experts:
+                raise BadInputError(
+                    f"topk_ids must be in [{low}, {self.route_experts}) "
+                    f"({'-1 = dropped route, ' if low < 0 else ''}{self.route_experts} experts), got [{lo}, {hi}]"
+                )
+        return m
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _bundle_max_tokens(bundle: Bundle) -> int:
+    rows = bundle.manifest.get("resolution", [])
+    tokens = [row["tokens"] for row in rows if row.get("profile") == bundle.profile.name]
+    if not tokens:
+        raise BadInputError(f"bundle {bundle.name!r} has no token buckets for {bundle.profile.name}; pass max_tokens=")
+    return max(tokens)
+
+
+def run_w4a16_moe(bundle: Bundle, hidden_states: torch.Tensor, w13: PackedNvfp4, w2: PackedNvfp4,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu",
+                  swiglu_alpha: float | None = None, swiglu_beta: float | None = None,
+                  swiglu_limit: float | None = None, fast_math: bool = True, router_weight_on_input: bool = False,
+                  expert_map: torch.Tensor | None = None, activation_amax: torch.Tensor | None = None,
+                  layer_idx: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional MoE: builds (and caches on the bundle) the MoeLayer of these weights and options."""
+    check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
+    key = ("moe_layer", id(w13), id(w2), topk_ids.shape[1], str(activation), swiglu_alpha, swiglu_beta,
+           swiglu_limit, fast_math, router_weight_on_input, None if expert_map is None else id(expert_map))
+    entry = bundle.plans.get(key)
+    if entry is None or entry[0]() is not w13 or entry[1]() is not w2:
+        layer = MoeLayer(bundle, w13, w2, top_k=topk_ids.shape[1], activation=activation, swiglu_alpha=swiglu_alpha,
+                         swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit, fast_math=fast_math,
+                         router_weight_on_input=router_weight_on_input, expert_map=expert_map)
+        entry = bundle.plans[key] = (weakref.ref(w13), weakref.ref(w2), layer)
+    return entry[2](hidden_states, topk_weights, topk_ids, out=out, activation_amax=activation_amax,
+                    layer_idx=layer_idx)
+
+
+@torch.library.custom_op("cuteaot::moe_layer", mutates_args=("out", "activation_amax"))
+def _moe_layer_op(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  out: torch.Tensor, activation_amax: Optional[torch.Tensor], layer_idx: int, layer_id: str) -> None:
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise BadInputError(f"no MoeLayer with id {layer_id!r} is alive in this process")
+    layer(hidden_states, topk_weights, topk_ids, out=out, activation_amax=activation_amax,
+          layer_idx=None if layer_idx < 0 else layer_idx)
+
+
+@_moe_layer_op.register_fake
+def _moe_layer_fake(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx, layer_id) -> None:
+    check_rank(hidden_states, "hidden_states", 2, "(M, H)")
+    check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
+    m, h = hidden_states.shape
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_ids.shape[0] != m:
+        raise BadInputError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} "
+                            f"must both be ({m}, top_k)")
+    if tuple(out.shape) != (m, h) or out.dtype != hidden_states.dtype:
+        raise BadInputError(f"out must be ({m}, {h}) {hidden_states.dtype}, got {tuple(out.shape)} {out.dtype}")
