@@ -12,6 +12,8 @@ that loads half-written.  `--shard i/N` builds every N-th job; `merge` joins sha
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import multiprocessing
@@ -42,6 +44,9 @@ from .spec import BundleSpec, load_spec
 CODEGEN_DIR = Path(__file__).parent
 RUNTIME_DIR = Path(runtime_pkg.__file__).parent
 # Runtime modules whose content changes what is compiled (facts, signatures, profiles).
+# The sources that decide what a key compiles to (the spec reader, enumeration, this driver and the
+# CLI only decide *which* keys to compile, and the keys say that themselves).
+CODEGEN_SOURCES = ("compile.py", "intrinsics.py", "ptx.py", "resources.py", "kernels")
 RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels")
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cuda-cuobjdump")
 INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than it saves
@@ -49,7 +54,11 @@ INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than
 
 def source_fingerprint() -> str:
     """sha256 of the codegen sources and the runtime modules that decide what is compiled."""
-    files = [("codegen", f.relative_to(CODEGEN_DIR)) for f in CODEGEN_DIR.rglob("*.py")]
+    files = []
+    for name in CODEGEN_SOURCES:
+        path = CODEGEN_DIR / name
+        found = path.rglob("*.py") if path.is_dir() else [path]
+        files += [("codegen", f.relative_to(CODEGEN_DIR)) for f in found]
     for name in RUNTIME_SOURCES:
         path = RUNTIME_DIR / name
         found = path.rglob("*.py") if path.is_dir() else [path]
@@ -215,9 +224,16 @@ def build(
     workers: int | None = None,
     shard: tuple[int, int] | None = None,
     progress: bool = True,
+    targets: list[str] | None = None,
 ) -> BuildReport:
+    """Build a spec's bundle; `targets` restricts it to some of its device profiles (by name)."""
     start = time.perf_counter()
     spec = load_spec(spec_path)
+    if targets:
+        unknown = sorted(set(targets) - {t.name for t in spec.targets})
+        if unknown:
+            raise BuildError(f"--targets {unknown} are not targets of {spec_path} ({[t.name for t in spec.targets]})")
+        spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t.name in targets))
     out_root = Path(out_root)
     fingerprint, tools = source_fingerprint(), toolchain()
     selected = jobs(spec)

@@ -34,7 +34,8 @@ def cmd_build(args) -> int:
             raise SystemExit(f"--shard takes i/N (e.g. 0/4), got {args.shard!r}")
         shard = (int(i), int(n))
     for spec in args.spec:
-        report = build(spec, args.out, workers=args.jobs, shard=shard, progress=not args.quiet)
+        targets = args.targets.split(",") if args.targets else None
+        report = build(spec, args.out, workers=args.jobs, shard=shard, progress=not args.quiet, targets=targets)
         print(report.summary())
     return 0
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--shard", help="build only shard i of N (i/N); join with `cuteaot merge`")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--targets", help="build only these of the spec's device profiles (comma-separated names)")
     p.set_defaults(run=cmd_build)
     p = sub.add_parser("list", help="print the specializations a spec enumerates")
     p.add_argument("spec", nargs="+", type=Path)

@@ -60,10 +60,29 @@ def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
     return by_arch
 
 
+def fused_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
+    """Fused MoE kernels per architecture: every variant's plans for 1..max bucket tokens on each target."""
+    by_arch: dict[str, set[KernelKey]] = {}
+    for profile in spec.targets:
+        keys = by_arch.setdefault(profile.arch, set())
+        for problem in spec.moe:
+            for dtype in problem.dtypes:
+                for fast_math in problem.fast_math:
+                    if not problem.fused:
+                        continue
+                    seen = set()
+                    for m in range(1, problem.tokens[-1] + 1):
+                        for s in problem.fused_specs(m, dtype, fast_math, profile).values():
+                            if s not in seen:
+                                seen.add(s)
+                                keys.add(s.key())
+    return by_arch
+
+
 def kernel_keys(spec: BundleSpec) -> list[KernelKey]:
     """Architecture-independent kernels (element-wise, route packing, test-only probes)."""
     keys = {key for *_, roles in problem_kernels(spec) for key in roles.values()}
-    if any(p.gemm for p in spec.moe):
+    if any(p.gemm or p.fused for p in spec.moe):
         keys |= {s.key() for s in route_pack_specs()}
     if spec.probes:
         keys |= {s.key() for s in probe_specs()}
@@ -74,6 +93,7 @@ def jobs(spec: BundleSpec) -> list[Job]:
     archs = sorted({t.arch for t in spec.targets})
     common = {Job.of(key, arch) for key in kernel_keys(spec) for arch in archs}
     planned = {Job.of(key, arch) for arch, keys in gemm_keys(spec).items() for key in keys}
+    planned |= {Job.of(key, arch) for arch, keys in fused_keys(spec).items() for key in keys}
     return sorted(common | planned)
 
 
@@ -86,6 +106,8 @@ def resolution_table(spec: BundleSpec) -> list[dict]:
                 kernels = {role: key.digest for role, key in roles.items()}
                 if problem.gemm:
                     kernels.update({role: s.key().digest for role, s in problem.gemm_specs(tokens, dtype, profile).items()})
+                kernels.update({role: s.key().digest
+                                for role, s in problem.fused_specs(tokens, dtype, fast_math, profile).items()})
                 rows.append(
                     {
                         "profile": profile.name,

@@ -18,6 +18,12 @@ name the file, the line, the field and what is allowed.
         fast_math: true             # one value or a list to enumerate
         tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending
         gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing
+        tp: [1, 2]                  # optional: one problem per tensor-parallel degree, named
+                                    # <name>-tp<N> with intermediate_size / N (the per-rank shard)
+        fused: true                 # build the fused MoE kernels (+ route packing) for MoeLayer;
+                                    # or a mapping of variant lists to enumerate, e.g.
+                                    # {router_weight_on_input: [false, true], expert_map: [false, true],
+                                    #  calibration: [false, true]}   (default: all false)
     probes: true                    # optional: also build the test-only intrinsic probe kernels
                                     # (`moe` may then be left out; see specs/probes.yaml)
 """
@@ -35,6 +41,8 @@ import yaml
 from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
+from cuteaot.runtime.fused_planning import plan_fused
+from cuteaot.runtime.kernels.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
 from cuteaot.runtime.types import Activation, DType
 
@@ -56,6 +64,8 @@ class MoeProblem:
     fast_math: tuple[bool, ...]
     tokens: tuple[int, ...]
     gemm: bool = False
+    # fused MoE variants to build: (router_weight_on_input, expert_map, calibration) triples
+    fused: tuple[tuple[bool, bool, bool], ...] = ()
 
     @property
     def fc1_n(self) -> int:
@@ -76,6 +86,22 @@ class MoeProblem:
             "fc2_gemm": gemm_spec_for(fc2, dtype, self.hidden_size, self.intermediate_size, self.top_k,
                                       a_per_route=True, mul_topk_weights=True, epilogue="none"),
         }
+
+    def fused_specs(self, m: int, dtype: DType, fast_math: bool, profile: DeviceProfile) -> dict:
+        """{"fused[...]": FusedSpec} of every fused variant the runtime plans for m tokens on `profile`."""
+        specs = {}
+        for on_input, expert_map, calibration in self.fused:
+            plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k,
+                              self.activation.is_gated, profile, expert_map=expert_map, collect_amax=calibration)
+            name = "fused" + "".join(f"+{n}" for n, on in (("router_weight_on_input", on_input),
+                                                         ("expert_map", expert_map), ("calibration", calibration)) if on)
+            specs[name] = FusedSpec.for_plan(
+                plan, dtype, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.activation,
+                router_weight_on_input=on_input, expert_map=expert_map, collect_amax=calibration,
+                fast_math=fast_math, swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
+                swiglu_limit=self.swiglu_limit,
+            )
+        return specs
 
     def activation_spec(self, dtype: DType, fast_math: bool) -> ActivationSpec:
         return ActivationSpec.create(
@@ -181,11 +207,20 @@ class _Reader:
         return values
 
 
-def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
+def _problem(r: _Reader, node: _Node, field: str) -> list[MoeProblem]:
+    """One problem, or one per tensor-parallel degree of `tp` (named <name>-tp<N>, I / N each)."""
+    m = node.value if isinstance(node.value, dict) else {}
+    if "tp" not in m:
+        return [_one_problem(r, node, field, 1)]
+    degrees = r.one_or_list(m["tp"], f"{field}.tp", r.integer)
+    return [_one_problem(r, node, field, tp) for tp in degrees]
+
+
+def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
     m = r.mapping(
         node, field,
         required={"name", "hidden_size", "intermediate_size", "num_experts", "top_k", "activation", "dtype", "tokens"},
-        optional={"swiglu", "fast_math", "gemm"},
+        optional={"swiglu", "fast_math", "gemm", "fused", "tp"},
     )
     activation = r.choice(m["activation"], f"{field}.activation", Activation)
     swiglu: dict[str, float] = {}
@@ -206,10 +241,16 @@ def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
     if top_k > num_experts:
         raise r.fail(m["top_k"], f"{field}.top_k", f"top_k {top_k} exceeds num_experts {num_experts}")
     fast_math = r.one_or_list(m["fast_math"], f"{field}.fast_math", r.boolean) if "fast_math" in m else (True,)
+    inter = r.integer(m["intermediate_size"], f"{field}.intermediate_size")
+    name = r.name(m["name"], f"{field}.name")
+    if "tp" in m:
+        if inter % tp:
+            raise r.fail(m["tp"], f"{field}.tp", f"intermediate_size {inter} is not divisible by tp={tp}")
+        inter, name = inter // tp, f"{name}-tp{tp}"
     problem = MoeProblem(
-        name=r.name(m["name"], f"{field}.name"),
+        name=name,
         hidden_size=r.integer(m["hidden_size"], f"{field}.hidden_size"),
-        intermediate_size=r.integer(m["intermediate_size"], f"{field}.intermediate_size"),
+        intermediate_size=inter,
         num_experts=num_experts,
         top_k=top_k,
         activation=activation,
@@ -220,6 +261,7 @@ def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
         fast_math=fast_math,
         tokens=tokens,
         gemm=r.boolean(m["gemm"], f"{field}.gemm") if "gemm" in m else False,
+        fused=_fused_variants(r, m["fused"], f"{field}.fused") if "fused" in m else (),
     )
     # The kernel families' own validity checks decide what combinations can be built.
     checks = [
@@ -231,12 +273,28 @@ def _problem(r: _Reader, node: _Node, field: str) -> MoeProblem:
         from cuteaot.runtime.devices import PROFILES as _P
 
         checks.append(("gemm", lambda: problem.gemm_specs(problem.tokens[-1], problem.dtypes[0], _P["h200"])))
+    if problem.fused:
+        from cuteaot.runtime.devices import PROFILES as _P
+
+        for m_check in (1, problem.tokens[-1]):
+            checks.append(("fused", lambda m_check=m_check: problem.fused_specs(
+                m_check, problem.dtypes[0], problem.fast_math[0], _P["h200"])))
     for name, check in checks:
         try:
             check()
         except BadInputError as exc:
             raise r.fail(m.get(name, node), f"{field}.{name}", str(exc)) from None
     return problem
+
+
+def _fused_variants(r: _Reader, node: _Node, field: str) -> tuple[tuple[bool, bool, bool], ...]:
+    """`fused: true|false` or a mapping of variant lists -> (on_input, expert_map, calibration) triples."""
+    if isinstance(node.value, bool):
+        return ((False, False, False),) if node.value else ()
+    names = ("router_weight_on_input", "expert_map", "calibration")
+    m = r.mapping(node, field, set(), set(names))
+    lists = [r.one_or_list(m[n], f"{field}.{n}", r.boolean) if n in m else (False,) for n in names]
+    return tuple(dict.fromkeys((a, b, c) for a in lists[0] for b in lists[1] for c in lists[2]))
 
 
 def load_spec(path: str | Path) -> BundleSpec:
@@ -272,11 +330,11 @@ def load_spec(path: str | Path) -> BundleSpec:
     moe_node = top.get("moe", _Node([], top_node.line))
     if "moe" in top and (not isinstance(moe_node.value, list) or not moe_node.value):
         raise r.fail(moe_node, "moe", "expected a non-empty list of MoE problems")
-    problems = [_problem(r, p, f"moe[{i}]") for i, p in enumerate(moe_node.value)]
+    problems = [q for i, p in enumerate(moe_node.value) for q in _problem(r, p, f"moe[{i}]")]
     seen: dict[str, int] = {}
     for i, p in enumerate(problems):
         if p.name in seen:
-            raise r.fail(moe_node.value[i], f"moe[{i}].name", f"duplicate problem name {p.name!r} (also moe[{seen[p.name]}])")
+            raise r.fail(moe_node, "moe", f"duplicate problem name {p.name!r} (problems {seen[p.name]} and {i})")
         seen[p.name] = i
     return BundleSpec(
         bundle=r.name(top["bundle"], "bundle"),
