@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install the pure-Python package, run every GPU test and the
 # benchmarks, leave logs under $OUT.  Usage (on the GPU machine, bundles carried
-# in generated/: tiny, tiny-gemm, probes, bench-gemm, tune-gemm):
+# in generated/: tiny, tiny-gemm, probes, tiny-fused, moe-models; optional: bench-gemm,
+# tune-gemm, bench-moe):
 #   bash benchmarks/gpu_session.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,6 +14,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -m pytest -m gpu -p no:cacheprovider -q -s --timeout=300 ${1:+-k "$1"} tests 2>&1 | tee "$OUT/gpu_tests.log"
 if [ -d generated/bench-gemm ]; then
   timeout 300 python3 -m benchmarks.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
+fi
+if [ -d generated/bench-moe ]; then
+  timeout 400 python3 -m benchmarks.moe --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.log"
 fi
 if [ -d generated/tune-gemm ]; then
   timeout 240 python3 -m benchmarks.tune_gemm run --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune_gemm.log"

@@ -41,3 +41,9 @@ def gemm_bundle_dir() -> Path:
 def probe_bundle_dir() -> Path:
     """The intrinsic probe bundle built by `cuteaot build specs/probes.yaml` (or CUTEAOT_PROBE_BUNDLE)."""
     return _built_bundle("CUTEAOT_PROBE_BUNDLE", "probes")
+
+
+@pytest.fixture(scope="session")
+def fused_bundle_dir() -> Path:
+    """The fused MoE test bundle built by `cuteaot build specs/tiny-fused.yaml` (or CUTEAOT_FUSED_BUNDLE)."""
+    return _built_bundle("CUTEAOT_FUSED_BUNDLE", "tiny-fused")

@@ -31,11 +31,12 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     blocks = w.reshape(experts, n, k // BLOCK_K, BLOCK_K)
     block_amax = blocks.abs().amax(dim=-1)
     denom_2 = scale_2.view(-1, 1, 1)
-    wanted = torch.where(denom_2 > 0, block_amax / E2M1_MAX / denom_2.clamp_min(1e-38), torch.zeros(()))
+    zero = torch.zeros((), device=w.device)
+    wanted = torch.where(denom_2 > 0, block_amax / E2M1_MAX / denom_2.clamp_min(1e-38), zero)
     weight_scale = wanted.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step = (weight_scale.float() * denom_2).unsqueeze(-1)
-    x = torch.where(step > 0, blocks / step.clamp_min(1e-38), torch.zeros(()))
-    grid = torch.tensor(E2M1_MAGNITUDES)
+    x = torch.where(step > 0, blocks / step.clamp_min(1e-38), zero)
+    grid = torch.tensor(E2M1_MAGNITUDES, device=w.device)
     distance = (x.abs().clamp(max=E2M1_MAX).unsqueeze(-1) - grid).abs()
     magnitude_code = distance.argmin(dim=-1)  # ties go to the smaller magnitude
     codes = (magnitude_code | ((x < 0).long() << 3)).reshape(experts, n, k)
@@ -47,7 +48,7 @@ def dequantize_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight
     """ModelOpt tensors -> float32 (E, N, K): (e2m1 * block scale) * weight_scale_2, in float32."""
     experts, n, half_k = weight.shape
     codes = torch.stack((weight & 0xF, weight >> 4), dim=-1).reshape(experts, n, 2 * half_k).long()
-    magnitude = torch.tensor(E2M1_MAGNITUDES)[codes & 7]
+    magnitude = torch.tensor(E2M1_MAGNITUDES, device=weight.device)[codes & 7]
     e2m1 = torch.where((codes & 8) != 0, -magnitude, magnitude)
     block = weight_scale.float().repeat_interleave(BLOCK_K, dim=-1)
     return (e2m1 * block) * weight_scale_2.float().reshape(experts, 1, 1)

@@ -1,0 +1,82 @@
+"""Every model of specs/moe-models.yaml through MoeLayer on the H200, against the float32 reference.
+
+Bundle: `cuteaot build specs/moe-models.yaml --targets h200` (CUTEAOT_MODELS_BUNDLE to override).
+Weights are fresh random NVFP4 per expert (quantised on the GPU), inputs fresh per M, outputs
+poisoned with NaN; the reference runs one float32 matmul per expert on the dequantised weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
+from cuteaot.runtime.moe import MoeLayer
+from tests.reference.moe import moe_reference
+from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = (1, 2, 3, 4, 8, 16, 37, 64, 512, 1000, 4096)
+OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
+# the problems of specs/moe-models.yaml: name -> (H, I, E, top_k, activation)
+PROBLEMS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu"),
+    "qwen3-235b-a22b-tp1": (4096, 1536, 128, 8, "silu"),
+    "qwen3-235b-a22b-tp2": (4096, 768, 128, 8, "silu"),
+    "qwen3-235b-a22b-tp4": (4096, 384, 128, 8, "silu"),
+    "qwen3-235b-a22b-tp8": (4096, 192, 128, 8, "silu"),
+    "gpt-oss-120b": (2880, 2880, 128, 4, "swigluoai"),
+    "gpt-oss-20b": (2880, 2880, 32, 4, "swigluoai"),
+    "glm-4.5-air": (4096, 1408, 128, 8, "silu"),
+    "nemotron-3-nano": (2688, 1856, 128, 6, "relu2"),
+    "mixtral-8x7b": (4096, 14336, 8, 2, "silu"),
+}
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    path = Path(os.environ.get("CUTEAOT_MODELS_BUNDLE", ROOT / "generated" / "moe-models"))
+    if not (path / "manifest.json").is_file():
+        pytest.fail(f"{path} is not built: run `cuteaot build specs/moe-models.yaml --targets h200` first")
+    return load_bundle(path)
+
+
+def _quantized(experts: int, n: int, k: int, g: torch.Generator):
+    """Random NVFP4 weights quantised on the GPU, a few experts at a time."""
+    parts = []
+    step = max(1, (1 << 28) // (n * k))
+    for e in range(0, experts, step):
+        w = torch.randn(min(step, experts - e), n, k, generator=g, device="cuda") * 0.05
+        parts.append(quantize_nvfp4(w))
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+
+
+def test_bundle_serves_every_listed_model(bundle):
+    assert {row["problem"] for row in bundle.manifest["resolution"]} == set(PROBLEMS)
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_model_layer_matches_reference(bundle, name):
+    h, i, e, top_k, act = PROBLEMS[name]
+    g = torch.Generator(device="cuda").manual_seed(len(name))
+    q13 = _quantized(e, 2 * i if act != "relu2" else i, h, g)
+    q2 = _quantized(e, h, i, g)
+    layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
+    w13_f, w2_f = dequantize_modelopt(*q13), dequantize_modelopt(*q2)
+    worst = 0.0
+    for m in TOKENS:
+        x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+        weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+        out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}))
+        assert not out.isnan().any(), f"M={m}: NaN in the output"
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"{name} M={m}: rel err {err:.2e}"
+        worst = max(worst, err)
+    print(f"\n{name:24s} worst rel err {worst:.2e} over M in {TOKENS}")

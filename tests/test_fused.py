@@ -1,0 +1,245 @@
+"""Fused MoE path on the CPU: planning per bucket, kernel specs, spec enumeration, the serving
+layer's input validation (with a stand-in bundle: validation never touches a GPU) and the
+custom op's fake implementation."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cuteaot.codegen.enumerate import fused_keys, jobs, resolution_table
+from cuteaot.codegen.spec import load_spec
+from cuteaot.runtime.devices import PROFILES
+from cuteaot.runtime.errors import BadInputError, SpecError
+from cuteaot.runtime.fused_planning import BARRIER_WORDS, DECODE_MAX_M, plan_fused, workspace_bounds
+from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.moe import MoeLayer
+from cuteaot.runtime.planning import TileConfig
+from cuteaot.runtime.weights import prepare_w2, prepare_w13
+from tests.reference.nvfp4 import quantize_nvfp4
+
+H200, GB10 = PROFILES["h200"], PROFILES["gb10"]
+QWEN3_30B = (2048, 768, 128, 8)  # H, I, E, top_k
+GPT_OSS = (2880, 2880, 128, 4)
+
+
+# ---- planning ------------------------------------------------------------------------------------
+
+
+def test_decode_plan_qwen3_30b_single_token():
+    p = plan_fused(1, *QWEN3_30B, True, H200)
+    # 8 routes x 12 FC1 tiles = 96 whole-K tiles: one wave, one tile per CTA; FC2 widened to 256 columns
+    assert p.decode and p.moe_block_size == 8
+    assert p.fc1_tile == TileConfig(128, 128) and p.fc2_tile == TileConfig(64, 256)
+    assert p.grid_x == 96 and p.max_route_slots == 64 and p.max_route_blocks == 8
+
+
+def test_decode_plan_widens_fc1_when_it_saves_a_wave():
+    p = plan_fused(2, *QWEN3_30B, True, H200)
+    # 16 routes x 12 tiles = 192 > 132 SMs, 96 wide tiles fit one wave (the seed's wide-N override)
+    assert p.fc1_tile == TileConfig(64, 256) and p.grid_x == 96
+    p4 = plan_fused(4, *QWEN3_30B, True, H200)  # 384 tiles: widening would not reach one wave
+    assert p4.fc1_tile == TileConfig(128, 128)
+    assert p4.grid_x == 192  # 2 waves of 192 over a 264-CTA co-resident grid
+
+
+def test_decode_ends_at_eight_tokens_and_with_expert_map_or_calibration():
+    assert plan_fused(DECODE_MAX_M, *QWEN3_30B, True, H200).decode
+    assert not plan_fused(DECODE_MAX_M + 1, *QWEN3_30B, True, H200).decode
+    assert not plan_fused(1, *QWEN3_30B, True, H200, expert_map=True).decode
+    assert not plan_fused(1, *QWEN3_30B, True, H200, collect_amax=True).decode
+
+
+def test_packed_plans_grow_the_route_block_with_m():
+    blocks = [plan_fused(m, *QWEN3_30B, True, H200).moe_block_size for m in (16, 64, 256, 1024, 4096)]
+    assert blocks == [8, 8, 32, 64, 64]
+    big = plan_fused(4096, *QWEN3_30B, True, H200)
+    assert big.fc1_tile == big.fc2_tile == TileConfig(64, 128)  # 128 threads both
+    assert big.grid_x == big.max_grid_x == 132 * big.blocks_per_sm
+
+
+def test_gpt_oss_fc2_keeps_128_tiles_when_padded_hidden_is_not_256_wide():
+    p = plan_fused(1, *GPT_OSS, True, H200)
+    assert p.fc2_tile == TileConfig(128, 128)  # H = 2880 is stored as 2944, not a multiple of 256
+
+
+def test_small_gpu_profile_plans_within_its_shared_memory():
+    for m in (1, 8, 64, 4096):
+        p = plan_fused(m, *QWEN3_30B, True, GB10)
+        assert p.grid_x <= p.max_grid_x == 48 * p.blocks_per_sm
+        spec = FusedSpec.for_plan(p, "bf16", 2048, 768, 128, 8, "silu")
+        assert spec.shared_bytes <= GB10.max_shared_memory_per_block_optin
+
+
+@pytest.mark.parametrize("profile", [H200, GB10], ids=lambda p: p.name)
+def test_workspace_bounds_cover_every_plan(profile):
+    bounds = workspace_bounds(600, 8, 128, profile)
+    for m in range(1, 601):
+        for kw in ({}, {"expert_map": True}):
+            p = plan_fused(m, *QWEN3_30B, True, profile, **kw)
+            assert p.c_tmp_floats <= bounds["c_tmp_floats"]
+            assert p.lock_words <= bounds["lock_words"]
+            assert p.max_route_slots <= bounds["route_slots"]
+            assert p.max_route_blocks <= bounds["route_blocks"]
+    assert BARRIER_WORDS >= 2
+
+
+# ---- kernel specs --------------------------------------------------------------------------------
+
+
+def test_fused_spec_derives_both_gemms():
+    spec = FusedSpec.for_plan(plan_fused(1, *GPT_OSS, True, H200), "bf16", 2880, 2880, 128, 4, "swigluoai")
+    fc1, fc2 = spec.fc1_gemm, spec.fc2_gemm
+    assert (fc1.n, fc1.k, fc1.n_out, fc1.k_in) == (5760, 2944, None, 2880)
+    assert (fc2.n, fc2.k, fc2.n_out, fc2.k_in) == (2944, 2944, 2880, 2880)
+    assert fc2.sum_topk == 4 and fc2.mul_topk_weights and not fc1.mul_topk_weights
+    assert (spec.swiglu_alpha, spec.swiglu_beta, spec.swiglu_limit) == (1.702, 1.0, 7.0)
+    assert FusedSpec.from_facts(spec.key().facts) == spec
+
+
+def test_fused_spec_relu2_and_router_weight_on_input():
+    plan = plan_fused(64, 2688, 1856, 128, 6, False, H200)
+    spec = FusedSpec.for_plan(plan, "bf16", 2688, 1856, 128, 6, "relu2", router_weight_on_input=True)
+    assert spec.fc1_gemm.epilogue.value == "relu2" and spec.fc1_gemm.mul_topk_weights
+    assert not spec.fc2_gemm.mul_topk_weights and spec.fc2_gemm.sum_topk == 0
+
+
+def test_fused_spec_rejects_impossible_combinations():
+    plan = plan_fused(1, *QWEN3_30B, True, H200)
+    spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+    facts = dict(spec.key().facts)
+    with pytest.raises(BadInputError, match="decode"):
+        FusedSpec.from_facts({**facts, "expert_map": True})
+    with pytest.raises(BadInputError, match="same CTA size"):
+        FusedSpec.from_facts({**facts, "fc2_tile_n": 128})
+    with pytest.raises(BadInputError, match="amax_experts"):
+        FusedSpec.from_facts({**facts, "decode": False, "collect_amax": True})
+
+
+# ---- specs and enumeration -----------------------------------------------------------------------
+
+
+def _spec(tmp_path, fused: str, tokens="[1, 8, 64]"):
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "bundle: t\ntargets: [h200]\nmoe:\n  - name: p\n    hidden_size: 512\n    intermediate_size: 256\n"
+        f"    num_experts: 16\n    top_k: 4\n    activation: silu\n    dtype: bf16\n    tokens: {tokens}\n"
+        f"    fused: {fused}\n"
+    )
+    return load_spec(path)
+
+
+def test_spec_fused_true_builds_decode_and_packed_kernels(tmp_path):
+    spec = _spec(tmp_path, "true")
+    keys = fused_keys(spec)["sm_90a"]
+    decode = {k for k in keys if k.facts["decode"]}
+    assert decode and keys - decode
+    families = {j.key.family for j in jobs(spec)}
+    assert {"w4a16_fused_moe", "moe_route_pack", "moe_topk_sum"} <= families
+    rows = resolution_table(spec)
+    assert all("fused" in row["kernels"] for row in rows)
+
+
+def test_spec_fused_variants_enumerate_the_cross_product(tmp_path):
+    spec = _spec(tmp_path, "{router_weight_on_input: [false, true], expert_map: [false, true]}")
+    assert len(spec.moe[0].fused) == 4
+    roles = set(resolution_table(spec)[0]["kernels"])
+    assert {"fused", "fused+router_weight_on_input", "fused+expert_map",
+            "fused+router_weight_on_input+expert_map"} <= roles
+
+
+def test_spec_fused_unknown_variant_is_an_error(tmp_path):
+    with pytest.raises(SpecError, match="fused"):
+        _spec(tmp_path, "{router_weights: [true]}")
+
+
+# ---- serving-layer validation (stand-in bundle on the CPU) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def layer():
+    g = torch.Generator().manual_seed(1)
+    w13 = prepare_w13(*quantize_nvfp4(torch.randn(16, 512, 512, generator=g) * 0.05), "bf16")
+    w2 = prepare_w2(*quantize_nvfp4(torch.randn(16, 512, 256, generator=g) * 0.05), "bf16")
+    bundle = types.SimpleNamespace(device=torch.device("cpu"), profile=H200, plans={}, name="stand-in",
+                                   manifest={"resolution": [{"profile": "h200", "tokens": 64}]})
+    return MoeLayer(bundle, w13, w2, top_k=4, activation="silu")
+
+
+def _inputs(m=4, top_k=4, e=16):
+    x = torch.zeros(m, 512, dtype=torch.bfloat16)
+    ids = torch.arange(m * top_k, dtype=torch.int32).view(m, top_k) % e
+    return x, torch.full((m, top_k), 0.25), ids
+
+
+def test_layer_takes_its_capacity_from_the_bundle(layer):
+    assert layer.max_tokens == 64 and layer.intermediate_size == 256 and layer.fc1_width == 512
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x, w, i: (x.half(), w, i), "hidden_states must have dtype torch.bfloat16"),
+        (lambda x, w, i: (x[:, :256], w, i), r"hidden_states must have shape \(4, 512\)"),
+        (lambda x, w, i: (x.t().contiguous().t(), w, i), "contiguous"),
+        (lambda x, w, i: (x, w.double(), i), "topk_weights must have dtype torch.float32"),
+        (lambda x, w, i: (x, w, i.float()), "topk_ids must be int32 or int64"),
+        (lambda x, w, i: (x, w[:, :2], i[:, :2]), "layer was built for top_k=4"),
+        (lambda x, w, i: (x, w[:3], i), r"topk_ids must have shape \(4, 4\)|topk_weights must have shape"),
+        (lambda x, w, i: (x, w, i.masked_fill(i == 3, 16)), r"topk_ids must be in \[0, 16\)"),
+        (lambda x, w, i: (x, w, i.masked_fill(i == 3, -1)), r"topk_ids must be in \[0, 16\)"),
+        (lambda x, w, i: (x.to("meta"), w, i), "must be on cpu"),
+    ],
+)
+def test_layer_rejects_bad_inputs_before_launch(layer, change, message):
+    x, w, ids = change(*_inputs())
+    with pytest.raises(BadInputError, match=message):
+        layer(x, w, ids)
+
+
+def test_layer_rejects_bad_out_and_calibration_arguments(layer):
+    x, w, ids = _inputs()
+    with pytest.raises(BadInputError, match="out must have shape"):
+        layer(x, w, ids, out=torch.empty(4, 256, dtype=torch.bfloat16))
+    with pytest.raises(BadInputError, match="layer_idx is only used with activation_amax"):
+        layer(x, w, ids, layer_idx=0)
+    with pytest.raises(BadInputError, match="activation_amax must have shape"):
+        layer(x, w, ids, activation_amax=torch.zeros(2, 8, 2), layer_idx=0)
+    with pytest.raises(BadInputError, match="layer_idx must be an int in"):
+        layer(x, w, ids, activation_amax=torch.zeros(2, 16, 2), layer_idx=2)
+
+
+def test_layer_construction_checks_weights_and_options(layer):
+    b = layer.bundle
+    with pytest.raises(BadInputError, match="relu2 needs w13 = I x H and w2 = H x I"):
+        MoeLayer(b, layer.w13, layer.w2, top_k=4, activation="relu2")
+    with pytest.raises(BadInputError, match="activation must be one of"):
+        MoeLayer(b, layer.w13, layer.w2, top_k=4, activation="gelu")
+    with pytest.raises(BadInputError, match="top_k=17 exceeds"):
+        MoeLayer(b, layer.w13, layer.w2, top_k=17)
+    with pytest.raises(BadInputError, match="expert_map values"):
+        MoeLayer(b, layer.w13, layer.w2, top_k=4, expert_map=torch.tensor([0, 16, -1], dtype=torch.int32))
+    with pytest.raises(BadInputError, match="swiglu_limit"):
+        MoeLayer(b, layer.w13, layer.w2, top_k=4, swiglu_limit=-1.0)
+
+
+def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer):
+    em = torch.full((32,), -1, dtype=torch.int32)
+    em[:16] = torch.arange(16, dtype=torch.int32)
+    ep = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, expert_map=em)
+    x, w, ids = _inputs(e=32)
+    with pytest.raises(BadInputError, match=r"topk_ids must be in \[-1, 32\)"):
+        ep(x, w, ids.masked_fill(ids == 3, -2))
+
+
+def test_custom_op_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 512, dtype=torch.bfloat16)
+        w, ids = torch.empty(5, 4), torch.empty(5, 4, dtype=torch.int32)
+        torch.ops.cuteaot.moe_layer(x, w, ids, torch.empty(5, 512, dtype=torch.bfloat16), None, -1, "any")
+        with pytest.raises(BadInputError, match="out must be"):
+            torch.ops.cuteaot.moe_layer(x, w, ids, torch.empty(5, 256, dtype=torch.bfloat16), None, -1, "any")
