@@ -55,6 +55,9 @@ def test_decode_ends_at_eight_tokens_and_with_expert_map_or_calibration():
 def test_packed_plans_grow_the_route_block_with_m():
     blocks = [plan_fused(m, *QWEN3_30B, True, H200).moe_block_size for m in (16, 64, 256, 1024, 4096)]
     assert blocks == [8, 8, 32, 64, 64]
+    small = plan_fused(64, *QWEN3_30B, True, H200)  # packed 8-row blocks: 128-thread tiles, 4 CTAs/SM
+    assert small.fc1_tile == small.fc2_tile == TileConfig(64, 128) and small.blocks_per_sm == 4
+    assert small.grid_x == 528 and plan_fused(64, *QWEN3_30B, True, GB10).blocks_per_sm == 3
     big = plan_fused(4096, *QWEN3_30B, True, H200)
     assert big.fc1_tile == big.fc2_tile == TileConfig(64, 128)  # 128 threads both
     assert big.grid_x == big.max_grid_x == 132 * big.blocks_per_sm
