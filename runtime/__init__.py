@@ -21,6 +21,7 @@ from .errors import (
 )
 from .kernels import GemmWorkspace, moe_activation, moe_topk_sum, pack_routes, w4a16_moe_gemm
 from .manifest import verify_bundle
+from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
 from .types import Activation, DType
 from .weights import PackedNvfp4, ScaleFlushWarning, W13Order, pack_nvfp4, prepare_w2, prepare_w13, unpack_nvfp4
 
@@ -33,6 +34,9 @@ __all__ = [
     "pack_routes",
     "w4a16_moe_gemm",
     "GemmWorkspace",
+    "MoeLayer",
+    "MoeWorkspace",
+    "run_w4a16_moe",
     "Activation",
     "DType",
     "DeviceProfile",
