@@ -18,6 +18,9 @@ fi
 if [ -d generated/bench-moe ]; then
   timeout 400 python3 -m benchmarks.moe --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.log"
 fi
+if [ -d generated/moe-models ] && [ -n "${COLD_START:-}" ]; then
+  timeout 300 python3 -m benchmarks.cold_start --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
+fi
 if [ -d generated/tune-gemm ]; then
   timeout 240 python3 -m benchmarks.tune_gemm run --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune_gemm.log"
 fi
