@@ -7,7 +7,7 @@ size (one kernel) and one blocks-per-SM count (one persistent grid).
 
 Two regimes, as in the seed:
 
-* decode (M <= DECODE_MAX_M, no expert_map, no amax calibration): every route is
+* decode (M <= DECODE_MAX_M = 2, no expert_map, no amax calibration): every route is
   its own 8-row block read straight from topk_ids (no route packing); FC2 adds
   each route's row into its token's output row with red.add, so the top-k sum
   is folded into the kernel and the output is zeroed in its prologue.  The grid
@@ -44,7 +44,12 @@ from .planning import (
 )
 from .weights import stored_dims
 
-DECODE_MAX_M = 8  # tokens up to which the decode regime (direct routes, fused top-k sum) is used
+# Tokens up to which the decode regime (direct routes, fused top-k sum) is used.  The seed used it
+# up to 8; benchmarks/tune_moe.py on the H200 (docs/benchmarks.md) found it faster than the packed
+# path only at M <= 2 (Qwen3-30B M = 1: 22.7 vs 36.2 us) and slower from M = 3 (M = 8: 81.0 vs
+# 75.3 us; gpt-oss-120b 208.3 vs 171.1 us): one route per block re-reads shared experts and its
+# whole-tile waves quantise badly.
+DECODE_MAX_M = 2
 BARRIER_WORDS = 4  # int32 words before the split-K lock slots: grid-barrier count, sense, padding
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
 # Packed 8-row blocks (9..~100 tokens): 128-thread 128x64 tiles, 4 CTAs per SM for both GEMMs.

@@ -6,7 +6,7 @@
 A call validates its inputs, picks the launch plan of its token count (cached),
 and launches on torch's current stream:
 
-* M <= 8 (no expert_map, no calibration): one fused kernel; routes read straight
+* M <= 2 (no expert_map, no calibration): one fused kernel; routes read straight
   from topk_ids, the top-k sum folded into FC2 (red.add into the zeroed output).
 * otherwise: route packing, the fused kernel (FC2 rows per route), the top-k sum.
 

@@ -40,12 +40,11 @@ def test_decode_plan_widens_fc1_when_it_saves_a_wave():
     p = plan_fused(2, *QWEN3_30B, True, H200)
     # 16 routes x 12 tiles = 192 > 132 SMs, 96 wide tiles fit one wave (the seed's wide-N override)
     assert p.fc1_tile == TileConfig(64, 256) and p.grid_x == 96
-    p4 = plan_fused(4, *QWEN3_30B, True, H200)  # 384 tiles: widening would not reach one wave
-    assert p4.fc1_tile == TileConfig(128, 128)
-    assert p4.grid_x == 192  # 2 waves of 192 over a 264-CTA co-resident grid
+    p4 = plan_fused(4, *QWEN3_30B, True, H200)  # past DECODE_MAX_M: route-packed
+    assert not p4.decode and p4.moe_block_size == 8 and p4.fc1_tile == TileConfig(64, 128)
 
 
-def test_decode_ends_at_eight_tokens_and_with_expert_map_or_calibration():
+def test_decode_ends_at_decode_max_m_and_with_expert_map_or_calibration():
     assert plan_fused(DECODE_MAX_M, *QWEN3_30B, True, H200).decode
     assert not plan_fused(DECODE_MAX_M + 1, *QWEN3_30B, True, H200).decode
     assert not plan_fused(1, *QWEN3_30B, True, H200, expert_map=True).decode

@@ -73,7 +73,7 @@ class FusedSpec:
     fc2_tile_k: int
     moe_block_size: int
     blocks_per_sm: int
-    decode: bool = False  # direct routes + top-k sum folded into FC2 (M <= 8)
+    decode: bool = False  # direct routes + top-k sum folded into FC2 (small M)
     router_weight_on_input: bool = False  # router weight applied to FC1's output rows instead of FC2's
     expert_map: bool = False  # some experts are remote: zero FC2 rows before FC2
     collect_amax: bool = False  # calibration: max |FC1 input| and |FC2 input| per expert into amax

@@ -124,11 +124,11 @@ def test_expert_map_drops_remote_experts(bundle):
 
 
 def test_decode_and_packed_paths_agree(bundle):
-    """M <= 8 runs the decode kernel; an all-local expert_map forces the packed kernels on the same data."""
+    """M <= 2 runs the decode kernel; an all-local expert_map forces the packed kernels on the same data."""
     model = Model("silu-bf16", seed=9)
     decode = model.layer(bundle)
     packed = model.layer(bundle, expert_map=torch.arange(16, dtype=torch.int32, device="cuda"))
-    for m in (1, 2, 3, 8):
+    for m in (1, 2):
         assert decode.resolve(m).plan.decode and not packed.resolve(m).plan.decode
         x, w, ids = model.inputs(m)
         a = decode(x, w, ids)
