@@ -1,0 +1,138 @@
+"""Multi-GPU MoE (one process per GPU, NCCL): TP=2 and EP=2 against one GPU, checked and timed.
+
+    python -m benchmarks.parallel [--bundle generated/parallel] [--json out.json] [--check-only]
+
+Every rank draws the same full NVFP4 weights (same seed, same GPU model) and the same inputs,
+prepares its shard (runtime/parallel.py) and runs ParallelMoeLayer (local fused layer +
+all-reduce).  Checks: the TP=2 and EP=2 outputs against the single-GPU layer with the full
+weights (relative error), CUDA-graph replay against eager per rank.  Timing: median device
+time per layer call of graph replays (benchmarks/common.py), all-reduce included; TP=1 is the
+single-GPU layer on rank 0.  tests/gpu/test_parallel_gpu.py runs the check part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+MODELS = {  # name: (hidden, intermediate, experts, top_k, activation)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu"),
+    "gpt-oss-120b": (2880, 2880, 128, 4, "swigluoai"),
+}
+MS = (1, 8, 64, 1024)
+
+
+def _weights(e, n, k, seed, device):
+    from tests.reference.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    parts, step = [], max(1, (1 << 27) // (n * k))
+    for s in range(0, e, step):
+        parts.append(quantize_nvfp4(torch.randn(min(step, e - s), n, k, generator=g, device=device) * 0.05))
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+
+
+def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: str, timing: bool) -> None:
+    import torch.distributed as dist
+
+    from benchmarks.common import device_us
+    from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
+    from cuteaot.runtime.moe import MoeLayer
+    from cuteaot.runtime.parallel import ModelOptTensors, ParallelMoeLayer, ep_partition, ep_select, tp_shard_w2, tp_shard_w13
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=device)
+    bundle = load_bundle(bundle_path, device)
+    results = []
+    for model, (h, i, e, k, act) in MODELS.items():
+        w13 = ModelOptTensors(*_weights(e, 2 * i, h, 1, device))
+        w2 = ModelOptTensors(*_weights(e, h, i, 2, device))
+        full = MoeLayer(bundle, prepare_w13(*w13, "bf16"), prepare_w2(*w2, "bf16"), top_k=k, activation=act)
+        tp = ParallelMoeLayer(bundle, prepare_w13(*tp_shard_w13(w13, rank, world), "bf16"),
+                              prepare_w2(*tp_shard_w2(w2, rank, world), "bf16"), top_k=k, activation=act)
+        expert_map, local = ep_partition(e, rank, world, device)
+        ep = ParallelMoeLayer(bundle, prepare_w13(*ep_select(w13, local), "bf16"),
+                              prepare_w2(*ep_select(w2, local), "bf16"), top_k=k, activation=act,
+                              expert_map=expert_map)
+        del w13, w2
+        for m in MS:
+            g = torch.Generator(device=device).manual_seed(100 + m)
+            x = torch.randn(m, h, generator=g, device=device).to(torch.bfloat16)
+            ids = torch.rand(m, e, generator=g, device=device).topk(k, dim=1).indices.to(torch.int32)
+            w = torch.softmax(torch.randn(m, k, generator=g, device=device), 1)
+            ref = full(x, w, ids).float()
+            row = {"model": model, "M": m, "rank": rank}
+            for name, layer in (("tp2", tp), ("ep2", ep)):
+                out = layer(x, w, ids).clone()
+                row[f"{name}_rel_err"] = float((out.float() - ref).norm() / ref.norm())
+                # graph capture per rank: the local kernels and the NCCL all-reduce in one graph
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream())
+                static = torch.empty_like(out)
+                with torch.cuda.stream(stream):
+                    layer(x, w, ids, out=static)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    layer(x, w, ids, out=static)
+                static.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                row[f"{name}_graph_vs_eager"] = float((static.float() - out.float()).norm() / out.float().norm())
+                if timing:
+                    row[f"{name}_us"] = device_us(lambda layer=layer, o=static: layer(x, w, ids, out=o))
+            if timing:
+                row["tp1_us"] = device_us(lambda: full(x, w, ids, out=torch.empty_like(x)))
+            results.append(row)
+            dist.barrier()
+        del full, tp, ep
+        torch.cuda.empty_cache()
+    with open(f"{out_file}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run(bundle_path: str, world: int = 2, timing: bool = True) -> list[dict]:
+    """Spawn `world` ranks; returns every rank's rows."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "rows")
+        mp.spawn(worker, args=(world, init_file, bundle_path, out_file, timing), nprocs=world, join=True)
+        rows = []
+        for rank in range(world):
+            with open(f"{out_file}.{rank}") as f:
+                rows += json.load(f)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", default="generated/parallel")
+    ap.add_argument("--json")
+    ap.add_argument("--check-only", action="store_true")
+    args = ap.parse_args()
+    if torch.cuda.device_count() < 2:
+        sys.exit(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    rows = run(args.bundle, 2, not args.check_only)
+    print(f"{'model':14s} {'M':>5s} {'TP1 us':>8s} {'TP2 us':>8s} {'EP2 us':>8s}  TP2 err   EP2 err   graph/eager")
+    for r in (r for r in rows if r["rank"] == 0):
+        print(f"{r['model']:14s} {r['M']:5d} {r.get('tp1_us', float('nan')):8.1f} {r.get('tp2_us', float('nan')):8.1f} "
+              f"{r.get('ep2_us', float('nan')):8.1f}  {r['tp2_rel_err']:.1e}   {r['ep2_rel_err']:.1e}   "
+              f"{max(r['tp2_graph_vs_eager'], r['ep2_graph_vs_eager']):.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

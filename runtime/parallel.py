@@ -1,0 +1,148 @@
+"""Tensor- and expert-parallel MoE across GPUs: shard the checkpoint, run the local layer, all-reduce.
+
+Tensor parallelism (TP, world w): every rank holds every expert but only I / w of the
+intermediate size: rows [r*I/w, (r+1)*I/w) of both the gate and the up half of W13, and the
+same columns (K) of W2.  Each rank's FC2 output is a partial sum over its slice of I; the
+all-reduce adds them.  I / w must be a multiple of 16 (one NVFP4 scale group): gpt-oss's 2880
+splits 2 and 4 ways (1440, 720) but not 8 (360); that is refused with a clear error.
+
+Expert parallelism (EP, world w): rank r holds a contiguous range of experts, the first
+E % w ranks one more than the others (uneven counts are allowed); `expert_map` maps a global
+expert id to its local index or -1.  Every rank sees every token (replicated), computes the
+routes of its own experts (the others contribute 0) and the all-reduce adds the ranks.
+
+Both take the ModelOpt tensors of one layer (`weight` u8, `weight_scale` e4m3, `weight_scale_2`
+f32, as prepare_w13 / prepare_w2 accept) and return the local ones; the combine goes through
+`torch.distributed.all_reduce` on the caller's process group (NCCL across GPUs).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .bundle import Bundle
+from .errors import BadInputError
+from .moe import MoeLayer
+from .weights import PackedNvfp4, W13Order
+
+SCALE_GROUP_K = 16  # NVFP4: one e4m3 block scale per 16 weights along K
+
+__all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "ep_partition", "ep_select",
+           "ParallelMoeLayer"]
+
+
+class ModelOptTensors(NamedTuple):
+    weight: torch.Tensor  # (E, N, K/2) u8
+    weight_scale: torch.Tensor  # (E, N, K/16) float8_e4m3fn
+    weight_scale_2: torch.Tensor  # (E,), (E, 1) or (E, 2) float32
+
+
+class Shard(NamedTuple):
+    rank: int
+    world: int
+
+
+def _check_shard(rank: int, world: int) -> None:
+    for name, v in (("rank", rank), ("world", world)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise BadInputError(f"{name} must be an int, got {v!r}")
+    if world < 1 or not 0 <= rank < world:
+        raise BadInputError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+
+
+def tp_slice(intermediate_size: int, rank: int, world: int) -> slice:
+    """The slice of the intermediate size rank `rank` of `world` holds."""
+    _check_shard(rank, world)
+    if intermediate_size % world or (intermediate_size // world) % SCALE_GROUP_K:
+        raise BadInputError(
+            f"intermediate_size {intermediate_size} does not split {world} ways into multiples of "
+            f"{SCALE_GROUP_K} (an NVFP4 scale group): {intermediate_size} / {world} = {intermediate_size / world:g}"
+        )
+    part = intermediate_size // world
+    return slice(rank * part, (rank + 1) * part)
+
+
+def tp_shard_w13(w13: ModelOptTensors, rank: int, world: int, *, order: W13Order | str = W13Order.GATE_UP,
+                 ) -> ModelOptTensors:
+    """This rank's gate and up rows of W13 (E, 2I, H/2), returned in gate|up order.
+
+    `order` is the checkpoint's row order (as prepare_w13 takes it); pass the result to
+    prepare_w13 with the default order.
+    """
+    weight, scale, scale_2 = ModelOptTensors(*w13)
+    if weight.dim() != 3 or weight.shape[1] % 2:
+        raise BadInputError(f"w13 weight must be (E, 2I, H/2), got {tuple(weight.shape)}")
+    inter = weight.shape[1] // 2
+    rows = torch.arange(2 * inter, device=weight.device).view(2, inter)  # [gate rows, up rows] as stored
+    order = W13Order(order)
+    if order is W13Order.UP_GATE:
+        rows = rows.flip(0)
+    elif order is W13Order.INTERLEAVED:
+        rows = torch.arange(2 * inter, device=weight.device).view(inter, 2).T
+    s = tp_slice(inter, rank, world)
+    take = rows[:, s].reshape(-1)  # local gate rows, then local up rows
+    return ModelOptTensors(weight.index_select(1, take), scale.index_select(1, take), scale_2)
+
+
+def tp_shard_w2(w2: ModelOptTensors, rank: int, world: int) -> ModelOptTensors:
+    """This rank's K columns of W2 (E, H, I/2): the slice of I its FC1 produced."""
+    weight, scale, scale_2 = ModelOptTensors(*w2)
+    if weight.dim() != 3:
+        raise BadInputError(f"w2 weight must be (E, H, I/2), got {tuple(weight.shape)}")
+    s = tp_slice(2 * weight.shape[2], rank, world)
+    return ModelOptTensors(
+        weight[:, :, s.start // 2: s.stop // 2].contiguous(),
+        scale[:, :, s.start // SCALE_GROUP_K: s.stop // SCALE_GROUP_K].contiguous(),
+        scale_2,
+    )
+
+
+def ep_partition(num_experts: int, rank: int, world: int, device=None) -> tuple[torch.Tensor, range]:
+    """(expert_map, local global ids): contiguous ranges, the first E % world ranks one expert more."""
+    _check_shard(rank, world)
+    if not isinstance(num_experts, int) or num_experts < world:
+        raise BadInputError(f"{num_experts} experts cannot be spread over {world} ranks (each needs one)")
+    base, extra = divmod(num_experts, world)
+    start = rank * base + min(rank, extra)
+    local = range(start, start + base + (rank < extra))
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+    expert_map[local.start:local.stop] = torch.arange(len(local), dtype=torch.int32)
+    return expert_map.to(device) if device is not None else expert_map, local
+
+
+def ep_select(tensors: ModelOptTensors, local: range) -> ModelOptTensors:
+    """The local experts' rows of every tensor (per-expert scales included)."""
+    weight, scale, scale_2 = ModelOptTensors(*tensors)
+    pick = slice(local.start, local.stop)
+    return ModelOptTensors(weight[pick].contiguous(), scale[pick].contiguous(), scale_2[pick].contiguous())
+
+
+class ParallelMoeLayer:
+    """The local MoeLayer of one rank plus the all-reduce that combines the ranks.
+
+    w13 / w2 are this rank's prepared shards (tp_shard_* / ep_select, then prepare_*);
+    expert_map is ep_partition's map for EP (None for TP).  Every rank must call it with
+    the same tokens, routing and weights (replicated inputs); the output is the full layer's.
+    CUDA-graph capturable per rank (the all-reduce is an NCCL collective on the current stream).
+    """
+
+    def __init__(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4, *, top_k: int, group=None,
+                 expert_map: torch.Tensor | None = None, **layer_options):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise BadInputError("ParallelMoeLayer needs torch.distributed initialised (e.g. NCCL under torchrun)")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.layer = MoeLayer(bundle, w13, w2, top_k=top_k, expert_map=expert_map, **layer_options)
+
+    def __call__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = self.layer(hidden_states, topk_weights, topk_ids, out=out)
+        if self.world > 1:
+            dist.all_reduce(out, group=self.group)
+        return out
