@@ -21,6 +21,10 @@ fi
 if [ -d generated/moe-models ] && [ -n "${COLD_START:-}" ]; then
   timeout 300 python3 -m benchmarks.cold_start --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
 fi
+if [ -d generated/parallel ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 timeout 400 python3 -m benchmarks.parallel \
+    --json "$OUT/parallel.json" 2>&1 | tee "$OUT/bench_parallel.log"
+fi
 if [ -d generated/tune-gemm ]; then
   timeout 240 python3 -m benchmarks.tune_gemm run --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune_gemm.log"
 fi

@@ -22,6 +22,7 @@ from .errors import (
 from .kernels import GemmWorkspace, moe_activation, moe_topk_sum, pack_routes, w4a16_moe_gemm
 from .manifest import verify_bundle
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
+from .parallel import ParallelMoeLayer, ep_partition, ep_select, tp_shard_w2, tp_shard_w13
 from .types import Activation, DType
 from .weights import PackedNvfp4, ScaleFlushWarning, W13Order, pack_nvfp4, prepare_w2, prepare_w13, unpack_nvfp4
 
@@ -37,6 +38,11 @@ __all__ = [
     "MoeLayer",
     "MoeWorkspace",
     "run_w4a16_moe",
+    "ParallelMoeLayer",
+    "ep_partition",
+    "ep_select",
+    "tp_shard_w13",
+    "tp_shard_w2",
     "Activation",
     "DType",
     "DeviceProfile",
