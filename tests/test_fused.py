@@ -245,3 +245,21 @@ def test_custom_op_fake_shapes():
         torch.ops.cuteaot.moe_layer(x, w, ids, torch.empty(5, 512, dtype=torch.bfloat16), None, -1, "any")
         with pytest.raises(BadInputError, match="out must be"):
             torch.ops.cuteaot.moe_layer(x, w, ids, torch.empty(5, 256, dtype=torch.bfloat16), None, -1, "any")
+
+
+def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
+    """The occupancy API says 1 CTA/SM fits, the plan needs 4: refuse before any launch."""
+    from cuda.bindings import driver
+
+    from cuteaot.runtime.errors import LaunchError
+    from cuteaot.runtime.kernels import gemm
+
+    plan = plan_fused(64, *QWEN3_30B, True, H200)
+    spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+    kernel = types.SimpleNamespace(function=object(), block=(spec.threads, 1, 1), bind=lambda sig: None,
+                                   record=types.SimpleNamespace(registers=168, dynamic_smem_bytes=spec.shared_bytes))
+    bundle = types.SimpleNamespace(kernel=lambda key: kernel, profile=H200)
+    monkeypatch.setattr(gemm.driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                        lambda fn, threads, smem: (driver.CUresult.CUDA_SUCCESS, 1))
+    with pytest.raises(LaunchError, match="only 1 CTAs per SM fit on h200.*needs 4.*deadlock"):
+        gemm.PersistentLaunch(bundle, spec)
