@@ -37,8 +37,17 @@ def _weights(e, n, k, seed, device):
     return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
 
-def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: str, timing: bool) -> None:
+def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: str, timing: bool,
+           models: list[str], ms: list[int], watchdog: float) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    if watchdog:  # a hung collective or kernel prints every thread's stack and ends the rank
+        faulthandler.dump_traceback_later(watchdog, exit=True)
+
+    def say(*what):
+        print(f"[rank {rank}]", *what, flush=True)
 
     from benchmarks.common import device_us
     from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
@@ -49,9 +58,11 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             device_id=device)
+    say("process group up")
     bundle = load_bundle(bundle_path, device)
     results = []
-    for model, (h, i, e, k, act) in MODELS.items():
+    for model in models:
+        h, i, e, k, act = MODELS[model]
         w13 = ModelOptTensors(*_weights(e, 2 * i, h, 1, device))
         w2 = ModelOptTensors(*_weights(e, h, i, 2, device))
         full = MoeLayer(bundle, prepare_w13(*w13, "bf16"), prepare_w2(*w2, "bf16"), top_k=k, activation=act)
@@ -62,7 +73,8 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
                               prepare_w2(*ep_select(w2, local), "bf16"), top_k=k, activation=act,
                               expert_map=expert_map)
         del w13, w2
-        for m in MS:
+        say(model, "layers ready")
+        for m in ms:
             g = torch.Generator(device=device).manual_seed(100 + m)
             x = torch.randn(m, h, generator=g, device=device).to(torch.bfloat16)
             ids = torch.rand(m, e, generator=g, device=device).topk(k, dim=1).indices.to(torch.int32)
@@ -70,6 +82,7 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
             ref = full(x, w, ids).float()
             row = {"model": model, "M": m, "rank": rank}
             for name, layer in (("tp2", tp), ("ep2", ep)):
+                say(model, m, name, "eager")
                 out = layer(x, w, ids).clone()
                 row[f"{name}_rel_err"] = float((out.float() - ref).norm() / ref.norm())
                 # graph capture per rank: the local kernels and the NCCL all-reduce in one graph
@@ -79,6 +92,7 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
                 with torch.cuda.stream(stream):
                     layer(x, w, ids, out=static)
                 torch.cuda.current_stream().wait_stream(stream)
+                say(model, m, name, "capture")
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=stream):
                     layer(x, w, ids, out=static)
@@ -96,10 +110,14 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
         torch.cuda.empty_cache()
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    torch.cuda.synchronize()
+    say("done")
+    # destroy_process_group() hangs on the H200 host while CUDA graphs that captured NCCL kernels
+    # are still alive (seen with NCCL 2.28.9); the rank's work is finished and written, so leave.
+    os._exit(0)
 
 
-def run(bundle_path: str, world: int = 2, timing: bool = True) -> list[dict]:
+def run(bundle_path: str, world: int = 2, timing: bool = True, models=None, ms=MS, watchdog: float = 0) -> list[dict]:
     """Spawn `world` ranks; returns every rank's rows."""
     import torch.multiprocessing as mp
 
@@ -107,7 +125,8 @@ def run(bundle_path: str, world: int = 2, timing: bool = True) -> list[dict]:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "rows")
-        mp.spawn(worker, args=(world, init_file, bundle_path, out_file, timing), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, init_file, bundle_path, out_file, timing, list(models or MODELS), list(ms),
+                               watchdog), nprocs=world, join=True)
         rows = []
         for rank in range(world):
             with open(f"{out_file}.{rank}") as f:
@@ -120,10 +139,13 @@ def main() -> None:
     ap.add_argument("--bundle", default="generated/parallel")
     ap.add_argument("--json")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
+    ap.add_argument("--watchdog", type=float, default=0, help="seconds after which a rank dumps stacks and exits")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         sys.exit(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    rows = run(args.bundle, 2, not args.check_only)
+    rows = run(args.bundle, 2, not args.check_only, args.models, args.ms, args.watchdog)
     print(f"{'model':14s} {'M':>5s} {'TP1 us':>8s} {'TP2 us':>8s} {'EP2 us':>8s}  TP2 err   EP2 err   graph/eager")
     for r in (r for r in rows if r["rank"] == 0):
         print(f"{r['model']:14s} {r['M']:5d} {r.get('tp1_us', float('nan')):8.1f} {r.get('tp2_us', float('nan')):8.1f} "

@@ -25,7 +25,7 @@ def test_tp2_and_ep2_equal_one_gpu():
     path = Path(os.environ.get("CUTEAOT_PARALLEL_BUNDLE", ROOT / "generated" / "parallel"))
     if not (path / "manifest.json").is_file():
         pytest.fail(f"{path} is not built: run `cuteaot build specs/parallel.yaml` first")
-    rows = run(str(path), 2, timing=False)
+    rows = run(str(path), 2, timing=False, watchdog=420)
     assert len(rows) == 2 * 2 * 4
     for r in rows:
         what = f"{r['model']} M={r['M']} rank {r['rank']}"
