@@ -17,8 +17,8 @@ exponent-bias correction, which would cost an extra instruction per pair):
 ====================================  ===========================  ==============
 decode                                result                       compensation
 ====================================  ===========================  ==============
-e2m1 -> bf16 (`dequant_e2m1x4_bf16`)  w * 2**-126                  global scale
-e2m1 -> fp16 (`dequant_e2m1x4_f16`)   w * 2**-14                   global scale
+e2m1 -> bf16 (`dequant_e2m1x8_bf16`)  w * 2**-126                  global scale
+e2m1 -> fp16 (`dequant_e2m1x8_f16`)   w * 2**-14                   global scale
 S0E5M3 scale -> bf16 / fp16           s * 2**7 (exact, s >= 2**-6) global scale
 e8m0 scale -> bf16 / fp16             2**(e - 127) * 2**7          global scale
 ====================================  ===========================  ==============
@@ -34,6 +34,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import Float32, Int32, Int64, T, Uint32, dsl_user_op
 
 import cutlass.cute as cute
+
+from cuteaot.runtime.types import DType
+from cuteaot.runtime.weights import E2M1_DECODE_ROTATIONS
 
 # Fixed power-of-two offsets of the bit-trick decodes (see the module docstring).
 E2M1_BF16_DECODE_EXP = -126
@@ -88,41 +91,53 @@ def gmem_address(ptr: cute.Pointer) -> Int64:
 # ----------------------------------------------------------------------------- decodes
 
 
-@dsl_user_op
-def dequant_e2m1x4_bf16(x: Uint32, *, loc=None, ip=None):
-    """Nibbles 2,6 and 3,7 of x -> two bf16x2 holding w * 2**-126.
+_SIGN_BITS = 0x80008000
+_E2M1_MAG_MASK = {DType.BF16: 0x01C001C0, DType.FP16: 0x0E000E00}  # e1 e0 m on 8..6 / 11..9 (+16)
 
-    Returns (p, q): p = (nib2, nib6), q = (nib3, nib7) as (low, high) halves.
-    An e2m1 nibble s|e1 e0|m is moved so s lands on the bf16 sign bit and
-    e1 e0 m on bf16 bits 8..6 (the two low exponent bits and the top mantissa
-    bit); with the bf16 bias of 127 instead of 1 that is w * 2**-126, and the
-    zero / subnormal codes decode to 0 and 2**-127 consistently.
-        q = (x & 0x80008000) | ((x & 0x70007000) >> 6)
-        p = the same on x << 4
+
+def _e2m1_word_ptx(dtype: DType) -> str:
+    """PTX of the word decode: register j = sign bits of rotr(x, a_j) | magnitude bits of rotr(x, b_j)."""
+    mag = _E2M1_MAG_MASK[dtype]
+    lines = []
+    for j, (a, b) in enumerate(E2M1_DECODE_ROTATIONS[dtype]):
+        if a == b:  # one rotate (none for 0) and one AND
+            src = "$4"
+            if a:
+                lines.append(f"shf.r.wrap.b32 t, $4, $4, {a};")
+                src = "t"
+            lines.append(f"and.b32 ${j}, {src}, {_SIGN_BITS | mag:#010x};")
+        elif a == 0:  # AND the sign bits, AND the magnitude bits where they are, shift-add them down
+            lines += [f"and.b32 s, $4, {_SIGN_BITS:#010x};", f"and.b32 t, $4, {mag << b:#010x};",
+                      f"shr.b32 t, t, {b};", f"or.b32 ${j}, s, t;"]
+        else:  # two rotates, the second AND folds into the OR (one LOP3)
+            lines += [f"shf.r.wrap.b32 t, $4, $4, {a};", f"and.b32 s, t, {_SIGN_BITS:#010x};",
+                      f"shf.r.wrap.b32 t, $4, $4, {b};", f"and.b32 t, t, {mag:#010x};", f"or.b32 ${j}, s, t;"]
+    return "{\n .reg .b32 s, t;\n " + "\n ".join(lines) + "\n}"
+
+
+def _dequant_e2m1x8(dtype: DType, x: Uint32, loc, ip):
+    out = _asm(4, T.i32, _ir([Uint32(x)], loc, ip), _e2m1_word_ptx(dtype), "=r,=r,=r,=r,r", effects=False,
+               loc=loc, ip=ip)
+    return _u32(out)
+
+
+@dsl_user_op
+def dequant_e2m1x8_bf16(x: Uint32, *, loc=None, ip=None):
+    """One packed word (8 split-nibble e2m1 codes) -> four bf16x2 R0..R3 holding w * 2**-126.
+
+    Register j's low / high element is code j / j + 4 of the word, whose bits sit where
+    `runtime.weights.e2m1_code_bits` says: the sign lands on bit 15 / 31 and e1 e0 m on
+    bits 8..6 / 24..22 (the two low exponent bits and the top mantissa bit), so with the
+    bf16 bias of 127 instead of 1 the value is w * 2**-126, zero and subnormal codes included.
+    11 instructions for 8 weights (docs/layouts.md, "qweight words").
     """
-    out = _asm(
-        2, T.i32, _ir([Uint32(x)], loc, ip),
-        "{\n .reg .b32 t, s;\n"
-        " and.b32 s, $2, 0x80008000;\n and.b32 t, $2, 0x70007000;\n shr.b32 t, t, 6;\n or.b32 $1, s, t;\n"
-        " shl.b32 t, $2, 4;\n and.b32 s, t, 0x80008000;\n and.b32 t, t, 0x70007000;\n shr.b32 t, t, 6;\n"
-        " or.b32 $0, s, t;\n}",
-        "=r,=r,r", effects=False, loc=loc, ip=ip,
-    )
-    return _u32(out)
+    return _dequant_e2m1x8(DType.BF16, x, loc, ip)
 
 
 @dsl_user_op
-def dequant_e2m1x4_f16(x: Uint32, *, loc=None, ip=None):
-    """As `dequant_e2m1x4_bf16` for fp16 pairs: w * 2**-14 (e1 e0 m on bits 11..9)."""
-    out = _asm(
-        2, T.i32, _ir([Uint32(x)], loc, ip),
-        "{\n .reg .b32 t, s;\n"
-        " and.b32 s, $2, 0x80008000;\n and.b32 t, $2, 0x70007000;\n shr.b32 t, t, 3;\n or.b32 $1, s, t;\n"
-        " shl.b32 t, $2, 4;\n and.b32 s, t, 0x80008000;\n and.b32 t, t, 0x70007000;\n shr.b32 t, t, 3;\n"
-        " or.b32 $0, s, t;\n}",
-        "=r,=r,r", effects=False, loc=loc, ip=ip,
-    )
-    return _u32(out)
+def dequant_e2m1x8_f16(x: Uint32, *, loc=None, ip=None):
+    """As `dequant_e2m1x8_bf16` for half2: e1 e0 m on bits 11..9 / 27..25, w * 2**-14."""
+    return _dequant_e2m1x8(DType.FP16, x, loc, ip)
 
 
 @dsl_user_op

@@ -54,10 +54,35 @@ def stored_dims(n: int, k: int) -> tuple[int, int]:
     """(N, K) as stored in the packed layout: the logical sizes rounded up to the padding multiples."""
     return -(-n // STORED_N_MULTIPLE) * STORED_N_MULTIPLE, -(-k // STORED_K_MULTIPLE) * STORED_K_MULTIPLE
 
-# Nibble i of a packed word holds (k = 2t + dk, column c0 + 8 * half) for NIBBLE_SOURCES[i] = (dk, half).
-# The device decodes nibble pairs (3, 7), (2, 6) from the word and (1, 5), (0, 4) from word << 8
-# as bf16x2/fp16x2; (0, 4), (1, 5) are registers b0, b1 of column c0, (2, 6), (3, 7) those of c1.
+# A packed word holds 8 e2m1 codes; code i = (register j = i % 4, half h = i // 4) holds
+# (k = 2t + dk, column c0 + 8 * half) for NIBBLE_SOURCES[i] = (dk, half).  The device decodes the
+# word into four bf16x2/fp16x2 registers R0..R3 (low half = code j, high half = code j + 4): R0, R1
+# are registers b0, b1 of column c0, R2, R3 those of column c1.
 NIBBLE_SOURCES = ((0, 0), (8, 0), (0, 1), (8, 1), (1, 0), (9, 0), (1, 1), (9, 1))
+
+# Where the bits of each code sit in the word ("split nibbles"; docs/layouts.md).  The decode puts a
+# code's sign on the element's sign bit (15 / 31) and its 3 magnitude bits e1 e0 m on E2M1_MAG_TOP,
+# -1, -2 (+16 for the high half): bits 8..6 in bf16, 11..9 in fp16.  Register j takes its sign bits
+# from the word rotated right by a_j and its magnitude bits from the word rotated right by b_j, for
+# (a_j, b_j) = E2M1_DECODE_ROTATIONS[dtype][j].  The four (a, b) were searched so that the 32 bits
+# are covered exactly and the decode costs 11 instructions a word (the nibble layout needed 15):
+# a == b is one rotate + one AND, a == 0 an AND, an AND and a shift-add, else two rotates + 2 LOP3.
+E2M1_MAG_TOP = {DType.BF16: 8, DType.FP16: 11}
+E2M1_DECODE_ROTATIONS = {
+    DType.BF16: ((0, 1), (4, 4), (14, 14), (15, 10)),
+    DType.FP16: ((0, 1), (7, 7), (14, 14), (15, 10)),
+}
+
+
+def e2m1_code_bits(dtype: DType) -> tuple[tuple[int, int, int, int], ...]:
+    """For code i = j + 4h of a word: the word bit positions of (sign, e1, e0, m)."""
+    top = E2M1_MAG_TOP[dtype]
+    out = []
+    for i in range(8):
+        j, h = i % 4, i // 4
+        a, b = E2M1_DECODE_ROTATIONS[dtype][j]
+        out.append(((15 + 16 * h + a) % 32, *((top - d + 16 * h + b) % 32 for d in range(3))))
+    return tuple(out)
 
 # ---- block scales ------------------------------------------------------------------------------
 SCALE_UNIT_BYTES = 8  # one unit: the 8 column blocks (b = 0..7) a lane group g meets in a slab
@@ -182,7 +207,7 @@ def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch
     if not isinstance(packed, PackedNvfp4):
         raise BadInputError(f"packed must be a PackedNvfp4, got {type(packed).__name__}")
     n, k = packed.n, packed.k
-    codes = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored)
+    codes = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored, packed.dtype)
     weight = _codes_to_bytes(codes)[:, :n, : k // 2].contiguous()
     weight_scale = _decode_scale_bytes(_unorder_scale_bytes(packed.scales))[:, :n, : k // SCALE_GROUP_K].contiguous()
     weight_scale_2 = packed.global_scale / GLOBAL_SCALE_COMPENSATION[packed.dtype]
@@ -386,7 +411,7 @@ def _pack(
         ).view(torch.float8_e4m3fn)
     scale_bytes, flushed = _encode_scale_bytes(weight_scale, dtype)
     return PackedNvfp4(
-        qweight=_pack_codes(_bytes_to_codes(weight)),
+        qweight=_pack_codes(_bytes_to_codes(weight), dtype),
         scales=_order_scale_bytes(scale_bytes),
         global_scale=global_scale.contiguous(),
         num_experts=num_experts,
@@ -424,8 +449,8 @@ def _k_offsets(device: torch.device) -> torch.Tensor:
     return 2 * torch.arange(LANE_THREADS, device=device)
 
 
-def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """(E, N, K) e2m1 codes -> (E, K/16, 2N) i32 packed words."""
+def _pack_codes(codes: torch.Tensor, dtype: DType) -> torch.Tensor:
+    """(E, N, K) e2m1 codes -> (E, K/16, 2N) i32 packed words (code bits at e2m1_code_bits(dtype))."""
     num_experts, n, k = codes.shape
     slabs, groups = n // SLAB_N, k // SCALE_GROUP_K
     # n = 64 * slab + 16 * jj + 8 * half + g ;  k = 16 * group + k_in
@@ -436,15 +461,16 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
         dtype=torch.int64,
         device=codes.device,
     )
-    for nibble, (dk, half) in enumerate(NIBBLE_SOURCES):
-        plane = grid.select(3, half).index_select(-1, base_k + dk)  # (E, slab, jj, g, group, t)
-        words |= plane.to(torch.int64) << (FP4_BITS * nibble)
+    for (dk, half), positions in zip(NIBBLE_SOURCES, e2m1_code_bits(dtype)):
+        plane = grid.select(3, half).index_select(-1, base_k + dk).to(torch.int64)  # (E, slab, jj, g, group, t)
+        for code_bit, pos in zip((3, 2, 1, 0), positions):
+            words |= ((plane >> code_bit) & 1) << pos
     # word index in a (expert, group) row = slab * 128 + (4g + t) * 4 + jj = slab * 128 + lane * 4 + jj
     words = words.permute(0, 4, 1, 3, 5, 2).reshape(num_experts, groups, 2 * n)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _unpack_codes(qweight: torch.Tensor, n: int, k: int, dtype: DType) -> torch.Tensor:
     """(E, K/16, 2N) i32 packed words -> (E, N, K) u8 e2m1 codes (inverse of _pack_codes)."""
     num_experts, groups = qweight.shape[0], qweight.shape[1]
     slabs = n // SLAB_N
@@ -457,9 +483,9 @@ def _unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
         device=qweight.device,
     )
     base_k = _k_offsets(qweight.device)
-    for nibble, (dk, half) in enumerate(NIBBLE_SOURCES):
-        plane = ((words >> (FP4_BITS * nibble)) & FP4_MASK).to(torch.uint8)
-        grid.select(3, half).index_copy_(-1, base_k + dk, plane)
+    for (dk, half), positions in zip(NIBBLE_SOURCES, e2m1_code_bits(dtype)):
+        plane = sum(((words >> pos) & 1) << code_bit for code_bit, pos in zip((3, 2, 1, 0), positions))
+        grid.select(3, half).index_copy_(-1, base_k + dk, plane.to(torch.uint8))
     return grid.view(num_experts, n, k)
 
 

@@ -33,8 +33,8 @@ class _AllIntrinsics:
         sb = I.shared_ptr_to_u32(st.w.data_ptr())
         g = I.gmem_address(p)
         x = I.ld_global_nc_u32(g + Int64(tidx) * 4)
-        a, b = I.dequant_e2m1x4_bf16(x)
-        c, d = I.dequant_e2m1x4_f16(x)
+        a, b, a2, b2 = I.dequant_e2m1x8_bf16(x)
+        c, d, c2, c3 = I.dequant_e2m1x8_f16(x)
         e, f = I.dequant_s0e5m3x4_bf16(x)
         h, i = I.dequant_s0e5m3x4_f16(x)
         j, k = I.dequant_e8m0x4_bf16(x)
@@ -46,7 +46,7 @@ class _AllIntrinsics:
         z0, z1 = I.f16x2_to_f32x2(r)
         d0, d1, d2, d3 = I.mma_bf16_m16n8k16(y0, y1, z0, z1, a, b, c, d, e, f)
         d0, d1, d2, d3 = I.mma_f16_m16n8k16(d0, d1, d2, d3, a, b, c, d, e, f)
-        I.st_shared_v4_u32(sb + Int32(tidx) * 16, r, h, i, j ^ k ^ l ^ m ^ n0 ^ n1 ^ n2 ^ n3)
+        I.st_shared_v4_u32(sb + Int32(tidx) * 16, r ^ a2 ^ b2 ^ c2 ^ c3, h, i, j ^ k ^ l ^ m ^ n0 ^ n1 ^ n2 ^ n3)
         cute.arch.sync_threads()
         l0, l1, l2, l3 = I.ldmatrix_x4(sb + Int32(tidx) * 16)
         m0, m1 = I.ldmatrix_x2(sb + Int32(tidx) * 16)
@@ -104,6 +104,7 @@ INSTRUCTIONS = [
     "cvt.rn.f16x2.f32",
     "ld.shared.v4.b32",
     "st.shared.v4.f32",
+    "shf.r.wrap.b32",
 ]
 
 

@@ -80,11 +80,16 @@ class ProbeKernel:
         d.u32[2 * i] = p
         d.u32[2 * i + 1] = q
 
+    def _quads(self, s, d, i, decode):
+        out = decode(s.u32[i])
+        for j in range(4):
+            d.u32[4 * i + j] = out[j]
+
     def _e2m1_bf16(self, s, d, i):
-        self._pairs(s, d, i, I.dequant_e2m1x4_bf16)
+        self._quads(s, d, i, I.dequant_e2m1x8_bf16)
 
     def _e2m1_f16(self, s, d, i):
-        self._pairs(s, d, i, I.dequant_e2m1x4_f16)
+        self._quads(s, d, i, I.dequant_e2m1x8_f16)
 
     def _s0e5m3_bf16(self, s, d, i):
         self._pairs(s, d, i, I.dequant_s0e5m3x4_bf16)

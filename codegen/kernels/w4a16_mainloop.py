@@ -30,8 +30,8 @@ class MainloopMixin:
     @cute.jit
     def _dequant_weights(self, x: Uint32):
         if cutlass.const_expr(self.is_fp16):
-            return I.dequant_e2m1x4_f16(x)
-        return I.dequant_e2m1x4_bf16(x)
+            return I.dequant_e2m1x8_f16(x)
+        return I.dequant_e2m1x8_bf16(x)
 
     @cute.jit
     def _dequant_scales(self, q: Uint32):
@@ -205,8 +205,7 @@ class MainloopMixin:
         frag[0, *] is column block c0 (scale lane 0), frag[1, *] block c1 = c0 + 8 (lane 1);
         frag[x, 0] holds k = 2t, 2t+1 and frag[x, 1] k = 2t+8, 2t+9 (docs/layouts.md).
         """
-        c0_b0, c0_b1 = self._dequant_weights(q << Uint32(8))
-        c1_b0, c1_b1 = self._dequant_weights(q)
+        c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q)
         s_c0 = I.pair_broadcast_lane(sc, 0)
         s_c1 = I.pair_broadcast_lane(sc, 1)
         frag[0, 0] = self._pair_mul(c0_b0, s_c0)

@@ -20,6 +20,8 @@ import torch
 
 from cuteaot.runtime import load_bundle
 from cuteaot.runtime.kernels.probe import ATOMIC_SLOTS, NF3_CODEBOOK, Probe, probe_words, run_probe
+from cuteaot.runtime.types import DType
+from cuteaot.runtime.weights import e2m1_code_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -98,34 +100,49 @@ def _check(capsys, name: str, got: torch.Tensor, want: torch.Tensor, inputs: tor
 # ----------------------------------------------------------------------------- weight / scale decodes
 
 
-def _nibble_words(g: torch.Generator) -> torch.Tensor:
-    """Every combination of nibbles 2, 3, 6, 7 (random others) + every code in every nibble position."""
-    idx = torch.arange(1 << 16, dtype=torch.int64)
-    words = _random_words(1 << 16, g) & 0x00FF00FF  # nibbles 0, 1, 4, 5 random
-    for k, pos in enumerate((2, 3, 6, 7)):
-        words |= ((idx >> (4 * k)) & 15) << (4 * pos)
-    pos, code = torch.meshgrid(torch.arange(8), torch.arange(16), indexing="ij")
-    pos, code = pos.flatten(), code.flatten()
-    one = (_random_words(128, g) & ~(15 << (4 * pos))) | (code << (4 * pos))
-    return torch.cat([words, one])
+def _place(code: torch.Tensor, bits: tuple[int, int, int, int]) -> torch.Tensor:
+    """A 4-bit e2m1 code's (sign, e1, e0, m) bits at the given word positions."""
+    return sum(((code >> cb) & 1) << pos for cb, pos in zip((3, 2, 1, 0), bits))
 
 
-def _e2m1_expected(words: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tensor:
-    """(p, q) = ((nib2, nib6), (nib3, nib7)) holding fp4(code) * 2**exp, from the e2m1 definition."""
+def _read(words: torch.Tensor, bits: tuple[int, int, int, int]) -> torch.Tensor:
+    return sum(((words >> pos) & 1) << cb for cb, pos in zip((3, 2, 1, 0), bits))
+
+
+def _e2m1_words(g: torch.Generator, dtype: DType) -> torch.Tensor:
+    """Every (low, high) code pair of every register, every code in every slot, random words."""
+    slots = e2m1_code_bits(dtype)
+    mask = lambda bits: sum(1 << p for p in bits)  # noqa: E731
+    pair = torch.arange(256, dtype=torch.int64)
+    parts = []
+    for j in range(4):
+        lo, hi = slots[j], slots[j + 4]
+        base = _random_words(256, g) & ~(mask(lo) | mask(hi)) & 0xFFFFFFFF
+        parts.append(base | _place(pair & 15, lo) | _place(pair >> 4, hi))
+    code = torch.arange(16, dtype=torch.int64)
+    for bits in slots:
+        parts.append((_random_words(16, g) & ~mask(bits) & 0xFFFFFFFF) | _place(code, bits))
+    parts.append(_random_words(1 << 14, g))
+    return torch.cat(parts)
+
+
+def _e2m1_expected(words: torch.Tensor, exp: int, dtype: DType, elem: torch.dtype) -> torch.Tensor:
+    """R0..R3 = (code j, code j + 4) holding fp4(code) * 2**exp, codes read at e2m1_code_bits."""
     table = torch.tensor(FP4_VALUES + [-v for v in FP4_VALUES], dtype=torch.float64) * 2.0**exp
+    slots = e2m1_code_bits(dtype)
 
-    def half(pos):
-        return _bits16(table[(words >> (4 * pos)) & 15].to(torch.float32).to(dtype))
+    def half(i):
+        return _bits16(table[_read(words, slots[i])].to(torch.float32).to(elem))
 
-    return torch.stack([_pair(half(2), half(6)), _pair(half(3), half(7))], dim=1)
+    return torch.stack([_pair(half(j), half(j + 4)) for j in range(4)], dim=1)
 
 
-@pytest.mark.parametrize("probe,exp,dtype", [(Probe.E2M1_BF16, -126, torch.bfloat16),
-                                              (Probe.E2M1_F16, -14, torch.float16)])
-def test_e2m1_decode(bundle, capsys, probe, exp, dtype):
-    words = _nibble_words(torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("probe,exp,dtype,elem", [(Probe.E2M1_BF16, -126, DType.BF16, torch.bfloat16),
+                                                   (Probe.E2M1_F16, -14, DType.FP16, torch.float16)])
+def test_e2m1_decode(bundle, capsys, probe, exp, dtype, elem):
+    words = _e2m1_words(torch.Generator().manual_seed(1), dtype)
     got = _run(bundle, probe, _i32(words), words.numel())
-    _check(capsys, probe.value, got, _e2m1_expected(words, exp, dtype), inputs=words)
+    _check(capsys, probe.value, got, _e2m1_expected(words, exp, dtype, elem), inputs=words)
 
 
 def _byte_words(g: torch.Generator) -> torch.Tensor:

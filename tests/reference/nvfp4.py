@@ -67,15 +67,21 @@ def _halves(pattern: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tens
     return out[0], out[1]
 
 
-def _e2m1_pair(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nibbles 3 and 7 of x -> one element pair: sign to the sign bit, exponent+mantissa below it."""
-    shift = 6 if dtype == "bf16" else 3
-    return _halves((x & 0x80008000) | ((x & 0x70007000) >> shift), dtype)
+# The kernel's word decode (dequant_e2m1x8_*): register j = (sign bits of rotr(x, a_j)) |
+# (magnitude bits of rotr(x, b_j)); sign bits 15/31, magnitude e1 e0 m on 8..6 / 24..22 (bf16,
+# w * 2**-126) or 11..9 / 27..25 (fp16, w * 2**-14).
+_ROTATIONS = {"bf16": ((0, 1), (4, 4), (14, 14), (15, 10)), "fp16": ((0, 1), (7, 7), (14, 14), (15, 10))}
+_MAG_MASK = {"bf16": 0x01C001C0, "fp16": 0x0E000E00}
 
 
-def _e2m1x4(x: torch.Tensor, dtype: str):
-    """The kernel's 4-nibble-pair decode: (pair of x << 4, pair of x)."""
-    return _e2m1_pair((x << 4) & U32, dtype), _e2m1_pair(x, dtype)
+def _rotr(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x >> r) | (x << (32 - r))) & U32 if r else x
+
+
+def _e2m1x8(x: torch.Tensor, dtype: str):
+    """One u32 -> the four element pairs R0..R3 (each as (low, high) float32)."""
+    return [_halves((_rotr(x, a) & 0x80008000) | (_rotr(x, b) & _MAG_MASK[dtype]), dtype)
+            for a, b in _ROTATIONS[dtype]]
 
 
 def _scale_pair(q: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +112,7 @@ def decode_packed_like_device(
     Per (expert, k-group), lane (g, t) of the warp for 64-column slab `slab` loads 4 words
     (jj = 0..3) at word offset slab * 128 + lane * 4 and 8 scale bytes at byte offset
     (8 * slab + g) * 8.  For word jj it forms
-        b0_0, b0_1 = decode(word << 8);  b1_0, b1_1 = decode(word)
+        b0_0, b0_1, b1_0, b1_1 = decode(word)     (the four registers R0..R3)
         frag[0] = (b0_0, b0_1) * scale_jj.low ;  frag[1] = (b1_0, b1_1) * scale_jj.high
     and feeds frag[h] as (b0, b1) of an m16n8k16 MMA over columns 64 * slab + 16 * jj + 8 * h + [0, 8):
     b0 holds k = 2t, 2t+1 and b1 holds k = 2t+8, 2t+9 of column g (low half first).
@@ -128,8 +134,7 @@ def decode_packed_like_device(
     out = torch.full((experts, n, k), float("nan"))
     for jj in range(4):
         q = words[..., jj]  # (E, G, slab, g, t)
-        b0_0, b0_1 = _e2m1x4((q << 8) & U32, dtype)
-        b1_0, b1_1 = _e2m1x4(q, dtype)
+        b0_0, b0_1, b1_0, b1_1 = _e2m1x8(q, dtype)
         s_low, s_high = (s.unsqueeze(-1) for s in scale_regs[jj])
         for h, (reg_b0, reg_b1), s_lane in ((0, (b0_0, b0_1), s_low), (1, (b1_0, b1_1), s_high)):
             column = 64 * slab + 16 * jj + 8 * h + g
