@@ -13,7 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -m gpu -p no:cacheprovider -q -s --timeout=300 ${1:+-k "$1"} tests 2>&1 | tee "$OUT/gpu_tests.log"
 if [ -d generated/bench-gemm ]; then
-  timeout 300 python3 -m benchmarks.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
+  timeout 420 python3 -m benchmarks.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
 fi
 if [ -d generated/bench-moe ]; then
   timeout 400 python3 -m benchmarks.moe --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.log"
