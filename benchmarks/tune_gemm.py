@@ -75,29 +75,10 @@ def variant_specs():
 
 
 def build(out: str) -> None:
-    from pathlib import Path
-
-    from cuteaot.codegen.build import _compile_all, _manifest, source_fingerprint, toolchain, write_bundle
-    from cuteaot.codegen.enumerate import Job
-    from cuteaot.codegen.spec import BundleSpec
-    from cuteaot.runtime.devices import PROFILES
-    from cuteaot.runtime.kernels import route_pack_specs
+    from benchmarks.variants import build_variant_bundle
 
     specs = variant_specs() + large_specs(48) + large_specs(64)
-    keys = [s.key() for s in specs] + [s.key() for s in route_pack_specs()]
-    jobs = sorted({Job.of(key, "sm_90a") for key in keys})
-    compiled = _compile_all(jobs, 2, True)
-    records, cubins = [], {}
-    import hashlib
-
-    for job in jobs:
-        record, data = compiled[job]
-        rel = f"{job.arch}/{job.key.digest}.cubin"
-        records.append(dict(record, file=rel, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data)))
-        cubins[rel] = data
-    spec = BundleSpec("tune-gemm", (PROFILES["h200"],), (), "benchmarks/tune_gemm.py", "-")
-    write_bundle(Path(out) / "tune-gemm", _manifest(spec, records, source_fingerprint(), toolchain(), None), cubins)
-    print(f"built {len(jobs)} kernels into {out}/tune-gemm")
+    build_variant_bundle("tune-gemm", [s.key() for s in specs], out, "benchmarks/tune_gemm.py")
 
 
 def run(bundle_path: str, json_path: str | None) -> None:
