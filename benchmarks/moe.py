@@ -36,7 +36,6 @@ def torch_bf16_layer(hidden, inter, experts, top_k, activation):
     w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16).mul_(0.05).transpose(1, 2)
 
     def run(x, weights, ids, out):
-        m = x.shape[0]
         flat = ids.view(-1)
         order = torch.sort(flat, stable=True).indices
         counts = torch.zeros(experts, dtype=torch.int32, device="cuda").scatter_add_(

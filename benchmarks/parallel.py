@@ -27,16 +27,6 @@ MODELS = {  # name: (hidden, intermediate, experts, top_k, activation)
 MS = (1, 8, 64, 1024)
 
 
-def _weights(e, n, k, seed, device):
-    from tests.reference.nvfp4 import quantize_nvfp4
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    parts, step = [], max(1, (1 << 27) // (n * k))
-    for s in range(0, e, step):
-        parts.append(quantize_nvfp4(torch.randn(min(step, e - s), n, k, generator=g, device=device) * 0.05))
-    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
-
-
 def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: str, timing: bool,
            models: list[str], ms: list[int], watchdog: float) -> None:
     import faulthandler
@@ -53,6 +43,7 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
     from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
     from cuteaot.runtime.moe import MoeLayer
     from cuteaot.runtime.parallel import ModelOptTensors, ParallelMoeLayer, ep_partition, ep_select, tp_shard_w2, tp_shard_w13
+    from tests.reference.nvfp4 import random_nvfp4
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -63,8 +54,8 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
     results = []
     for model in models:
         h, i, e, k, act = MODELS[model]
-        w13 = ModelOptTensors(*_weights(e, 2 * i, h, 1, device))
-        w2 = ModelOptTensors(*_weights(e, h, i, 2, device))
+        w13 = ModelOptTensors(*random_nvfp4(e, 2 * i, h, torch.Generator(device=device).manual_seed(1)))
+        w2 = ModelOptTensors(*random_nvfp4(e, h, i, torch.Generator(device=device).manual_seed(2)))
         full = MoeLayer(bundle, prepare_w13(*w13, "bf16"), prepare_w2(*w2, "bf16"), top_k=k, activation=act)
         tp = ParallelMoeLayer(bundle, prepare_w13(*tp_shard_w13(w13, rank, world), "bf16"),
                               prepare_w2(*tp_shard_w2(w2, rank, world), "bf16"), top_k=k, activation=act)
@@ -103,7 +94,8 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
                 if timing:
                     row[f"{name}_us"] = device_us(lambda layer=layer, o=static: layer(x, w, ids, out=o))
             if timing:
-                row["tp1_us"] = device_us(lambda: full(x, w, ids, out=torch.empty_like(x)))
+                tp1_out = torch.empty_like(x)
+                row["tp1_us"] = device_us(lambda layer=full, o=tp1_out: layer(x, w, ids, out=o))
             results.append(row)
             dist.barrier()
         del full, tp, ep

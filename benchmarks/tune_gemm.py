@@ -81,13 +81,42 @@ def build(out: str) -> None:
     build_variant_bundle("tune-gemm", [s.key() for s in specs], out, "benchmarks/tune_gemm.py")
 
 
+def _time_variant(bundle, spec, grid: int, operands: dict, tokens: int, **timing):
+    """Launch one GEMM variant on fixed operands: (device us, output as float32), or None if it is
+    not co-resident on this GPU (reported, not run)."""
+    import torch
+
+    from benchmarks.common import device_us
+    from cuteaot.runtime import LaunchError
+    from cuteaot.runtime.kernels.gemm import PersistentLaunch
+
+    try:
+        launch = PersistentLaunch(bundle, spec)
+    except LaunchError as exc:
+        print(f"  {spec.key().describe()} skipped: {exc}", flush=True)
+        return None
+    o = operands
+    out = torch.full(o["out_shape"], float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        launch.kernel.launch(grid, torch.cuda.current_stream().cuda_stream, o["a"].data_ptr(),
+                             o["packed"].qweight.data_ptr(), out.data_ptr(), o["packed"].scales.data_ptr(),
+                             o["packed"].global_scale.data_ptr(), o["r_idx"].data_ptr(), o["b_exp"].data_ptr(),
+                             o["r_cnt"].data_ptr(), o["topk_w"].data_ptr(), o["ws"].c_tmp.data_ptr(),
+                             o["ws"].locks.data_ptr(), tokens)
+
+    call()
+    torch.cuda.synchronize()
+    return device_us(call, **timing), out.float()
+
+
 def run(bundle_path: str, json_path: str | None) -> None:
     import torch
 
-    from benchmarks.common import device_us, hbm_copy_bandwidth
+    from benchmarks.common import hbm_copy_bandwidth
     from benchmarks.gemm import random_packed
-    from cuteaot.runtime import LaunchError, load_bundle, pack_routes
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace, PersistentLaunch
+    from cuteaot.runtime import load_bundle, pack_routes
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace
     from cuteaot.runtime.kernels.gemm_spec import Routes
     from cuteaot.runtime.kernels.gemm import plan_for
 
@@ -121,27 +150,14 @@ def run(bundle_path: str, json_path: str | None) -> None:
                 spec = next(s for s in specs if s.n == n and s.k == k and s.routes is Routes(routes)
                             and (s.tile_n, s.tile_k, s.blocks_per_sm, s.stages, s.whole_tiles_m8)
                             == (tile_n, tile_k, bps, stages, whole))
-                try:
-                    launch = PersistentLaunch(bundle, spec)
-                except LaunchError as exc:  # not co-resident on this GPU: report, do not run
-                    print(f"{shape:15s} M={m:3d} {name:18s} skipped: {exc}", flush=True)
+                operands = dict(a=a, packed=packed, r_idx=r_idx, b_exp=b_exp, r_cnt=r_cnt, topk_w=topk_w, ws=ws,
+                                out_shape=(m * top_k, n))
+                timed = _time_variant(bundle, spec, sms * bps, operands, m * top_k if per_route else m)
+                if timed is None:
                     continue
-                out = torch.full((m * top_k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                tokens = m * top_k if per_route else m
-
-                def call(launch=launch, out=out, grid=sms * bps):
-                    launch.kernel.launch(grid, torch.cuda.current_stream().cuda_stream, a.data_ptr(),
-                                         packed.qweight.data_ptr(), out.data_ptr(), packed.scales.data_ptr(),
-                                         packed.global_scale.data_ptr(), r_idx.data_ptr(), b_exp.data_ptr(),
-                                         r_cnt.data_ptr(), topk_w.data_ptr(), ws.c_tmp.data_ptr(),
-                                         ws.locks.data_ptr(), tokens)
-
-                call()
-                torch.cuda.synchronize()
-                if reference is None:
-                    reference = out.float()
-                diff = float((out.float() - reference).abs().max())
-                us = device_us(call)
+                us, out = timed
+                reference = out if reference is None else reference
+                diff = float((out - reference).abs().max())
                 row = {"shape": shape, "M": m, "variant": name, "us": us,
                        "pct_hbm": 100 * weight_bytes / hbm / (us * 1e-6), "max_diff_vs_seed": diff}
                 rows.append(row)
@@ -157,10 +173,9 @@ def run_large(bundle, hbm) -> list[dict]:
     """Large-M variants: the planner's route block size, each variant's tile, grid and depth."""
     import torch
 
-    from benchmarks.common import device_us
     from benchmarks.gemm import random_packed
-    from cuteaot.runtime import LaunchError, pack_routes
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace, PersistentLaunch, plan_for
+    from cuteaot.runtime import pack_routes
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace, plan_for
 
     sms = bundle.profile.sm_count
     rows = []
@@ -184,27 +199,15 @@ def run_large(bundle, hbm) -> list[dict]:
             for name, (tile_n, tile_k, bps, stages) in LARGE_VARIANTS.items():
                 spec = next(s for s in specs if s.n == n and s.k == k
                             and (s.tile_n, s.tile_k, s.blocks_per_sm, s.stages) == (tile_n, tile_k, bps, stages))
-                try:
-                    launch = PersistentLaunch(bundle, spec)
-                except LaunchError as exc:
-                    print(f"{shape:15s} M={m:5d} {name:18s} skipped: {exc}", flush=True)
+                operands = dict(a=a, packed=packed, r_idx=r_idx, b_exp=b_exp, r_cnt=r_cnt, topk_w=topk_w, ws=ws,
+                                out_shape=(m * top_k, n))
+                timed = _time_variant(bundle, spec, sms * bps, operands, m * top_k if per_route else m,
+                                      iters=5, reps=5)
+                if timed is None:
                     continue
-                out = torch.full((m * top_k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                tokens = m * top_k if per_route else m
-
-                def call(launch=launch, out=out, grid=sms * bps):
-                    launch.kernel.launch(grid, torch.cuda.current_stream().cuda_stream, a.data_ptr(),
-                                         packed.qweight.data_ptr(), out.data_ptr(), packed.scales.data_ptr(),
-                                         packed.global_scale.data_ptr(), r_idx.data_ptr(), b_exp.data_ptr(),
-                                         r_cnt.data_ptr(), topk_w.data_ptr(), ws.c_tmp.data_ptr(),
-                                         ws.locks.data_ptr(), tokens)
-
-                call()
-                torch.cuda.synchronize()
-                if reference is None:
-                    reference = out.float()
-                diff = float((out.float() - reference).abs().max())
-                us = device_us(call, iters=5, reps=5)
+                us, out = timed
+                reference = out if reference is None else reference
+                diff = float((out - reference).abs().max())
                 row = {"shape": shape, "M": m, "variant": name, "us": us, "TFLOP/s": flops / us / 1e6,
                        "max_diff_vs_first": diff}
                 rows.append(row)

@@ -268,17 +268,13 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         ("intermediate_size", lambda: problem.activation_spec(problem.dtypes[0], True)),
         ("hidden_size", lambda: problem.topk_sum_spec(problem.dtypes[0])),
     ]
+    # every token count up to the largest bucket must have a plan (fit check, tiles); checked on the H200
     if problem.gemm:
-        # every token count up to the largest bucket must have a plan (fit check, tiles)
-        from cuteaot.runtime.devices import PROFILES as _P
-
-        checks.append(("gemm", lambda: problem.gemm_specs(problem.tokens[-1], problem.dtypes[0], _P["h200"])))
+        checks.append(("gemm", lambda: problem.gemm_specs(problem.tokens[-1], problem.dtypes[0], PROFILES["h200"])))
     if problem.fused:
-        from cuteaot.runtime.devices import PROFILES as _P
-
         for m_check in (1, problem.tokens[-1]):
             checks.append(("fused", lambda m_check=m_check: problem.fused_specs(
-                m_check, problem.dtypes[0], problem.fast_math[0], _P["h200"])))
+                m_check, problem.dtypes[0], problem.fast_math[0], PROFILES["h200"])))
     for name, check in checks:
         try:
             check()

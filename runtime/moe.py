@@ -36,7 +36,7 @@ from .kernels.gemm import PersistentLaunch
 from .kernels.route_pack import MAX_EXPERTS, pack_routes, route_pack_workspace_elements
 from .kernels.topk_sum import moe_topk_sum
 from .tensors import check_rank, check_tensor
-from .types import Activation, DType
+from .types import Activation
 from .weights import PackedNvfp4
 
 __all__ = ["MoeLayer", "MoeWorkspace", "run_w4a16_moe"]
@@ -229,7 +229,7 @@ class MoeLayer:
     def _launch(self, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace) -> None:
         m = x.shape[0]
         r = self.resolve(m, amax is not None)
-        plan, spec = r.plan, r.spec
+        plan = r.plan
         routes = m * self.top_k
         if plan.decode:
             ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)

@@ -16,7 +16,7 @@ import torch
 from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
 from cuteaot.runtime.moe import MoeLayer
 from tests.reference.moe import moe_reference
-from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
+from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -46,16 +46,6 @@ def bundle():
     return load_bundle(path)
 
 
-def _quantized(experts: int, n: int, k: int, g: torch.Generator):
-    """Random NVFP4 weights quantised on the GPU, a few experts at a time."""
-    parts = []
-    step = max(1, (1 << 28) // (n * k))
-    for e in range(0, experts, step):
-        w = torch.randn(min(step, experts - e), n, k, generator=g, device="cuda") * 0.05
-        parts.append(quantize_nvfp4(w))
-    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
-
-
 def test_bundle_serves_every_listed_model(bundle):
     assert {row["problem"] for row in bundle.manifest["resolution"]} == set(PROBLEMS)
 
@@ -64,8 +54,8 @@ def test_bundle_serves_every_listed_model(bundle):
 def test_model_layer_matches_reference(bundle, name):
     h, i, e, top_k, act = PROBLEMS[name]
     g = torch.Generator(device="cuda").manual_seed(len(name))
-    q13 = _quantized(e, 2 * i if act != "relu2" else i, h, g)
-    q2 = _quantized(e, h, i, g)
+    q13 = random_nvfp4(e, 2 * i if act != "relu2" else i, h, g)
+    q2 = random_nvfp4(e, h, i, g)
     layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
     w13_f, w2_f = dequantize_modelopt(*q13), dequantize_modelopt(*q2)
     worst = 0.0

@@ -44,6 +44,16 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return weight, weight_scale, scale_2.float()
 
 
+def random_nvfp4(experts: int, n: int, k: int, generator: torch.Generator, std: float = 0.05):
+    """ModelOpt tensors of random (E, N, K) weights (normal, `std`), drawn and quantised on the
+    generator's device a few experts at a time (the quantiser's temporaries are 8x the weights)."""
+    parts, step = [], max(1, (1 << 27) // (n * k))
+    for start in range(0, experts, step):
+        w = torch.randn(min(step, experts - start), n, k, generator=generator, device=generator.device) * std
+        parts.append(quantize_nvfp4(w))
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+
+
 def dequantize_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """ModelOpt tensors -> float32 (E, N, K): (e2m1 * block scale) * weight_scale_2, in float32."""
     experts, n, half_k = weight.shape
