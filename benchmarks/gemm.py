@@ -38,9 +38,10 @@ def tensor_core_rate() -> float:
 
 def random_packed(experts: int, n: int, k: int):
     # Quantize one expert's random weights and repeat (quantizing 128 large experts on the host is slow).
+    # Packing runs on the GPU: 128 experts of gpt-oss FC1 are 1 GB of packed words.
     q = quantize_nvfp4(torch.randn(1, n, k) * 0.05)
-    w, s, s2 = (t.expand(experts, *t.shape[1:]).contiguous() for t in q)
-    return pack_nvfp4(w, s, s2, "bf16").to("cuda")
+    w, s, s2 = (t.cuda().expand(experts, *t.shape[1:]).contiguous() for t in q)
+    return pack_nvfp4(w, s, s2, "bf16")
 
 
 def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict:
@@ -74,7 +75,8 @@ def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict
     peer_bytes = hit * n * k * 2
     return {
         "model": model, "gemm": which, "M": m, "N": n, "K": k, "experts_hit": hit,
-        "plan": f"b{plan.moe_block_size}{' direct' if plan.direct_topk_routes else ''} "
+        "plan": f"b{plan.moe_block_size}{' direct' if plan.direct_topk_routes else ''}"
+                f"{' wgmma' if plan.mainloop == 'wgmma' else ''} "
                 f"{plan.tile.tile_n}x{plan.tile.tile_k} {plan.blocks_per_sm}/SM",
         "us": ours, "GB/s": weight_bytes / ours / 1e3, "TFLOP/s": flops / ours / 1e6,
         "pct_hbm": 100 * weight_bytes / hbm / (ours * 1e-6),
@@ -87,14 +89,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", default="generated/bench-gemm")
     ap.add_argument("--json")
+    ap.add_argument("--m", type=int, nargs="*", default=MS, help="token counts to run (default: all)")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args()
     bundle = load_bundle(args.bundle)
     hbm, tc = hbm_copy_bandwidth(), tensor_core_rate()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s, bf16 mm {tc / 1e12:.0f} TFLOP/s")
     rows = []
-    for model in MODELS:
+    for model in args.models:
         for which in ("fc1", "fc2"):
-            for m in MS:
+            for m in args.m:
                 r = bench(bundle, model, which, m, hbm, tc)
                 rows.append(r)
                 print(f"{model:16s} {which} M={m:5d} {r['plan']:22s} {r['us']:8.1f} us  {r['GB/s']:7.0f} GB/s "

@@ -376,6 +376,113 @@ def mma_f16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, *, loc=None, ip=Non
 # activations as B (16 k x 8 tokens): D[n, token] += W[n, k] * X[token, k].
 
 
+# ----------------------------------------------------------------------------- warpgroup MMA (sm_90a)
+#
+# The large-M GEMM feeds dequantised weights to `wgmma` from registers (the "RS" form): per warp
+# the m64 A fragment is the m16n8k16 A fragment above (warp w of the warpgroup holds rows
+# 16w..16w+15), so the packed layout decodes into it unchanged.  Activations are B, read by the
+# tensor cores from shared memory through a matrix descriptor.  PTX rules these helpers serve:
+# `wgmma_fence` between writing A (or accumulator) registers and the wgmma that reads them;
+# accumulators must not be touched until `wgmma_wait_group` covers their wgmma -- `pin_f32`
+# after the wait makes every later use of them depend on it (LLVM may otherwise move a pure
+# read above the wait); shared memory written by the generic proxy (st.shared, cp.async) must
+# be published to the async proxy with `fence_proxy_async_shared` before a wgmma reads it.
+
+WGMMA_N = 64  # B columns (tokens) of the one wgmma shape used: m64n64k16, 32 f32 per thread
+_WGMMA_ACC = WGMMA_N // 2
+# Shared-memory matrix descriptor (PTX "matrix descriptor"): start address >> 4 in bits 0..13,
+# leading-dimension byte offset >> 4 in 16..29, stride byte offset >> 4 in 32..45, swizzle
+# mode in 62..63 (1 = 128-byte swizzle).  For a K-major 128B-swizzled operand whose rows are
+# 128 bytes (64 bf16 of K), 8-row core-matrix groups are 1024 bytes apart (SBO); LBO is unused.
+WGMMA_SW128_ROW_BYTES = 128
+WGMMA_SW128_ATOM_BYTES = 8 * WGMMA_SW128_ROW_BYTES  # the swizzle pattern repeats every 1024 bytes
+_DESC_LBO = 1
+_DESC_SBO = WGMMA_SW128_ATOM_BYTES >> 4
+_DESC_SWIZZLE_128B = 1
+WGMMA_DESC_SW128_K_MAJOR = (_DESC_LBO << 16) | (_DESC_SBO << 32) | (_DESC_SWIZZLE_128B << 62)
+
+
+def wgmma_desc_sw128(smem_addr: Int32) -> Int64:
+    """Descriptor of a K-major, 128B-swizzled tile starting at `smem_addr` (1024-aligned atom).
+
+    Advancing K by 16 elements inside the atom adds 32 bytes, i.e. 2 to the descriptor.
+    """
+    return Int64((smem_addr >> Int32(4)) & Int32(0x3FFF)) | Int64(WGMMA_DESC_SW128_K_MAJOR)
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None) -> None:
+    """`wgmma.fence`: order earlier register writes (A fragments, accumulators) before wgmma."""
+    _asm(0, None, [], "wgmma.fence.sync.aligned;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_commit_group(*, loc=None, ip=None) -> None:
+    """Close the group of wgmma issued since the last commit."""
+    _asm(0, None, [], "wgmma.commit_group.sync.aligned;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_wait_group(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most `pending` committed wgmma groups are still running."""
+    _asm(0, None, [], f"wgmma.wait_group.sync.aligned {int(pending)};", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """`fence.proxy.async.shared::cta`: make generic-proxy shared writes visible to wgmma."""
+    _asm(0, None, [], "fence.proxy.async.shared::cta;", "", effects=True, loc=loc, ip=ip)
+
+
+def _pin(values, out_type, wrap, reg: str, loc, ip):
+    n = len(values)
+    ties = ",".join(str(i) for i in range(n))
+    outs = _asm(n, out_type, _ir([wrap(v) for v in values], loc, ip), "", ",".join([f"={reg}"] * n) + "," + ties,
+                effects=True, loc=loc, ip=ip)
+    return [wrap(v) for v in outs]
+
+
+@dsl_user_op
+def pin_f32(values: list, *, loc=None, ip=None) -> list:
+    """The same floats, through an empty side-effecting asm: later uses cannot move above it."""
+    return _pin(list(values), T.f32, Float32, "f", loc, ip)
+
+
+@dsl_user_op
+def pin_u32(values: list, *, loc=None, ip=None) -> list:
+    """The same words, materialised before this point (ahead of a `wgmma_fence`)."""
+    return _pin(list(values), T.i32, Uint32, "r", loc, ip)
+
+
+def _wgmma_rs(kind: str, acc, a, desc, loc, ip):
+    n = _WGMMA_ACC
+    d = ", ".join(f"${i}" for i in range(n))
+    a_ops = ", ".join(f"${2 * n + i}" for i in range(4))
+    ptx = (f"wgmma.mma_async.sync.aligned.m64n{WGMMA_N}k16.f32.{kind}.{kind} "
+           f"{{{d}}}, {{{a_ops}}}, ${2 * n + 4}, 1, 1, 1, 0;")
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["r"] * 4 + ["l"])
+    args = _ir([Float32(v) for v in acc] + [Uint32(v) for v in a] + [Int64(desc)], loc, ip)
+    # side effects: it must stay between its wgmma_fence and wgmma_commit_group
+    return [Float32(v) for v in _asm(n, T.f32, args, ptx, constraints, effects=True, loc=loc, ip=ip)]
+
+
+@dsl_user_op
+def wgmma_bf16_m64n64k16_rs(acc: list, a0, a1, a2, a3, desc: Int64, *, loc=None, ip=None) -> list:
+    """acc(64x64 f32) += A(64x16, registers) * B(16x64, shared, K-major via `desc`), bf16 inputs.
+
+    A per warp w: rows 16w.. as the m16n8k16 A fragment (a0..a3).  acc[4i + j] (g = lane // 4,
+    t = lane % 4): j = 0, 1 -> D[16w + g, 8i + 2t + j]; j = 2, 3 -> D[16w + g + 8, 8i + 2t + j - 2].
+    scale-d is 1 (always accumulate: start from zeros).
+    """
+    return _wgmma_rs("bf16", acc, (a0, a1, a2, a3), desc, loc, ip)
+
+
+@dsl_user_op
+def wgmma_f16_m64n64k16_rs(acc: list, a0, a1, a2, a3, desc: Int64, *, loc=None, ip=None) -> list:
+    """As `wgmma_bf16_m64n64k16_rs` with fp16 inputs."""
+    return _wgmma_rs("f16", acc, (a0, a1, a2, a3), desc, loc, ip)
+
+
 # ----------------------------------------------------------------------------- shared memory
 
 

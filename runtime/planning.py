@@ -43,6 +43,7 @@ __all__ = [
     "RegisterKey",
     "ScaleFormat",
     "TileConfig",
+    "WGMMA_TILES",
     "WorkItem",
     "blocks_per_sm",
     "cta_m_blocks",
@@ -57,6 +58,8 @@ __all__ = [
     "simulate_partition",
     "splitk_scratch_floats",
     "tile_misfit",
+    "wgmma_shared_memory_footprint",
+    "wgmma_tile",
 ]
 
 # M rows one route block holds; 8 is the small-M (m16n8k16 with half the rows) path.
@@ -140,6 +143,9 @@ class TileConfig:
 # One-MMA-row blocks (moe_block_size 8 or 16) favour deep K; taller blocks wide N.
 SMALL_BATCH_TILE_CONFIGS = (TileConfig(128, 128), TileConfig(64, 128), TileConfig(128, 64))
 LARGE_BATCH_TILE_CONFIGS = (TileConfig(64, 256), TileConfig(64, 128), TileConfig(128, 64))
+# wgmma tiles, widest first: four (or two) m64 instructions per 16-k row cover 256 (or 128)
+# weight rows; the k-tile is one 128-byte swizzle row of bf16 activations.
+WGMMA_TILES = (TileConfig(64, 256), TileConfig(64, 128))
 
 
 class RegisterKey(NamedTuple):
@@ -176,6 +182,17 @@ REGISTER_ESTIMATES_SM121: dict[RegisterKey, int] = {
     RegisterKey(128, 4, 4, 8, False): 255,
     RegisterKey(128, 4, 8, 4, False): 255,
 }
+
+
+# The sm_90a large-M loop (warpgroup MMA, codegen/kernels/w4a16_wgmma.py): one warpgroup per
+# CTA over 64-row route blocks (the wgmma N), tiles WGMMA_TILES (defined below TileConfig).
+WGMMA_ARCHS = ("sm_90a",)
+WGMMA_BLOCK_SIZE = 64
+WGMMA_THREADS = 128
+WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
+# Registers per thread of the built sm_90a cubins by tile_n (`cuteaot inspect`); the runtime
+# re-checks co-residency with the real count, this only sizes the planned grid.
+WGMMA_REGISTERS_SM90 = {256: 218, 128: 137}
 
 
 def _check_moe_block_size(moe_block_size: int) -> None:
@@ -229,6 +246,52 @@ def shared_memory_footprint(moe_block_size: int, tile: TileConfig, scale_format:
     scale_groups = -(-tile.tile_k // scale_format.group_size)
     scale_stages = scale_groups * tile.tile_n * 2 * STAGES
     return reused + a_stages + scale_stages + meta
+
+
+def route_metadata_bytes(moe_block_size: int) -> int:
+    """Shared bytes the kernels keep per block for route indices, source rows, router weights, count."""
+    _check_moe_block_size(moe_block_size)
+    return 16 * (moe_block_size // 2 + moe_block_size // 2 + 1)
+
+
+def wgmma_stage_bytes(moe_block_size: int, tile: TileConfig) -> int:
+    """One pipeline stage of the wgmma loop: activations (bf16), packed weights, e4m3 scales."""
+    return moe_block_size * tile.tile_k * 2 + tile.tile_n * tile.tile_k // PACK_FACTOR * 4 + tile.tile_n * tile.tile_k // 16
+
+
+def wgmma_shared_memory_footprint(tile: TileConfig, stages: int = STAGES) -> int:
+    """Exact dynamic shared bytes of the wgmma kernel (GemmSpec.shared_bytes uses this)."""
+    return (route_metadata_bytes(WGMMA_BLOCK_SIZE) + WGMMA_SMEM_ALIGN
+            + stages * wgmma_stage_bytes(WGMMA_BLOCK_SIZE, tile))
+
+
+def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
+               profile: DeviceProfile) -> tuple[TileConfig | None, str | None]:
+    """The widest wgmma tile that runs this GEMM on `profile`, or (None, why not)."""
+    if profile.arch not in WGMMA_ARCHS:
+        return None, f"{profile.name} ({profile.arch}) has no warpgroup MMA"
+    if moe_block_size != WGMMA_BLOCK_SIZE:
+        return None, f"the wgmma loop takes {WGMMA_BLOCK_SIZE}-row route blocks, the plan has {moe_block_size}"
+    if scale_format is not ScaleFormat.E4M3_K16:
+        return None, f"the wgmma loop decodes e4m3_k16 scales, not {scale_format.value}"
+    limit = profile.max_shared_memory_per_block_optin - _FIT_SHARED_MEMORY_MARGIN
+    for tile in WGMMA_TILES:
+        if n % tile.tile_n == 0 and k % tile.tile_k == 0 and wgmma_shared_memory_footprint(tile) <= limit:
+            return tile, None
+    return None, f"N={n} and K={k} are not multiples of a wgmma tile ({', '.join(f'{t.tile_n}x{t.tile_k}' for t in WGMMA_TILES)})"
+
+
+def wgmma_blocks_per_sm(m: int, n: int, top_k: int, tile: TileConfig, profile: DeviceProfile, registers: int) -> int:
+    """Co-resident wgmma CTAs per SM (registers, shared memory, threads), lowered for small problems."""
+    unit = _REGISTER_UNIT_PER_THREAD
+    per_block = -(-registers // unit) * unit * WGMMA_THREADS
+    smem = wgmma_shared_memory_footprint(tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
+    limit = max(min(profile.registers_per_sm // per_block, profile.shared_memory_per_sm // smem,
+                    profile.max_threads_per_sm // WGMMA_THREADS), 1)
+    work_ctas = (n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
+    if work_ctas < profile.sm_count * limit:
+        limit = max(work_ctas // profile.sm_count, 1)
+    return limit
 
 
 def tile_misfit(
@@ -530,6 +593,7 @@ class GemmPlan:
     lock_slots: int
     splitk_scratch_floats: int
     whole_tiles_m8: bool = False  # 8-row blocks: one whole-K tile per CTA when they all fit (no split-K)
+    mainloop: str = "mma_sync"  # "wgmma": the sm_90a warpgroup-MMA loop (64-row blocks, WGMMA_TILES)
 
     @property
     def cta_m_blocks(self) -> int:
@@ -572,7 +636,13 @@ def plan_gemm(
     direct = m <= MAX_DIRECT_TOPK_ROUTE_M
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
-    if pinned_tile is None:
+    mainloop = "mma_sync"
+    wg_tile = wgmma_tile(n, k, block, scale_format, profile)[0] if pinned_tile is None else None
+    if wg_tile is not None:
+        # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
+        mainloop, tile, used_registers = "wgmma", wg_tile, WGMMA_REGISTERS_SM90[wg_tile.tile_n]
+        per_sm = wgmma_blocks_per_sm(m, n, top_k, tile, profile, used_registers)
+    elif pinned_tile is None:
         tile, per_sm = select_tile(m, n, k, top_k, block, scale_format, profile)
         used_registers = estimated_registers(tile, block)
     else:
@@ -597,7 +667,8 @@ def plan_gemm(
         direct_topk_routes=direct,
         tile=tile,
         registers=used_registers,
-        shared_memory_bytes=shared_memory_footprint(block, tile, scale_format),
+        shared_memory_bytes=(wgmma_shared_memory_footprint(tile) if mainloop == "wgmma"
+                             else shared_memory_footprint(block, tile, scale_format)),
         blocks_per_sm=per_sm,
         grid_x=grid_x,
         n_tiles=n // tile.tile_n,
@@ -607,6 +678,7 @@ def plan_gemm(
         lock_slots=lock_slots(grid_x),
         splitk_scratch_floats=splitk_scratch_floats(grid_x, block, tile.tile_n),
         whole_tiles_m8=whole_tiles,
+        mainloop=mainloop,
     )
 
 

@@ -147,3 +147,38 @@ def test_gemm_kernel_compiles_without_spills():
         assert record["registers"] * spec.threads * bps <= 65536
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
         assert record["min_blocks_per_sm"] == bps
+
+
+def test_wgmma_gemm_kernel_compiles():
+    """The sm_90a large-M loop: register-A wgmma, async-proxy fence, no spills, two CTAs per SM."""
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels import w4a16_gemm
+    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+
+    for dtype, kind, tile_n, per_sm in (("bf16", "bf16", 256, 2), ("fp16", "f16", 128, 3)):
+        spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=64,
+                        blocks_per_sm=per_sm, mul_topk_weights=True, mainloop="wgmma")
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+        assert record["block"] == [128, 1, 1] and record["min_blocks_per_sm"] == per_sm
+        assert record["registers"] * 128 * per_sm <= 65536
+        assert record["dynamic_smem_bytes"] == spec.shared_bytes
+        kernel, args = w4a16_gemm.build(spec)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}" in ptx
+        for instruction in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
+                            "wgmma.wait_group.sync.aligned 1", "fence.proxy.async.shared::cta"):
+            assert instruction in ptx
+
+
+def test_wgmma_spec_is_validated():
+    from cuteaot.runtime import BadInputError
+    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+
+    with pytest.raises(BadInputError, match="mainloop=wgmma implements"):
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=128, moe_block_size=64,
+                 blocks_per_sm=2, mainloop="wgmma")
+    with pytest.raises(BadInputError, match="mainloop=wgmma implements"):
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=48,
+                 blocks_per_sm=2, mainloop="wgmma")

@@ -246,8 +246,9 @@ QWEN_EXPECTED = {
     ("h200", 512): (48, False, (64, 128), 2, 264),
     # GB10: (64,128) min(2, 101376//47360=2)=2; (128,64) min(2, 101376//71936=1)=1
     ("gb10", 512): (48, False, (64, 128), 2, 96),
-    # m=4096: block 64.  H200: (64,128) min(2, 232448//56832=4) = 2
-    ("h200", 4096): (64, False, (64, 128), 2, 264),
+    # m=4096: block 64.  H200 (sm_90a): the wgmma loop's fixed 256x64 tile, 128 threads,
+    # min(65536//(224*128)=2, 233472//(71696+1536)=3, 2048//128=16) = 2
+    ("h200", 4096): (64, False, (64, 256), 2, 264),
     # GB10: (64,256) 1, (64,128) min(2, 101376//56832=1)=1, (128,64) 1 -> first, (64,256)
     ("gb10", 4096): (64, False, (64, 256), 1, 48),
 }
@@ -269,6 +270,30 @@ def test_qwen3_plans(shape, profile_name, m):
     assert plan.lock_slots == grid_x
     assert plan.splitk_scratch_floats == grid_x * 16 * -(-block // 16) * tile_n
     assert (plan.n_tiles, plan.k_tiles) == (n // tile_n, k // tile_k)
+    wgmma = profile_name == "h200" and block == 64
+    assert plan.mainloop == ("wgmma" if wgmma else "mma_sync")
+
+
+def test_wgmma_is_planned_only_where_it_runs():
+    from cuteaot.runtime.planning import WGMMA_TILES, wgmma_shared_memory_footprint, wgmma_tile
+
+    wide, narrow = WGMMA_TILES
+    assert wgmma_tile(1536, 2048, 64, K16, H200) == (wide, None)
+    assert wgmma_tile(5760, 2944, 64, K16, H200) == (narrow, None)  # gpt-oss FC1: 5760 % 256 = 128
+    assert "warpgroup" in wgmma_tile(1536, 2048, 64, K16, PROFILES["b200"])[1]  # sm_100a: no wgmma
+    assert "64-row" in wgmma_tile(1536, 2048, 48, K16, H200)[1]
+    assert "multiples" in wgmma_tile(1536 + 64, 2048, 64, K16, H200)[1]
+    assert "e4m3_k16" in wgmma_tile(1536, 2048, 64, ScaleFormat.E8M0_K32, H200)[1]
+    # a pinned tile keeps the mma.sync loop
+    pinned = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16, pinned_tile=TileConfig(64, 128))
+    assert pinned.mainloop == "mma_sync"
+    gpt_oss = plan_gemm(4096, 5760, 2944, 4, 128, H200, scale_format=K16)
+    assert gpt_oss.mainloop == "wgmma" and gpt_oss.tile == narrow
+    # 1040 route-metadata bytes + 1024 alignment slack + 4 stages of (8192 + 8192 + 1024)
+    assert wgmma_shared_memory_footprint(wide) == 1040 + 1024 + 4 * 17408
+    assert wgmma_shared_memory_footprint(narrow) == 1040 + 1024 + 4 * (8192 + 4096 + 512)
+    plan = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16)
+    assert plan.tile == wide and plan.shared_memory_bytes == wgmma_shared_memory_footprint(wide)
 
 
 @pytest.mark.parametrize(

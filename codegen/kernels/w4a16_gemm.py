@@ -25,7 +25,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
-from cuteaot.runtime.kernels.gemm_spec import Epilogue, GemmSpec, Routes
+from cuteaot.runtime.kernels.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 from cuteaot.runtime.types import DType
 
 from .. import intrinsics as I
@@ -314,10 +314,15 @@ def build(spec: GemmSpec):
     def ptr(dtype):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
 
+    kernel_cls = W4A16GemmKernel
+    if spec.mainloop is Mainloop.WGMMA:
+        from .w4a16_wgmma import W4A16WgmmaGemmKernel  # it subclasses this module's kernel
+
+        kernel_cls = W4A16WgmmaGemmKernel
     elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
     args = (
         ptr(elem), ptr(cutlass.Int32), ptr(elem), ptr(cutlass.Uint8), ptr(cutlass.Float32), ptr(cutlass.Int32),
         ptr(cutlass.Int32), ptr(cutlass.Int32), ptr(cutlass.Float32), ptr(cutlass.Float32), ptr(cutlass.Int32),
         Int32(1), make_fake_stream(),
     )
-    return W4A16GemmKernel(spec), args
+    return kernel_cls(spec), args

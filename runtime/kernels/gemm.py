@@ -30,7 +30,7 @@ from ..planning import GemmPlan, plan_gemm
 from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import DType
 from ..weights import PackedNvfp4, stored_dims
-from .gemm_spec import Epilogue, GemmSpec, Routes
+from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 from .route_pack import pack_routes, route_pack_workspace_elements
 
 
@@ -106,6 +106,7 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         epilogue=Epilogue(epilogue),
         layout=layout,
         scale_format=scale_format,
+        mainloop=Mainloop(plan.mainloop),
     )
 
 

@@ -25,7 +25,15 @@ from enum import Enum
 from ..abi import Param, ParamKind, Signature
 from ..errors import BadInputError
 from ..keys import KernelKey
-from ..planning import TileConfig, cta_m_blocks
+from ..planning import (
+    WGMMA_BLOCK_SIZE,
+    WGMMA_THREADS,
+    WGMMA_TILES,
+    TileConfig,
+    cta_m_blocks,
+    route_metadata_bytes,
+    wgmma_shared_memory_footprint,
+)
 from ..types import DType
 
 STAGES = 4  # default cp.async pipeline depth (the seed's)
@@ -39,6 +47,18 @@ class Routes(str, Enum):
 
     PACKED = "packed"  # packed_route_indices / block_expert_ids from pack_routes
     DIRECT = "direct"  # no packing: route r = its own 8-row block, expert = topk_ids[r] (small M)
+
+
+class Mainloop(str, Enum):
+    """Which tensor-core loop computes a tile."""
+
+    MMA_SYNC = "mma_sync"  # the seed's m16n8k16 loop, every target, every block size
+    # sm_90a only: warpgroup MMA with the dequantised weights as the register A operand and the
+    # gathered activations as the shared-memory B operand (codegen/kernels/w4a16_wgmma.py);
+    # 64-row blocks, 256 x 64 or 128 x 64 tiles, one warpgroup per CTA.
+    WGMMA = "wgmma"
+
+
 
 
 class Epilogue(str, Enum):
@@ -91,9 +111,11 @@ class GemmSpec:
     # Fused top-k sum (the fused kernel's small-M decode): 0 = off; else `out` is (tokens / sum_topk, N)
     # and each route's row is added with red.add into out[route // sum_topk] (zeroed beforehand).
     sum_topk: int = 0
+    mainloop: Mainloop = Mainloop.MMA_SYNC
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
+        object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         object.__setattr__(self, "routes", Routes(self.routes))
         object.__setattr__(self, "epilogue", Epilogue(self.epilogue))
         if self.layout != "packed" or self.scale_format != "e4m3_k16":
@@ -127,6 +149,15 @@ class GemmSpec:
             raise BadInputError("sum_topk (fused top-k sum) needs direct routes, top_k=1 (route rows) and no epilogue")
         if not 1 <= self.blocks_per_sm <= 8:
             raise BadInputError(f"blocks_per_sm must be in [1, 8], got {self.blocks_per_sm}")
+        if self.mainloop is Mainloop.WGMMA:
+            wanted = (WGMMA_BLOCK_SIZE, True, Routes.PACKED, 0)
+            given = (self.moe_block_size, self.tile in WGMMA_TILES, self.routes, self.sum_topk)
+            if given != wanted:
+                raise BadInputError(
+                    "mainloop=wgmma implements moe_block_size 64, tiles 256x64 and 128x64, packed routes, no sum_topk; "
+                    f"got moe_block_size {self.moe_block_size}, tile {self.tile_n}x{self.tile_k}, "
+                    f"routes {self.routes.value}, sum_topk {self.sum_topk}"
+                )
 
     # --------------------------------------------------------------- key
 
@@ -153,6 +184,7 @@ class GemmSpec:
                 "n_out": self.n_out,
                 "k_in": self.k_in,
                 "sum_topk": self.sum_topk,
+                "mainloop": self.mainloop.value,
             },
         )
 
@@ -168,7 +200,7 @@ class GemmSpec:
 
     @property
     def threads(self) -> int:
-        return self.tile.threads
+        return WGMMA_THREADS if self.mainloop is Mainloop.WGMMA else self.tile.threads
 
     @property
     def m_blocks(self) -> int:
@@ -293,7 +325,39 @@ class GemmSpec:
 
     @property
     def shared_bytes(self) -> int:
+        if self.mainloop is Mainloop.WGMMA:
+            # route metadata, slack to align the stages to a swizzle atom, the stages
+            assert 16 * self.sh_b_off == route_metadata_bytes(self.moe_block_size)
+            return wgmma_shared_memory_footprint(self.tile, self.stages)
         return 16 * (self.sh_a_off + self.stages * self.a_sh_stage)
+
+    # wgmma stages (bytes, from the aligned base): all activation stages, then all weight
+    # stages, then all scale stages.  The epilogue stages the output tile over them.
+    @property
+    def wg_stage_base(self) -> int:
+        """Bytes from the dynamic shared base to the first stage before aligning it."""
+        return 16 * self.sh_b_off
+
+    @property
+    def wg_x_stage_bytes(self) -> int:
+        return self.moe_block_size * self.tile_k * 2
+
+    @property
+    def wg_w_stage_bytes(self) -> int:
+        return self.tile_n * self.tile_k // 2
+
+    @property
+    def wg_s_stage_bytes(self) -> int:
+        return self.tile_n * self.tile_k // SCALE_GROUP
+
+    @property
+    def wg_stage_bytes(self) -> int:
+        return self.wg_x_stage_bytes + self.wg_w_stage_bytes + self.wg_s_stage_bytes
+
+    @property
+    def wg_out_row_bytes(self) -> int:
+        """Bytes per staged output row in the epilogue (+16 against bank conflicts)."""
+        return self.tile_n * 2 + 16
 
     @property
     def dynamic_smem_bytes(self) -> int:

@@ -1,0 +1,319 @@
+"""Large-M tile of the W4A16 GEMM on sm_90a: warpgroup MMA with register-A dequant.
+
+Same scheduler, route metadata and ABI as `W4A16GemmKernel` (this class only
+replaces `_tile`); used for 64-row route blocks, where the mma.sync loop is
+limited by its own issue rate.  The product is computed transposed,
+
+    D[n, token] = sum_k W[n, k] * X[token, k]     (D = out^T for the block)
+
+so the weights are wgmma's A operand, taken from registers, and decode straight
+into it: per warp the m64 A fragment is the m16n8k16 A fragment, which is what
+the packed layout's words decode to (docs/layouts.md).  The 64 gathered
+activation rows are B, read by the tensor cores from shared memory.
+
+One warpgroup (128 threads) per CTA, tile = 256 weight rows x 64 tokens, k-tile
+64 (one 128-byte row of bf16 activations):
+
+    shared stage p (from a 1024-aligned base):
+      X[p]: 64 token rows x 128 B, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
+            -- the K-major 128B-swizzle layout wgmma's descriptor names
+      W[p]: 4 rows of 16 k, 128 int4 each, copied verbatim (lane-major fragment order)
+      S[p]: 4 rows of 16 k, 256 scale bytes each (the packed scale permutation)
+
+    per 16-k row kk, thread (warp w, lane l): one 16-byte load of W[p] row kk, int4
+    32w + l = the words of its four 16-row blocks jj = 0..3 of column group w; decode
+    and scale them into four A fragments; wgmma jj (m64n64k16) then computes
+    D rows {64 w' + 16 jj + r : w' = 0..3, r = 0..15} (warp w' supplies 16 of its
+    64 rows) for all 64 tokens, from B = X[p] advanced by kk * 32 bytes.
+
+The nw wgmma of a 16-k row are one commit group.  After issuing row kk's group
+a thread waits for row kk-1's (so at most two are in flight) and decodes row
+kk+1 while row kk runs on the tensor cores; after a stage's last row it drains
+(see the comment in `_wg_mainloop`).  Stages are refilled with cp.async as in
+the mma.sync loop; shared data written by cp.async is published to wgmma's
+async proxy with `fence.proxy.async` before the barrier that precedes its use.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
+
+from cuteaot.runtime.planning import WGMMA_SMEM_ALIGN
+
+from .. import intrinsics as I
+from .w4a16_gemm import W4A16GemmKernel, _Tile
+
+_ACC = I.WGMMA_N // 2  # accumulator floats per thread per wgmma
+_X_ROW = I.WGMMA_SW128_ROW_BYTES  # bytes per staged activation row (64 bf16)
+_K16_BYTES = 32  # descriptor advance per 16 k inside a swizzle row
+
+
+class W4A16WgmmaGemmKernel(W4A16GemmKernel):
+    def __init__(self, spec):
+        super().__init__(spec)
+        # wgmma per 16-k row = packed words each thread decodes per row = 64-column groups
+        self.nw = spec.tile_n // 64
+        # warps sharing one 64-column group (each takes nw of the group's four 16-row blocks)
+        self.warps_per_group = 4 // self.nw
+
+    # ------------------------------------------------------------------ addressing
+
+    @cute.jit
+    def _wg_plan(self, ops, smem: Int32, tid: Int32, expert: Int32, n_tile: Int32, valid_rows: Int32):
+        """This thread's copy and read addresses for stage 0 / k-tile 0 (constants add the rest)."""
+        s = self.s
+        base = (smem + Int32(s.wg_stage_base + WGMMA_SMEM_ALIGN - 1)) & Int32(-WGMMA_SMEM_ALIGN)
+        t = _Tile(base=base, x_base=base, w_base=base + Int32(s.stages * s.wg_x_stage_bytes))
+        t.s_base = t.w_base + Int32(s.stages * s.wg_w_stage_bytes)
+        # activations: 4 passes of 16 rows, 8 chunks per row
+        chunk = tid % Int32(8)
+        t.x_src, t.x_ok, t.x_dst = [], [], []
+        for i in cutlass.range_constexpr(s.moe_block_size // 16):
+            row = tid // Int32(8) + Int32(16 * i)
+            src_row = I.ld_shared_i32(smem + Int32(s.sh_rd_route_off * 16) + row * Int32(4))
+            t.x_src.append(ops.a + (Int64(src_row) * Int64(s.a_width // 8) + Int64(chunk)) * Int64(16))
+            ok = row < valid_rows
+            t.x_ok.append(ok)
+            t.x_dst.append(t.x_base + row * Int32(_X_ROW) + ((chunk ^ (row & Int32(7))) * Int32(16)))
+        t.x_chunk = chunk
+        # weights: a 16-k row of the tile is tile_n / 2 int4; 128 threads copy 128 / (tile_n / 2)
+        # rows per pass
+        per_row = s.tile_n // 2
+        t.w_src = ops.qweight + (Int64(s.n * s.k // 32) * Int64(expert) + Int64(per_row) * Int64(n_tile)
+                                 + Int64(tid // Int32(per_row)) * Int64(s.n // 2) + Int64(tid % Int32(per_row))
+                                 ) * Int64(16)
+        t.w_dst = t.w_base + tid * Int32(16)
+        # scales: tile_n / 16 int4 per 16-k row, one per thread of the first s_sh_stage threads
+        t.s_ok = tid < Int32(s.s_sh_stage)
+        t.s_src = ops.scales + (Int64(s.n * s.k // 256) * Int64(expert)
+                                + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
+                                + Int64(Int32(s.s_sh_stride) * n_tile + tid % Int32(s.s_sh_stride))) * Int64(16)
+        t.s_dst = t.s_base + tid * Int32(16)
+        # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`:
+        # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes
+        warp = tid // Int32(32)
+        lane = tid & Int32(31)
+        group = warp // Int32(self.warps_per_group)
+        part = warp % Int32(self.warps_per_group)
+        t.w_rd = t.w_base + (Int32(32) * group + lane) * Int32(16) + part * Int32(4 * self.nw)
+        t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + part * Int32(4)
+        # this thread's first output column: D row 16 w + g of wgmma j is column 64 group + 16 jj + g
+        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part + lane // Int32(4)
+        t.desc = I.wgmma_desc_sw128(t.x_base)
+        return t
+
+    # ------------------------------------------------------------------ staging
+
+    @cute.jit
+    def _wg_stage(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
+        s = self.s
+        k64 = Int64(k_tile)
+        for i in cutlass.range_constexpr(s.moe_block_size // 16):
+            load = t.x_ok[i]
+            if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
+                load = load and k_tile * Int32(8) + t.x_chunk < Int32(s.k_in // 8)
+            I.cp_async_16_zfill(t.x_dst[i] + Int32(pipe * s.wg_x_stage_bytes),
+                                t.x_src[i] + k64 * Int64(_X_ROW), load.to(Int32))
+        rows_per_pass = s.threads // (s.tile_n // 2)
+        for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):
+            I.cp_async_16(t.w_dst + Int32(pipe * s.wg_w_stage_bytes + i * s.threads * 16),
+                          t.w_src + (k64 * Int64(s.k_blocks) + Int64(i * rows_per_pass)) * Int64(s.n // 2 * 16))
+        if t.s_ok:
+            I.cp_async_16(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
+                          t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _wg_publish(self, pending: cutlass.Constexpr[int]):
+        """Wait for all but `pending` copy groups and hand the landed stages to the tensor cores."""
+        cute.arch.cp_async_wait_group(pending)
+        I.fence_proxy_async_shared()
+        cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------ fragments
+
+    @cute.jit
+    def _wg_fragments(self, frag: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
+        """Decode and scale this thread's nw A fragments of 16-k row `kk` of stage `pipe`."""
+        s = self.s
+        w_at = t.w_rd + Int32(pipe * s.wg_w_stage_bytes + kk * s.tile_n * 8)
+        s_at = t.s_rd + Int32(pipe * s.wg_s_stage_bytes + kk * s.tile_n)
+        if cutlass.const_expr(self.nw == 4):
+            q = I.ld_shared_v4_u32(w_at)
+            p0, p1 = I.ld_shared_v2_u32(s_at)
+            s0, s1 = self._dequant_scales(p0)  # blocks 0, 1 (scale pairs: rows g, g + 8)
+            s2, s3 = self._dequant_scales(p1)  # blocks 2, 3
+            sc = (s0, s1, s2, s3)
+        else:
+            q = I.ld_shared_v2_u32(w_at)
+            sc = self._dequant_scales(I.ld_shared_u32(s_at))
+        for j in cutlass.range_constexpr(self.nw):
+            c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q[j])
+            s_c0 = I.pair_broadcast_lane(sc[j], 0)
+            s_c1 = I.pair_broadcast_lane(sc[j], 1)
+            # m16n8k16 A order: (row g, k lo), (row g + 8, k lo), (row g, k hi), (row g + 8, k hi)
+            frag[j, 0] = self._pair_mul(c0_b0, s_c0)
+            frag[j, 1] = self._pair_mul(c1_b0, s_c1)
+            frag[j, 2] = self._pair_mul(c0_b1, s_c0)
+            frag[j, 3] = self._pair_mul(c1_b1, s_c1)
+
+    @cute.jit
+    def _wg_mma(self, acc: cute.Tensor, frag: cute.Tensor, t, pipe: cutlass.Constexpr[int],
+                kk: cutlass.Constexpr[int]):
+        """Issue the nw wgmma of 16-k row `kk` as one commit group."""
+        s = self.s
+        regs = I.pin_u32([frag[jj, i] for jj in range(self.nw) for i in range(4)])
+        desc = t.desc + Int64((pipe * s.wg_x_stage_bytes + kk * _K16_BYTES) >> 4)
+        I.wgmma_fence()
+        for jj in cutlass.range_constexpr(self.nw):
+            d = [acc[jj, i] for i in range(_ACC)]
+            a = regs[4 * jj: 4 * jj + 4]
+            if cutlass.const_expr(self.is_fp16):
+                d = I.wgmma_f16_m64n64k16_rs(d, a[0], a[1], a[2], a[3], desc)
+            else:
+                d = I.wgmma_bf16_m64n64k16_rs(d, a[0], a[1], a[2], a[3], desc)
+            for i in cutlass.range_constexpr(_ACC):
+                acc[jj, i] = d[i]
+        I.wgmma_commit_group()
+
+    # ------------------------------------------------------------------ the loop
+
+    @cute.jit
+    def _wg_mainloop(self, ops, t, acc: cute.Tensor, k_start: Int32, k_tiles: Int32):
+        s = self.s
+        for pipe in cutlass.range_constexpr(s.stages - 1):
+            if Int32(pipe) < k_tiles:
+                self._wg_stage(ops, t, pipe, k_start + Int32(pipe))
+            else:
+                cute.arch.cp_async_commit_group()
+        self._wg_publish(s.stages - 2)
+        frag = cute.make_rmem_tensor((self.nw, 4), Uint32)
+        self._wg_fragments(frag, t, 0, 0)
+        tile_idx = Int32(0)
+        while tile_idx < k_tiles:
+            for pipe in cutlass.range_constexpr(s.stages):
+                if tile_idx < k_tiles:
+                    for kk in cutlass.range_constexpr(s.k_blocks):
+                        self._wg_mma(acc, frag, t, pipe, kk)
+                        if cutlass.const_expr(kk + 1 < s.k_blocks):
+                            # the previous row's group is done: its A registers are free for
+                            # the next row's decode, and after row 0 so is the previous stage
+                            I.wgmma_wait_group(1)
+                            if cutlass.const_expr(kk == 0):
+                                fetch = tile_idx + Int32(s.stages - 1)
+                                if fetch < k_tiles:
+                                    self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch)
+                                else:
+                                    cute.arch.cp_async_commit_group()
+                            self._wg_fragments(frag, t, pipe, kk + 1)
+                        else:
+                            # last row of the stage: drain before the stage's branch ends.  Where
+                            # the branches join, the loop-carried fragments may be moved to other
+                            # registers and the old ones reused while a group in flight still reads
+                            # them (seen on the H200 as sporadic inf rows when this group overlapped
+                            # the next stage's first decode); measured: no slower.
+                            I.wgmma_wait_group(0)
+                            self._wg_publish(s.stages - 2)
+                            if tile_idx + Int32(1) < k_tiles:
+                                self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
+                    tile_idx += Int32(1)
+        pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(_ACC)])
+        for jj in cutlass.range_constexpr(self.nw):
+            for i in cutlass.range_constexpr(_ACC):
+                acc[jj, i] = pinned[jj * _ACC + i]
+
+    # ------------------------------------------------------------------ split-K and store
+
+    @cute.jit
+    def _wg_merge_split_k(self, ops, acc: cute.Tensor, tid: Int32, lock_slot: Int32, slice_idx: Int32,
+                          slice_count: Int32):
+        """As the mma.sync merge, with each thread's 128 floats in its own slots of the partial."""
+        s = self.s
+        lock = ops.locks + Int64(lock_slot) * Int64(4)
+        if tid == Int32(0):
+            state = Int32(-1)
+            while state != slice_idx:
+                state = I.ld_global_acquire_i32(lock)
+        cute.arch.sync_threads()
+        tile_int4 = s.moe_block_size * s.tile_n // 4
+        for jj in cutlass.range_constexpr(self.nw):
+            for v in cutlass.range_constexpr(_ACC // 4):
+                slot = jj * (_ACC // 4) + v
+                addr = ops.c_tmp + Int64(lock_slot * Int32(tile_int4) + Int32(slot * s.threads) + tid) * Int64(16)
+                c = [acc[jj, 4 * v + e] for e in range(4)]
+                if slice_idx != Int32(0):
+                    r = I.ld_global_v4_f32(addr)
+                    c = [c[e] + r[e] for e in range(4)]
+                if slice_idx != slice_count - Int32(1):
+                    I.st_global_v4_f32(addr, c[0], c[1], c[2], c[3])
+                for e in cutlass.range_constexpr(4):
+                    acc[jj, 4 * v + e] = c[e]
+        cute.arch.sync_threads()
+        if tid == Int32(0):
+            if slice_idx == slice_count - Int32(1):
+                I.st_global_i32(lock, Int32(0))
+            else:
+                I.red_add_release_i32(lock, Int32(1))
+
+    @cute.jit
+    def _wg_store(self, ops, acc: cute.Tensor, smem: Int32, t, tid: Int32, n_tile: Int32, valid_rows: Int32,
+                  global_scale):
+        """acc * global_scale -> dtype, staged as [token][n] in shared memory -> 16-byte row stores."""
+        s = self.s
+        row_bytes = Int32(s.wg_out_row_bytes)
+        cute.arch.sync_threads()  # the stages are reused
+        lane = tid & Int32(31)
+        # D[n, token]: n = n0 + 16 jj (+ 8), token = 8 i + 2 t (+ 1)
+        wr = t.base + (Int32(2) * (lane % Int32(4))) * row_bytes + t.n0 * Int32(2)
+        for jj in cutlass.range_constexpr(self.nw):
+            for i in cutlass.range_constexpr(_ACC // 4):
+                at = wr + Int32(8 * i) * row_bytes + Int32(16 * jj * 2)
+                self._st_elem(at, acc[jj, 4 * i] * global_scale)
+                self._st_elem(at + row_bytes, acc[jj, 4 * i + 1] * global_scale)
+                self._st_elem(at + Int32(16), acc[jj, 4 * i + 2] * global_scale)
+                self._st_elem(at + row_bytes + Int32(16), acc[jj, 4 * i + 3] * global_scale)
+        cute.arch.sync_threads()
+
+        chunks = s.tile_n // 8  # 16-byte chunks per row
+        col = tid % Int32(chunks)
+        for it in cutlass.range_constexpr(s.moe_block_size * chunks // s.threads):
+            row = tid // Int32(chunks) + Int32(it * s.threads // chunks)
+            out_col = Int32(chunks) * n_tile + col
+            store = row < valid_rows
+            if cutlass.const_expr(s.n_out is not None):  # zero-padded N: columns past n_out are not stored
+                store = store and out_col < Int32(s.n_out // 8)
+            if store:
+                route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
+                q0, q1, q2, q3 = I.ld_shared_v4_u32(t.base + row * row_bytes + col * Int32(16))
+                if cutlass.const_expr(s.mul_topk_weights):
+                    weight = I.ld_shared_u32(smem + Int32(s.sh_topk_off * 16) + row * Int32(4))
+                    q0 = self._pair_mul(q0, weight)
+                    q1 = self._pair_mul(q1, weight)
+                    q2 = self._pair_mul(q2, weight)
+                    q3 = self._pair_mul(q3, weight)
+                if cutlass.const_expr(self.relu2):
+                    q0 = self._relu2_pair(q0)
+                    q1 = self._relu2_pair(q1)
+                    q2 = self._relu2_pair(q2)
+                    q3 = self._relu2_pair(q3)
+                out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(out_col)
+                I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
+        cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------ one tile
+
+    @cute.jit
+    def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, n_tile: Int32,
+              k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+        global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
+        valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
+        t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
+        acc = cute.make_rmem_tensor((self.nw, _ACC), Float32)
+        acc.fill(0.0)
+        self._wg_mainloop(ops, t, acc, k_start, k_count)
+        if slice_count > Int32(1):
+            self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
+        if slice_idx == slice_count - Int32(1):
+            self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale)
