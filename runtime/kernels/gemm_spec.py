@@ -351,10 +351,6 @@ class GemmSpec:
         return self.tile_n * self.tile_k // SCALE_GROUP
 
     @property
-    def wg_stage_bytes(self) -> int:
-        return self.wg_x_stage_bytes + self.wg_w_stage_bytes + self.wg_s_stage_bytes
-
-    @property
     def wg_out_row_bytes(self) -> int:
         """Bytes per staged output row in the epilogue (+16 against bank conflicts)."""
         return self.tile_n * 2 + 16
