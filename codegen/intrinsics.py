@@ -388,8 +388,7 @@ def mma_f16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, *, loc=None, ip=Non
 # read above the wait); shared memory written by the generic proxy (st.shared, cp.async) must
 # be published to the async proxy with `fence_proxy_async_shared` before a wgmma reads it.
 
-WGMMA_N = 64  # B columns (tokens) of the one wgmma shape used: m64n64k16, 32 f32 per thread
-_WGMMA_ACC = WGMMA_N // 2
+WGMMA_NS = (64, 128)  # B columns (tokens) of the shapes used: m64n64k16 / m64n128k16, N/2 f32 per thread
 # Shared-memory matrix descriptor (PTX "matrix descriptor"): start address >> 4 in bits 0..13,
 # leading-dimension byte offset >> 4 in 16..29, stride byte offset >> 4 in 32..45, swizzle
 # mode in 62..63 (1 = 128-byte swizzle).  For a K-major 128B-swizzled operand whose rows are
@@ -455,10 +454,12 @@ def pin_u32(values: list, *, loc=None, ip=None) -> list:
 
 
 def _wgmma_rs(kind: str, acc, a, desc, loc, ip):
-    n = _WGMMA_ACC
+    n = len(acc)  # accumulator floats per thread: N / 2
+    if 2 * n not in WGMMA_NS:
+        raise ValueError(f"wgmma with {n} accumulators per thread (N = {2 * n}); supported N: {WGMMA_NS}")
     d = ", ".join(f"${i}" for i in range(n))
     a_ops = ", ".join(f"${2 * n + i}" for i in range(4))
-    ptx = (f"wgmma.mma_async.sync.aligned.m64n{WGMMA_N}k16.f32.{kind}.{kind} "
+    ptx = (f"wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.{kind}.{kind} "
            f"{{{d}}}, {{{a_ops}}}, ${2 * n + 4}, 1, 1, 1, 0;")
     constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["r"] * 4 + ["l"])
     args = _ir([Float32(v) for v in acc] + [Uint32(v) for v in a] + [Int64(desc)], loc, ip)
@@ -467,19 +468,19 @@ def _wgmma_rs(kind: str, acc, a, desc, loc, ip):
 
 
 @dsl_user_op
-def wgmma_bf16_m64n64k16_rs(acc: list, a0, a1, a2, a3, desc: Int64, *, loc=None, ip=None) -> list:
-    """acc(64x64 f32) += A(64x16, registers) * B(16x64, shared, K-major via `desc`), bf16 inputs.
+def wgmma_bf16_m64k16_rs(acc: list, a0, a1, a2, a3, desc: Int64, *, loc=None, ip=None) -> list:
+    """acc(64xN f32) += A(64x16, registers) * B(16xN, shared, K-major via `desc`), bf16 inputs.
 
-    A per warp w: rows 16w.. as the m16n8k16 A fragment (a0..a3).  acc[4i + j] (g = lane // 4,
-    t = lane % 4): j = 0, 1 -> D[16w + g, 8i + 2t + j]; j = 2, 3 -> D[16w + g + 8, 8i + 2t + j - 2].
-    scale-d is 1 (always accumulate: start from zeros).
+    N = 2 * len(acc), one of WGMMA_NS.  A per warp w: rows 16w.. as the m16n8k16 A fragment
+    (a0..a3).  acc[4i + j] (g = lane // 4, t = lane % 4): j = 0, 1 -> D[16w + g, 8i + 2t + j];
+    j = 2, 3 -> D[16w + g + 8, 8i + 2t + j - 2].  scale-d is 1 (always accumulate: start from zeros).
     """
     return _wgmma_rs("bf16", acc, (a0, a1, a2, a3), desc, loc, ip)
 
 
 @dsl_user_op
-def wgmma_f16_m64n64k16_rs(acc: list, a0, a1, a2, a3, desc: Int64, *, loc=None, ip=None) -> list:
-    """As `wgmma_bf16_m64n64k16_rs` with fp16 inputs."""
+def wgmma_f16_m64k16_rs(acc: list, a0, a1, a2, a3, desc: Int64, *, loc=None, ip=None) -> list:
+    """As `wgmma_bf16_m64k16_rs` with fp16 inputs."""
     return _wgmma_rs("f16", acc, (a0, a1, a2, a3), desc, loc, ip)
 
 

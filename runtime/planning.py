@@ -60,6 +60,7 @@ __all__ = [
     "tile_misfit",
     "wgmma_shared_memory_footprint",
     "wgmma_tile",
+    "wgmma_tiles",
 ]
 
 # M rows one route block holds; 8 is the small-M (m16n8k16 with half the rows) path.
@@ -187,17 +188,21 @@ REGISTER_ESTIMATES_SM121: dict[RegisterKey, int] = {
 # The sm_90a large-M loop (warpgroup MMA, codegen/kernels/w4a16_wgmma.py): one warpgroup per
 # CTA over 64-row route blocks (the wgmma N), tiles WGMMA_TILES (defined below TileConfig).
 WGMMA_ARCHS = ("sm_90a",)
-WGMMA_BLOCK_SIZE = 64
+# 64-row blocks, and 128-row blocks (N = 128 per wgmma: half the weight decode per MAC) once
+# the average expert fills them (routes >= 128 * experts).
+WGMMA_BLOCK_SIZES = (64, 128)
+WGMMA_TALL_BLOCK = 128
 WGMMA_THREADS = 128
 WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
-# Registers per thread of the built sm_90a cubins by tile_n (`cuteaot inspect`); the runtime
-# re-checks co-residency with the real count, this only sizes the planned grid.
-WGMMA_REGISTERS_SM90 = {256: 218, 128: 137}
+# Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
+# runtime re-checks co-residency with the real count, this only sizes the planned grid.
+WGMMA_REGISTERS_SM90 = {(64, 256): 218, (64, 128): 137, (128, 128): 218}
 
 
 def _check_moe_block_size(moe_block_size: int) -> None:
-    if moe_block_size not in ALLOWED_MOE_BLOCK_SIZES:
-        raise BadInputError(f"moe_block_size must be one of {ALLOWED_MOE_BLOCK_SIZES}, got {moe_block_size!r}")
+    sizes = ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK,)
+    if moe_block_size not in sizes:
+        raise BadInputError(f"moe_block_size must be one of {sizes}, got {moe_block_size!r}")
 
 
 def _check_positive(**values: int) -> None:
@@ -259,10 +264,21 @@ def wgmma_stage_bytes(moe_block_size: int, tile: TileConfig) -> int:
     return moe_block_size * tile.tile_k * 2 + tile.tile_n * tile.tile_k // PACK_FACTOR * 4 + tile.tile_n * tile.tile_k // 16
 
 
-def wgmma_shared_memory_footprint(tile: TileConfig, stages: int = STAGES) -> int:
+def wgmma_shared_memory_footprint(moe_block_size: int, tile: TileConfig, stages: int = STAGES) -> int:
     """Exact dynamic shared bytes of the wgmma kernel (GemmSpec.shared_bytes uses this)."""
-    return (route_metadata_bytes(WGMMA_BLOCK_SIZE) + WGMMA_SMEM_ALIGN
-            + stages * wgmma_stage_bytes(WGMMA_BLOCK_SIZE, tile))
+    return (route_metadata_bytes(moe_block_size) + WGMMA_SMEM_ALIGN
+            + stages * wgmma_stage_bytes(moe_block_size, tile))
+
+
+def wgmma_tiles(moe_block_size: int) -> tuple[TileConfig, ...]:
+    """The wgmma tiles a block size can use, widest first.
+
+    The accumulators are tile_n / 64 * B / 2 floats per thread: 128-row blocks keep them at
+    128 with the 128-wide tile (256 would need 256 registers for them alone).
+    """
+    if moe_block_size == WGMMA_TALL_BLOCK:
+        return WGMMA_TILES[1:]
+    return WGMMA_TILES if moe_block_size in WGMMA_BLOCK_SIZES else ()
 
 
 def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
@@ -270,22 +286,25 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
     """The widest wgmma tile that runs this GEMM on `profile`, or (None, why not)."""
     if profile.arch not in WGMMA_ARCHS:
         return None, f"{profile.name} ({profile.arch}) has no warpgroup MMA"
-    if moe_block_size != WGMMA_BLOCK_SIZE:
-        return None, f"the wgmma loop takes {WGMMA_BLOCK_SIZE}-row route blocks, the plan has {moe_block_size}"
+    if moe_block_size not in WGMMA_BLOCK_SIZES:
+        return None, f"the wgmma loop takes {WGMMA_BLOCK_SIZES}-row route blocks, the plan has {moe_block_size}"
     if scale_format is not ScaleFormat.E4M3_K16:
         return None, f"the wgmma loop decodes e4m3_k16 scales, not {scale_format.value}"
     limit = profile.max_shared_memory_per_block_optin - _FIT_SHARED_MEMORY_MARGIN
-    for tile in WGMMA_TILES:
-        if n % tile.tile_n == 0 and k % tile.tile_k == 0 and wgmma_shared_memory_footprint(tile) <= limit:
+    tiles = wgmma_tiles(moe_block_size)
+    for tile in tiles:
+        if (n % tile.tile_n == 0 and k % tile.tile_k == 0
+                and wgmma_shared_memory_footprint(moe_block_size, tile) <= limit):
             return tile, None
-    return None, f"N={n} and K={k} are not multiples of a wgmma tile ({', '.join(f'{t.tile_n}x{t.tile_k}' for t in WGMMA_TILES)})"
+    return None, f"N={n} and K={k} are not multiples of a wgmma tile ({', '.join(f'{t.tile_n}x{t.tile_k}' for t in tiles)})"
 
 
-def wgmma_blocks_per_sm(m: int, n: int, top_k: int, tile: TileConfig, profile: DeviceProfile, registers: int) -> int:
+def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: TileConfig, profile: DeviceProfile,
+                        registers: int) -> int:
     """Co-resident wgmma CTAs per SM (registers, shared memory, threads), lowered for small problems."""
     unit = _REGISTER_UNIT_PER_THREAD
     per_block = -(-registers // unit) * unit * WGMMA_THREADS
-    smem = wgmma_shared_memory_footprint(tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
+    smem = wgmma_shared_memory_footprint(moe_block_size, tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
     limit = max(min(profile.registers_per_sm // per_block, profile.shared_memory_per_sm // smem,
                     profile.max_threads_per_sm // WGMMA_THREADS), 1)
     work_ctas = (n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
@@ -636,12 +655,15 @@ def plan_gemm(
     direct = m <= MAX_DIRECT_TOPK_ROUTE_M
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
+    if (block == ALLOWED_MOE_BLOCK_SIZES[-1] and pinned_tile is None and m * top_k >= WGMMA_TALL_BLOCK * num_experts
+            and wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None):
+        block = WGMMA_TALL_BLOCK  # the average expert fills 128-row blocks: the wgmma loop's tallest
     mainloop = "mma_sync"
     wg_tile = wgmma_tile(n, k, block, scale_format, profile)[0] if pinned_tile is None else None
     if wg_tile is not None:
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
-        mainloop, tile, used_registers = "wgmma", wg_tile, WGMMA_REGISTERS_SM90[wg_tile.tile_n]
-        per_sm = wgmma_blocks_per_sm(m, n, top_k, tile, profile, used_registers)
+        mainloop, tile, used_registers = "wgmma", wg_tile, WGMMA_REGISTERS_SM90[(block, wg_tile.tile_n)]
+        per_sm = wgmma_blocks_per_sm(m, n, top_k, block, tile, profile, used_registers)
     elif pinned_tile is None:
         tile, per_sm = select_tile(m, n, k, top_k, block, scale_format, profile)
         used_registers = estimated_registers(tile, block)
@@ -667,7 +689,7 @@ def plan_gemm(
         direct_topk_routes=direct,
         tile=tile,
         registers=used_registers,
-        shared_memory_bytes=(wgmma_shared_memory_footprint(tile) if mainloop == "wgmma"
+        shared_memory_bytes=(wgmma_shared_memory_footprint(block, tile) if mainloop == "wgmma"
                              else shared_memory_footprint(block, tile, scale_format)),
         blocks_per_sm=per_sm,
         grid_x=grid_x,

@@ -155,8 +155,9 @@ def test_wgmma_gemm_kernel_compiles():
     from cuteaot.codegen.kernels import w4a16_gemm
     from cuteaot.runtime.kernels.gemm_spec import GemmSpec
 
-    for dtype, kind, tile_n, per_sm in (("bf16", "bf16", 256, 2), ("fp16", "f16", 128, 3)):
-        spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=64,
+    for dtype, kind, block, tile_n, per_sm in (("bf16", "bf16", 64, 256, 2), ("fp16", "f16", 64, 128, 3),
+                                               ("bf16", "bf16", 128, 128, 2)):
+        spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=block,
                         blocks_per_sm=per_sm, mul_topk_weights=True, mainloop="wgmma")
         record = compile_kernel(spec.key(), "sm_90a").record
         assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
@@ -166,7 +167,7 @@ def test_wgmma_gemm_kernel_compiles():
         kernel, args = w4a16_gemm.build(spec)
         with tempfile.TemporaryDirectory() as d:
             ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
-        assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}" in ptx
+        assert f"wgmma.mma_async.sync.aligned.m64n{block}k16.f32.{kind}.{kind}" in ptx
         for instruction in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
                             "wgmma.wait_group.sync.aligned 1", "fence.proxy.async.shared::cta"):
             assert instruction in ptx
@@ -179,6 +180,11 @@ def test_wgmma_spec_is_validated():
     with pytest.raises(BadInputError, match="mainloop=wgmma implements"):
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=128, moe_block_size=64,
                  blocks_per_sm=2, mainloop="wgmma")
-    with pytest.raises(BadInputError, match="mainloop=wgmma implements"):
+    with pytest.raises(BadInputError, match="moe_block_size must be one of"):
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=48,
                  blocks_per_sm=2, mainloop="wgmma")
+    with pytest.raises(BadInputError, match="mainloop=wgmma implements"):  # 128 rows x 256 columns
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=128,
+                 blocks_per_sm=2, mainloop="wgmma")
+    with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # mma.sync: no 128
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=128, blocks_per_sm=2)

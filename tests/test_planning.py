@@ -246,9 +246,10 @@ QWEN_EXPECTED = {
     ("h200", 512): (48, False, (64, 128), 2, 264),
     # GB10: (64,128) min(2, 101376//47360=2)=2; (128,64) min(2, 101376//71936=1)=1
     ("gb10", 512): (48, False, (64, 128), 2, 96),
-    # m=4096: block 64.  H200 (sm_90a): the wgmma loop's fixed 256x64 tile, 128 threads,
-    # min(65536//(224*128)=2, 233472//(71696+1536)=3, 2048//128=16) = 2
-    ("h200", 4096): (64, False, (64, 256), 2, 264),
+    # m=4096: block 64 by the Marlin rule; H200 (sm_90a) runs the wgmma loop, and 32768 routes
+    # >= 128 * 128 experts fill 128-row blocks: 128x64 tile, 128 threads,
+    # min(65536//(224*128)=2, 233472//(87056+1536)=2, 2048//128=16) = 2
+    ("h200", 4096): (128, False, (64, 128), 2, 264),
     # GB10: (64,256) 1, (64,128) min(2, 101376//56832=1)=1, (128,64) 1 -> first, (64,256)
     ("gb10", 4096): (64, False, (64, 256), 1, 48),
 }
@@ -270,7 +271,7 @@ def test_qwen3_plans(shape, profile_name, m):
     assert plan.lock_slots == grid_x
     assert plan.splitk_scratch_floats == grid_x * 16 * -(-block // 16) * tile_n
     assert (plan.n_tiles, plan.k_tiles) == (n // tile_n, k // tile_k)
-    wgmma = profile_name == "h200" and block == 64
+    wgmma = profile_name == "h200" and block in (64, 128)
     assert plan.mainloop == ("wgmma" if wgmma else "mma_sync")
 
 
@@ -279,21 +280,27 @@ def test_wgmma_is_planned_only_where_it_runs():
 
     wide, narrow = WGMMA_TILES
     assert wgmma_tile(1536, 2048, 64, K16, H200) == (wide, None)
+    assert wgmma_tile(1536, 2048, 128, K16, H200) == (narrow, None)  # 128-row blocks: 128-wide only
     assert wgmma_tile(5760, 2944, 64, K16, H200) == (narrow, None)  # gpt-oss FC1: 5760 % 256 = 128
     assert "warpgroup" in wgmma_tile(1536, 2048, 64, K16, PROFILES["b200"])[1]  # sm_100a: no wgmma
-    assert "64-row" in wgmma_tile(1536, 2048, 48, K16, H200)[1]
+    assert "row route blocks" in wgmma_tile(1536, 2048, 48, K16, H200)[1]
     assert "multiples" in wgmma_tile(1536 + 64, 2048, 64, K16, H200)[1]
     assert "e4m3_k16" in wgmma_tile(1536, 2048, 64, ScaleFormat.E8M0_K32, H200)[1]
-    # a pinned tile keeps the mma.sync loop
+    # a pinned tile keeps the mma.sync loop and its 64-row blocks
     pinned = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16, pinned_tile=TileConfig(64, 128))
-    assert pinned.mainloop == "mma_sync"
-    gpt_oss = plan_gemm(4096, 5760, 2944, 4, 128, H200, scale_format=K16)
-    assert gpt_oss.mainloop == "wgmma" and gpt_oss.tile == narrow
-    # 1040 route-metadata bytes + 1024 alignment slack + 4 stages of (8192 + 8192 + 1024)
-    assert wgmma_shared_memory_footprint(wide) == 1040 + 1024 + 4 * 17408
-    assert wgmma_shared_memory_footprint(narrow) == 1040 + 1024 + 4 * (8192 + 4096 + 512)
-    plan = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16)
-    assert plan.tile == wide and plan.shared_memory_bytes == wgmma_shared_memory_footprint(wide)
+    assert pinned.mainloop == "mma_sync" and pinned.moe_block_size == 64
+    # 128-row blocks once the average expert fills them (routes >= 128 * experts), else 64
+    assert plan_gemm(2047, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 64
+    assert plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
+    assert plan_gemm(4096, 1536, 2048, 8, 128, PROFILES["b200"], scale_format=K16).moe_block_size == 64
+    gpt_oss = plan_gemm(2048, 5760, 2944, 4, 128, H200, scale_format=K16)
+    assert (gpt_oss.mainloop, gpt_oss.moe_block_size, gpt_oss.tile) == ("wgmma", 64, narrow)
+    # route metadata + 1024 alignment slack + 4 stages of (activations + weights + scales)
+    assert wgmma_shared_memory_footprint(64, wide) == 1040 + 1024 + 4 * (8192 + 8192 + 1024)
+    assert wgmma_shared_memory_footprint(64, narrow) == 1040 + 1024 + 4 * (8192 + 4096 + 512)
+    assert wgmma_shared_memory_footprint(128, narrow) == 2064 + 1024 + 4 * (16384 + 4096 + 512)
+    plan = plan_gemm(1024, 1536, 2048, 8, 128, H200, scale_format=K16)
+    assert plan.tile == wide and plan.shared_memory_bytes == wgmma_shared_memory_footprint(64, wide)
 
 
 @pytest.mark.parametrize(
@@ -303,7 +310,7 @@ def test_wgmma_is_planned_only_where_it_runs():
         (64, 1408, 176),  # 512 + 128*7 = 1408 = 176 * 8
         (200, 3520, 220),  # 1600 + 128*15 = 3520 = 220 * 16
         (512, 10128, 211),  # 4096 + 128*47 = 10112 -> 211 * 48 = 10128
-        (4096, 40832, 638),  # 32768 + 128*63 = 40832 = 638 * 64
+        (4096, 49024, 383),  # H200 wgmma, block 128: 32768 + 128*127 = 49024 = 383 * 128
     ],
 )
 def test_qwen3_route_capacities(m, slots, blocks):

@@ -1,37 +1,41 @@
 """Large-M tile of the W4A16 GEMM on sm_90a: warpgroup MMA with register-A dequant.
 
 Same scheduler, route metadata and ABI as `W4A16GemmKernel` (this class only
-replaces `_tile`); used for 64-row route blocks, where the mma.sync loop is
-limited by its own issue rate.  The product is computed transposed,
+replaces `_tile`); used for 64- and 128-row route blocks, where the mma.sync
+loop is limited by its own issue rate.  The product is computed transposed,
 
     D[n, token] = sum_k W[n, k] * X[token, k]     (D = out^T for the block)
 
 so the weights are wgmma's A operand, taken from registers, and decode straight
 into it: per warp the m64 A fragment is the m16n8k16 A fragment, which is what
-the packed layout's words decode to (docs/layouts.md).  The 64 gathered
-activation rows are B, read by the tensor cores from shared memory.
+the packed layout's words decode to (docs/layouts.md).  The B = 64 or 128
+gathered activation rows of the block are wgmma's N, read by the tensor cores
+from shared memory.
 
-One warpgroup (128 threads) per CTA, tile = 256 weight rows x 64 tokens, k-tile
-64 (one 128-byte row of bf16 activations):
+One warpgroup (128 threads) per CTA, tile = tile_n weight rows (nw = tile_n / 64
+wgmma per 16-k row: 4 for 256, 2 for 128) x B tokens, k-tile 64 (one 128-byte
+row of bf16 activations).  Example tile_n = 256:
 
     shared stage p (from a 1024-aligned base):
-      X[p]: 64 token rows x 128 B, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
+      X[p]: B token rows x 128 B, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
             -- the K-major 128B-swizzle layout wgmma's descriptor names
       W[p]: 4 rows of 16 k, 128 int4 each, copied verbatim (lane-major fragment order)
       S[p]: 4 rows of 16 k, 256 scale bytes each (the packed scale permutation)
 
     per 16-k row kk, thread (warp w, lane l): one 16-byte load of W[p] row kk, int4
     32w + l = the words of its four 16-row blocks jj = 0..3 of column group w; decode
-    and scale them into four A fragments; wgmma jj (m64n64k16) then computes
+    and scale them into four A fragments; wgmma jj (m64nBk16) then computes
     D rows {64 w' + 16 jj + r : w' = 0..3, r = 0..15} (warp w' supplies 16 of its
-    64 rows) for all 64 tokens, from B = X[p] advanced by kk * 32 bytes.
+    64 rows) for all B tokens, from X[p] advanced by kk * 32 bytes.
 
-The nw wgmma of a 16-k row are one commit group.  After issuing row kk's group
-a thread waits for row kk-1's (so at most two are in flight) and decodes row
-kk+1 while row kk runs on the tensor cores; after a stage's last row it drains
-(see the comment in `_wg_mainloop`).  Stages are refilled with cp.async as in
-the mma.sync loop; shared data written by cp.async is published to wgmma's
-async proxy with `fence.proxy.async` before the barrier that precedes its use.
+With tile_n = 128 two warps share a 64-column group, each taking two of its four
+16-row blocks (an 8-byte load).  The nw wgmma of a 16-k row are one commit
+group.  After issuing row kk's group a thread waits for row kk-1's (so at most
+two are in flight) and decodes row kk+1 while row kk runs on the tensor cores;
+after a stage's last row it drains (see the comment in `_wg_mainloop`).  Stages
+are refilled with cp.async as in the mma.sync loop; shared data written by
+cp.async is published to wgmma's async proxy with `fence.proxy.async` before the
+barrier that precedes its use.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from cuteaot.runtime.planning import WGMMA_SMEM_ALIGN
 from .. import intrinsics as I
 from .w4a16_gemm import W4A16GemmKernel, _Tile
 
-_ACC = I.WGMMA_N // 2  # accumulator floats per thread per wgmma
 _X_ROW = I.WGMMA_SW128_ROW_BYTES  # bytes per staged activation row (64 bf16)
 _K16_BYTES = 32  # descriptor advance per 16 k inside a swizzle row
 
@@ -57,6 +60,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         self.nw = spec.tile_n // 64
         # warps sharing one 64-column group (each takes nw of the group's four 16-row blocks)
         self.warps_per_group = 4 // self.nw
+        # accumulator floats per thread per wgmma: the block's rows are the instruction's N
+        self.acc_n = spec.moe_block_size // 2
 
     # ------------------------------------------------------------------ addressing
 
@@ -67,7 +72,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         base = (smem + Int32(s.wg_stage_base + WGMMA_SMEM_ALIGN - 1)) & Int32(-WGMMA_SMEM_ALIGN)
         t = _Tile(base=base, x_base=base, w_base=base + Int32(s.stages * s.wg_x_stage_bytes))
         t.s_base = t.w_base + Int32(s.stages * s.wg_w_stage_bytes)
-        # activations: 4 passes of 16 rows, 8 chunks per row
+        # activations: B / 16 passes of 16 rows, 8 chunks per row
         chunk = tid % Int32(8)
         t.x_src, t.x_ok, t.x_dst = [], [], []
         for i in cutlass.range_constexpr(s.moe_block_size // 16):
@@ -168,13 +173,13 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         desc = t.desc + Int64((pipe * s.wg_x_stage_bytes + kk * _K16_BYTES) >> 4)
         I.wgmma_fence()
         for jj in cutlass.range_constexpr(self.nw):
-            d = [acc[jj, i] for i in range(_ACC)]
+            d = [acc[jj, i] for i in range(self.acc_n)]
             a = regs[4 * jj: 4 * jj + 4]
             if cutlass.const_expr(self.is_fp16):
-                d = I.wgmma_f16_m64n64k16_rs(d, a[0], a[1], a[2], a[3], desc)
+                d = I.wgmma_f16_m64k16_rs(d, a[0], a[1], a[2], a[3], desc)
             else:
-                d = I.wgmma_bf16_m64n64k16_rs(d, a[0], a[1], a[2], a[3], desc)
-            for i in cutlass.range_constexpr(_ACC):
+                d = I.wgmma_bf16_m64k16_rs(d, a[0], a[1], a[2], a[3], desc)
+            for i in cutlass.range_constexpr(self.acc_n):
                 acc[jj, i] = d[i]
         I.wgmma_commit_group()
 
@@ -219,10 +224,10 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                             if tile_idx + Int32(1) < k_tiles:
                                 self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
                     tile_idx += Int32(1)
-        pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(_ACC)])
+        pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(self.acc_n)])
         for jj in cutlass.range_constexpr(self.nw):
-            for i in cutlass.range_constexpr(_ACC):
-                acc[jj, i] = pinned[jj * _ACC + i]
+            for i in cutlass.range_constexpr(self.acc_n):
+                acc[jj, i] = pinned[jj * self.acc_n + i]
 
     # ------------------------------------------------------------------ split-K and store
 
@@ -239,8 +244,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         cute.arch.sync_threads()
         tile_int4 = s.moe_block_size * s.tile_n // 4
         for jj in cutlass.range_constexpr(self.nw):
-            for v in cutlass.range_constexpr(_ACC // 4):
-                slot = jj * (_ACC // 4) + v
+            for v in cutlass.range_constexpr(self.acc_n // 4):
+                slot = jj * (self.acc_n // 4) + v
                 addr = ops.c_tmp + Int64(lock_slot * Int32(tile_int4) + Int32(slot * s.threads) + tid) * Int64(16)
                 c = [acc[jj, 4 * v + e] for e in range(4)]
                 if slice_idx != Int32(0):
@@ -268,7 +273,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # D[n, token]: n = n0 + 16 jj (+ 8), token = 8 i + 2 t (+ 1)
         wr = t.base + (Int32(2) * (lane % Int32(4))) * row_bytes + t.n0 * Int32(2)
         for jj in cutlass.range_constexpr(self.nw):
-            for i in cutlass.range_constexpr(_ACC // 4):
+            for i in cutlass.range_constexpr(self.acc_n // 4):
                 at = wr + Int32(8 * i) * row_bytes + Int32(16 * jj * 2)
                 self._st_elem(at, acc[jj, 4 * i] * global_scale)
                 self._st_elem(at + row_bytes, acc[jj, 4 * i + 1] * global_scale)
@@ -310,7 +315,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
         t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
-        acc = cute.make_rmem_tensor((self.nw, _ACC), Float32)
+        acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
         acc.fill(0.0)
         self._wg_mainloop(ops, t, acc, k_start, k_count)
         if slice_count > Int32(1):

@@ -26,9 +26,9 @@ from ..abi import Param, ParamKind, Signature
 from ..errors import BadInputError
 from ..keys import KernelKey
 from ..planning import (
-    WGMMA_BLOCK_SIZE,
+    WGMMA_BLOCK_SIZES,
     WGMMA_THREADS,
-    WGMMA_TILES,
+    wgmma_tiles,
     TileConfig,
     cta_m_blocks,
     route_metadata_bytes,
@@ -38,7 +38,7 @@ from ..types import DType
 
 STAGES = 4  # default cp.async pipeline depth (the seed's)
 PACK_FACTOR = 8  # FP4 values per 32-bit word
-MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)
+MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)  # the mma.sync loop's; the wgmma loop also takes 128
 SCALE_GROUP = 16  # e4m3_k16: one block scale per 16 k
 
 
@@ -126,8 +126,11 @@ class GemmSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise BadInputError(f"{name} must be a positive int, got {v!r}")
-        if self.moe_block_size not in MOE_BLOCK_SIZES:
-            raise BadInputError(f"moe_block_size must be one of {MOE_BLOCK_SIZES}, got {self.moe_block_size}")
+        sizes = MOE_BLOCK_SIZES if self.mainloop is Mainloop.MMA_SYNC else WGMMA_BLOCK_SIZES
+        if self.moe_block_size not in sizes:
+            raise BadInputError(
+                f"moe_block_size must be one of {sizes} for mainloop={self.mainloop.value}, got {self.moe_block_size}"
+            )
         if self.tile_n % 64 or self.tile_k % 64:
             raise BadInputError(f"tile_n and tile_k must be multiples of 64, got {self.tile_n}x{self.tile_k}")
         TileConfig(self.tile_k, self.tile_n)  # validates the thread count (128 or 256)
@@ -150,13 +153,13 @@ class GemmSpec:
         if not 1 <= self.blocks_per_sm <= 8:
             raise BadInputError(f"blocks_per_sm must be in [1, 8], got {self.blocks_per_sm}")
         if self.mainloop is Mainloop.WGMMA:
-            wanted = (WGMMA_BLOCK_SIZE, True, Routes.PACKED, 0)
-            given = (self.moe_block_size, self.tile in WGMMA_TILES, self.routes, self.sum_topk)
+            wanted = (True, Routes.PACKED, 0)
+            given = (self.tile in wgmma_tiles(self.moe_block_size), self.routes, self.sum_topk)
             if given != wanted:
                 raise BadInputError(
-                    "mainloop=wgmma implements moe_block_size 64, tiles 256x64 and 128x64, packed routes, no sum_topk; "
-                    f"got moe_block_size {self.moe_block_size}, tile {self.tile_n}x{self.tile_k}, "
-                    f"routes {self.routes.value}, sum_topk {self.sum_topk}"
+                    f"mainloop=wgmma implements tiles {[f'{t.tile_n}x{t.tile_k}' for t in wgmma_tiles(self.moe_block_size)]} "
+                    f"for {self.moe_block_size}-row blocks, packed routes, no sum_topk; got tile "
+                    f"{self.tile_n}x{self.tile_k}, routes {self.routes.value}, sum_topk {self.sum_topk}"
                 )
 
     # --------------------------------------------------------------- key
@@ -328,7 +331,7 @@ class GemmSpec:
         if self.mainloop is Mainloop.WGMMA:
             # route metadata, slack to align the stages to a swizzle atom, the stages
             assert 16 * self.sh_b_off == route_metadata_bytes(self.moe_block_size)
-            return wgmma_shared_memory_footprint(self.tile, self.stages)
+            return wgmma_shared_memory_footprint(self.moe_block_size, self.tile, self.stages)
         return 16 * (self.sh_a_off + self.stages * self.a_sh_stage)
 
     # wgmma stages (bytes, from the aligned base): all activation stages, then all weight
