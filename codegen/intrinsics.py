@@ -504,6 +504,19 @@ def ldmatrix_x2(addr: Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def stmatrix_x4_trans(addr: Int32, r0: Uint32, r1: Uint32, r2: Uint32, r3: Uint32, *, loc=None, ip=None) -> None:
+    """stmatrix .x4 .trans (sm_90): four 8x8 b16 matrices stored transposed.
+
+    Register m holds the mma-fragment pair (row g, columns 2t, 2t+1) of matrix m; lane l
+    supplies the shared address of stored row l % 8 of matrix l // 8, which receives
+    fragment column l % 8 (8 values, fragment rows 0..7).
+    """
+    _asm(0, None, _ir([Int32(addr), Uint32(r0), Uint32(r1), Uint32(r2), Uint32(r3)], loc, ip),
+         "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ld_shared_u32(addr: Int32, *, loc=None, ip=None) -> Uint32:
     return _u32(_asm(1, T.i32, _ir([Int32(addr)], loc, ip), "ld.shared.b32 $0, [$1];", "=r,r",
                      effects=True, loc=loc, ip=ip))

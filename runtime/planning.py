@@ -196,7 +196,7 @@ WGMMA_THREADS = 128
 WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
-WGMMA_REGISTERS_SM90 = {(64, 256): 218, (64, 128): 137, (128, 128): 218}
+WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228}
 
 
 def _check_moe_block_size(moe_block_size: int) -> None:

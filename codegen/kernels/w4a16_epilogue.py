@@ -53,6 +53,24 @@ class EpilogueMixin:
         x1 = cute.arch.fmax(x1, cutlass.Float32(0.0))
         return self._pack_pair(x0 * x0, x1 * x1)
 
+    @cute.jit
+    def _finish_chunk(self, smem: Int32, row: Int32, q):
+        """One staged 16-byte output chunk of block row `row`: x its router weight, relu2."""
+        s = self.s
+        q0, q1, q2, q3 = q
+        if cutlass.const_expr(s.mul_topk_weights):
+            weight = I.ld_shared_u32(smem + Int32(s.sh_topk_off * 16) + row * Int32(4))
+            q0 = self._pair_mul(q0, weight)
+            q1 = self._pair_mul(q1, weight)
+            q2 = self._pair_mul(q2, weight)
+            q3 = self._pair_mul(q3, weight)
+        if cutlass.const_expr(self.relu2):
+            q0 = self._relu2_pair(q0)
+            q1 = self._relu2_pair(q1)
+            q2 = self._relu2_pair(q2)
+            q3 = self._relu2_pair(q3)
+        return q0, q1, q2, q3
+
     # ------------------------------------------------------------------ K-direction fold
 
     @cute.jit
@@ -228,18 +246,8 @@ class EpilogueMixin:
                 store = store and col < Int32(s.n_out // 8)
             if store:
                 route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
-                q0, q1, q2, q3 = I.ld_shared_v4_u32(self._sh(smem, Int32(s.sh_red_off) + c_sh_rd))
-                if cutlass.const_expr(s.mul_topk_weights):
-                    w = I.ld_shared_u32(smem + Int32(s.sh_topk_off * 16) + row * Int32(4))
-                    q0 = self._pair_mul(q0, w)
-                    q1 = self._pair_mul(q1, w)
-                    q2 = self._pair_mul(q2, w)
-                    q3 = self._pair_mul(q3, w)
-                if cutlass.const_expr(self.relu2):
-                    q0 = self._relu2_pair(q0)
-                    q1 = self._relu2_pair(q1)
-                    q2 = self._relu2_pair(q2)
-                    q3 = self._relu2_pair(q3)
+                q0, q1, q2, q3 = self._finish_chunk(
+                    smem, row, I.ld_shared_v4_u32(self._sh(smem, Int32(s.sh_red_off) + c_sh_rd)))
                 if cutlass.const_expr(s.sum_topk > 0):
                     # fused top-k sum: add this route's row into its token's row (zeroed before)
                     addr = ops.out + (Int64(route // Int32(s.sum_topk)) * Int64(s.out_width // 8) + Int64(col)) * Int64(16)

@@ -104,8 +104,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         part = warp % Int32(self.warps_per_group)
         t.w_rd = t.w_base + (Int32(32) * group + lane) * Int32(16) + part * Int32(4 * self.nw)
         t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + part * Int32(4)
-        # this thread's first output column: D row 16 w + g of wgmma j is column 64 group + 16 jj + g
-        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part + lane // Int32(4)
+        # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
+        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
         t.desc = I.wgmma_desc_sw128(t.x_base)
         return t
 
@@ -186,7 +186,42 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     # ------------------------------------------------------------------ the loop
 
     @cute.jit
+    def _wg_k_tile(self, ops, t, acc: cute.Tensor, frag: cute.Tensor, pipe: cutlass.Constexpr[int], tile_idx: Int32,
+                   k_tiles: Int32, k_start: Int32, drain: cutlass.Constexpr[bool]):
+        """The 16-k rows of k-tile `tile_idx` (in stage `pipe`); with `drain`, no group is left running."""
+        s = self.s
+        for kk in cutlass.range_constexpr(s.k_blocks):
+            self._wg_mma(acc, frag, t, pipe, kk)
+            last = kk + 1 == s.k_blocks
+            # the previous row's group is done: its A registers are free for the next decode,
+            # and after row 0 so is the previous tile's stage
+            I.wgmma_wait_group(0 if last and drain else 1)
+            if cutlass.const_expr(kk == 0):
+                fetch = tile_idx + Int32(s.stages - 1)
+                if fetch < k_tiles:
+                    self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch)
+                else:
+                    cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(not last):
+                self._wg_fragments(frag, t, pipe, kk + 1)
+            else:
+                self._wg_publish(s.stages - 2)
+                if cutlass.const_expr(drain):
+                    if tile_idx + Int32(1) < k_tiles:
+                        self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
+                else:
+                    self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
+
+    @cute.jit
     def _wg_mainloop(self, ops, t, acc: cute.Tensor, k_start: Int32, k_tiles: Int32):
+        """Whole cycles of `stages` k-tiles run straight through; the remainder one k-tile at a time.
+
+        A group may only be in flight across straight-line code.  Where control flow joins
+        (the back-edge of a cycle, the per-tile branches of the remainder), the loop-carried
+        fragments may move to other registers and the old ones be reused by the next decode
+        while a running wgmma still reads them: the H200 showed sporadic inf rows.  So each
+        cycle and each remainder tile ends drained (wait_group 0).
+        """
         s = self.s
         for pipe in cutlass.range_constexpr(s.stages - 1):
             if Int32(pipe) < k_tiles:
@@ -197,33 +232,15 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         frag = cute.make_rmem_tensor((self.nw, 4), Uint32)
         self._wg_fragments(frag, t, 0, 0)
         tile_idx = Int32(0)
-        while tile_idx < k_tiles:
+        while tile_idx + Int32(s.stages) <= k_tiles:
             for pipe in cutlass.range_constexpr(s.stages):
-                if tile_idx < k_tiles:
-                    for kk in cutlass.range_constexpr(s.k_blocks):
-                        self._wg_mma(acc, frag, t, pipe, kk)
-                        if cutlass.const_expr(kk + 1 < s.k_blocks):
-                            # the previous row's group is done: its A registers are free for
-                            # the next row's decode, and after row 0 so is the previous stage
-                            I.wgmma_wait_group(1)
-                            if cutlass.const_expr(kk == 0):
-                                fetch = tile_idx + Int32(s.stages - 1)
-                                if fetch < k_tiles:
-                                    self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch)
-                                else:
-                                    cute.arch.cp_async_commit_group()
-                            self._wg_fragments(frag, t, pipe, kk + 1)
-                        else:
-                            # last row of the stage: drain before the stage's branch ends.  Where
-                            # the branches join, the loop-carried fragments may be moved to other
-                            # registers and the old ones reused while a group in flight still reads
-                            # them (seen on the H200 as sporadic inf rows when this group overlapped
-                            # the next stage's first decode); measured: no slower.
-                            I.wgmma_wait_group(0)
-                            self._wg_publish(s.stages - 2)
-                            if tile_idx + Int32(1) < k_tiles:
-                                self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
-                    tile_idx += Int32(1)
+                self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx + Int32(pipe), k_tiles, k_start,
+                                pipe == s.stages - 1)
+            tile_idx += Int32(s.stages)
+        for pipe in cutlass.range_constexpr(s.stages - 1):
+            if tile_idx < k_tiles:
+                self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx, k_tiles, k_start, True)
+                tile_idx += Int32(1)
         pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(self.acc_n)])
         for jj in cutlass.range_constexpr(self.nw):
             for i in cutlass.range_constexpr(self.acc_n):
@@ -270,15 +287,16 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         row_bytes = Int32(s.wg_out_row_bytes)
         cute.arch.sync_threads()  # the stages are reused
         lane = tid & Int32(31)
-        # D[n, token]: n = n0 + 16 jj (+ 8), token = 8 i + 2 t (+ 1)
-        wr = t.base + (Int32(2) * (lane % Int32(4))) * row_bytes + t.n0 * Int32(2)
+        # D[n, token] fragments -> staged[token][n] with stmatrix .trans: matrix m of a store is
+        # token block i + m // 2, column half m % 2 (rows g or g + 8 of the wgmma's 16); lane l
+        # addresses stored row l % 8 (a token) of matrix l // 8.
+        m = lane // Int32(8)
+        at0 = t.base + (Int32(8) * (m // Int32(2)) + lane % Int32(8)) * row_bytes + (t.n0 + Int32(8) * (m % Int32(2))) * Int32(2)
         for jj in cutlass.range_constexpr(self.nw):
-            for i in cutlass.range_constexpr(self.acc_n // 4):
-                at = wr + Int32(8 * i) * row_bytes + Int32(16 * jj * 2)
-                self._st_elem(at, acc[jj, 4 * i] * global_scale)
-                self._st_elem(at + row_bytes, acc[jj, 4 * i + 1] * global_scale)
-                self._st_elem(at + Int32(16), acc[jj, 4 * i + 2] * global_scale)
-                self._st_elem(at + row_bytes + Int32(16), acc[jj, 4 * i + 3] * global_scale)
+            for i in cutlass.range_constexpr(0, self.acc_n // 4, 2):
+                q = [self._pack_pair(acc[jj, 4 * i + 2 * h] * global_scale, acc[jj, 4 * i + 2 * h + 1] * global_scale)
+                     for h in range(4)]
+                I.stmatrix_x4_trans(at0 + Int32(8 * i) * row_bytes + Int32(16 * jj * 2), q[0], q[1], q[2], q[3])
         cute.arch.sync_threads()
 
         chunks = s.tile_n // 8  # 16-byte chunks per row
@@ -291,18 +309,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 store = store and out_col < Int32(s.n_out // 8)
             if store:
                 route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
-                q0, q1, q2, q3 = I.ld_shared_v4_u32(t.base + row * row_bytes + col * Int32(16))
-                if cutlass.const_expr(s.mul_topk_weights):
-                    weight = I.ld_shared_u32(smem + Int32(s.sh_topk_off * 16) + row * Int32(4))
-                    q0 = self._pair_mul(q0, weight)
-                    q1 = self._pair_mul(q1, weight)
-                    q2 = self._pair_mul(q2, weight)
-                    q3 = self._pair_mul(q3, weight)
-                if cutlass.const_expr(self.relu2):
-                    q0 = self._relu2_pair(q0)
-                    q1 = self._relu2_pair(q1)
-                    q2 = self._relu2_pair(q2)
-                    q3 = self._relu2_pair(q3)
+                q0, q1, q2, q3 = self._finish_chunk(
+                    smem, row, I.ld_shared_v4_u32(t.base + row * row_bytes + col * Int32(16)))
                 out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(out_col)
                 I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
         cute.arch.sync_threads()
