@@ -26,6 +26,7 @@ from .errors import BadInputError
 from .planning import (
     ALLOWED_MOE_BLOCK_SIZES,
     LARGE_BATCH_TILE_CONFIGS,
+    PACKED_M8_TILE,
     SMALL_BATCH_TILE_CONFIGS,
     ScaleFormat,
     TileConfig,
@@ -36,6 +37,7 @@ from .planning import (
     cta_m_blocks,
     estimated_registers,
     max_packed_route_slots,
+    packed_m8_blocks_per_sm,
     select_route_block_size,
     select_tile,
     shared_memory_footprint,
@@ -52,11 +54,6 @@ from .weights import stored_dims
 DECODE_MAX_M = 2
 BARRIER_WORDS = 4  # int32 words before the split-K lock slots: grid-barrier count, sense, padding
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
-# Packed 8-row blocks (9..~100 tokens): 128-thread 128x64 tiles, 4 CTAs per SM for both GEMMs.
-# benchmarks/tune_gemm.py on the H200 (docs/benchmarks.md): FC2 of Qwen3-30B at M = 64 53 us
-# vs 64 us with the 256-thread 128x128 tile at 2/SM, FC1 98 vs 104 us.
-PACKED_M8_TILE = TileConfig(64, 128)
-PACKED_M8_BLOCKS_PER_SM = 4
 _SCALE = ScaleFormat.E4M3_K16
 
 
@@ -137,7 +134,7 @@ def plan_fused(
     if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, _SCALE, profile) is None
                                          for n, k in ((n1, k1), (n2, k2))):
         t1 = t2 = PACKED_M8_TILE
-        bps = min(PACKED_M8_BLOCKS_PER_SM, _resident_limit(PACKED_M8_TILE, profile))
+        bps = packed_m8_blocks_per_sm(profile)
     cap = profile.sm_count * bps
     grid_x = cap
     if decode:
@@ -154,12 +151,6 @@ def plan_fused(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
         grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks,
     )
-
-
-def _resident_limit(tile: TileConfig, profile: DeviceProfile) -> int:
-    """CTAs of an 8-row-block tile that shared memory and threads let one SM hold."""
-    smem = shared_memory_footprint(8, tile, _SCALE) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
-    return max(1, min(profile.max_shared_memory_per_block_optin // smem, profile.max_threads_per_sm // tile.threads))
 
 
 def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile) -> tuple[TileConfig, TileConfig]:

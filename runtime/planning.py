@@ -35,6 +35,7 @@ __all__ = [
     "ALLOWED_MOE_BLOCK_SIZES",
     "LARGE_BATCH_TILE_CONFIGS",
     "MAX_DIRECT_TOPK_ROUTE_M",
+    "PACKED_M8_TILE",
     "PACK_FACTOR",
     "REGISTER_ESTIMATES_SM121",
     "SMALL_BATCH_TILE_CONFIGS",
@@ -88,6 +89,14 @@ _MAX_REGISTERS_PER_THREAD = 255
 M8_BLOCKS_PER_SM = 2  # measured on the H200, see blocks_per_sm
 _MAX_BLOCKS_PER_SM_ONE_M_BLOCK = 4
 _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK = 2
+# Packed 8-row blocks (about 7..100 tokens): 128-thread 128x64 tiles, 4 CTAs per SM.  Measured
+# with benchmarks/tune_gemm.py on the H200 (docs/benchmarks.md) against the 256-thread 128x128
+# tile at 2/SM: Qwen3-30B FC2 at M = 64 53 vs 64 us, FC1 98 vs 104 us, but Qwen3-235B FC1
+# (K = 4096) 436 vs 387 us.  The fused kernel uses it for every shape; the standalone GEMM up to
+# K = PACKED_M8_MAX_K, where long K loops favour the deeper 128-k tile.
+PACKED_M8_BLOCKS_PER_SM = 4
+PACKED_M8_MAX_K = 2048
+PACKED_M8_MEASURED_ARCHS = ("sm_90a",)  # the standalone GEMM keeps the seed's tiles elsewhere
 # The seed's "enough work" rule charges 4 CTAs per (n tile, route) pair.
 _WORK_CTAS_PER_TILE_ROUTE = 4
 
@@ -144,6 +153,7 @@ class TileConfig:
 # One-MMA-row blocks (moe_block_size 8 or 16) favour deep K; taller blocks wide N.
 SMALL_BATCH_TILE_CONFIGS = (TileConfig(128, 128), TileConfig(64, 128), TileConfig(128, 64))
 LARGE_BATCH_TILE_CONFIGS = (TileConfig(64, 256), TileConfig(64, 128), TileConfig(128, 64))
+PACKED_M8_TILE = TileConfig(64, 128)
 # wgmma tiles, widest first: four (or two) m64 instructions per 16-k row cover 256 (or 128)
 # weight rows; the k-tile is one 128-byte swizzle row of bf16 activations.
 WGMMA_TILES = (TileConfig(64, 256), TileConfig(64, 128))
@@ -377,6 +387,13 @@ def blocks_per_sm(
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
     return limit
+
+
+def packed_m8_blocks_per_sm(profile: DeviceProfile) -> int:
+    """CTAs per SM of PACKED_M8_TILE: PACKED_M8_BLOCKS_PER_SM where shared memory and threads allow."""
+    smem = shared_memory_footprint(8, PACKED_M8_TILE, ScaleFormat.E4M3_K16) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
+    resident = min(profile.max_shared_memory_per_block_optin // smem, profile.max_threads_per_sm // PACKED_M8_TILE.threads)
+    return max(1, min(PACKED_M8_BLOCKS_PER_SM, resident))
 
 
 def select_tile(
@@ -664,6 +681,11 @@ def plan_gemm(
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
         mainloop, tile, used_registers = "wgmma", wg_tile, WGMMA_REGISTERS_SM90[(block, wg_tile.tile_n)]
         per_sm = wgmma_blocks_per_sm(m, n, top_k, block, tile, profile, used_registers)
+    elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
+          and profile.arch in PACKED_M8_MEASURED_ARCHS
+          and tile_misfit(n, k, block, PACKED_M8_TILE, scale_format, profile) is None):
+        tile, per_sm = PACKED_M8_TILE, packed_m8_blocks_per_sm(profile)
+        used_registers = estimated_registers(tile, block)
     elif pinned_tile is None:
         tile, per_sm = select_tile(m, n, k, top_k, block, scale_format, profile)
         used_registers = estimated_registers(tile, block)

@@ -265,6 +265,9 @@ def test_qwen3_plans(shape, profile_name, m):
         # direct routes whose 8 * N/tile_n whole tiles fit one per SM: 1 CTA/SM, no split-K
         # (H200: Qwen3-30B FC1 8 * 12 = 96 and FC2 8 * 16 = 128 <= 132; 235B 192 / 256 do not)
         per_sm, grid_x = 1, grid_x // 2
+    if profile_name == "h200" and block == 8 and not direct and k <= 2048:
+        # packed 8-row blocks on sm_90a with K <= PACKED_M8_MAX_K: 128x64 tiles at 4/SM
+        (tile_k, tile_n), per_sm, grid_x = (64, 128), 4, 528
     assert plan.whole_tiles_m8 == (block == 8 and per_sm == 1)
     assert (plan.moe_block_size, plan.direct_topk_routes) == (block, direct)
     assert (plan.tile.tile_k, plan.tile.tile_n, plan.blocks_per_sm, plan.grid_x) == (tile_k, tile_n, per_sm, grid_x)

@@ -77,8 +77,12 @@ def _split_k_used(m, n, k, top_k, bundle) -> bool:
 
 # (N, K) per weight: the tiny-gemm-silu problem, and tiny-gemm-padded (hidden = intermediate = 720,
 # gpt-oss-like sizes that are not multiples of 128: stored zero-padded, read/written at 720 / 1440).
-SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER), "w13 padded": (1440, 720), "w2 padded": (720, 720)}
-CASES = [(w, d) for w in ("w13", "w2") for d in DTYPES] + [("w13 padded", "bf16"), ("w2 padded", "bf16")]
+# tiny-gemm-narrow (hidden 640, intermediate 320): N % 256 = 128, the 128-wide wgmma tiles.
+SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER), "w13 padded": (1440, 720), "w2 padded": (720, 720),
+          "w13 narrow": (640, 640), "w2 narrow": (640, 320)}
+CASES = [(w, d) for w in ("w13", "w2") for d in DTYPES] + [
+    (w, "bf16") for w in ("w13 padded", "w2 padded", "w13 narrow", "w2 narrow")]
+SWEEPS = {"padded": (1, 5, 64, 1000), "narrow": (64, 256, 1000, 4096)}
 
 
 @pytest.mark.parametrize("which,dtype", CASES)
@@ -88,7 +92,7 @@ def test_gemm_matches_float32_reference(bundle, dtype, which):
     a_per_route = which.startswith("w2")
     packed, w_deq = _weights(n, k, dtype, seed=1 if which == "w13" else 2)
     worst, split_seen, whole_seen = 0.0, False, False
-    for m in MS if "padded" not in which else (1, 5, 64, 1000):
+    for m in SWEEPS.get(which.split()[-1], MS):
         for skewed in (False, True):
             ids, topk_w = _routing(m, TOP_K, skewed, seed=m)
             rows = m * TOP_K if a_per_route else m
@@ -106,7 +110,7 @@ def test_gemm_matches_float32_reference(bundle, dtype, which):
             split_seen = True
         else:
             whole_seen = True
-    if "padded" not in which:
+    if which in ("w13", "w2"):
         assert split_seen and whole_seen, "the M sweep must exercise both split-K and whole-K tiles"
     RESULTS.append({"test": f"gemm {which} {dtype}", "worst_rel_err": worst})
 
