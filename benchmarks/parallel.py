@@ -1,10 +1,12 @@
-"""Multi-GPU MoE (one process per GPU, NCCL): TP=2 and EP=2 against one GPU, checked and timed.
+"""Multi-GPU MoE (one process per GPU, NCCL): TP=W and EP=W against one GPU, checked and timed.
 
-    python -m benchmarks.parallel [--bundle generated/parallel] [--json out.json] [--check-only]
+    python -m benchmarks.parallel [--world W] [--bundle generated/parallel] [--json out.json] [--check-only]
+
+W defaults to every GPU of the host (at least 2); the bundle must hold the TP=W shards.
 
 Every rank draws the same full NVFP4 weights (same seed, same GPU model) and the same inputs,
 prepares its shard (runtime/parallel.py) and runs ParallelMoeLayer (local fused layer +
-all-reduce).  Checks: the TP=2 and EP=2 outputs against the single-GPU layer with the full
+all-reduce).  Checks: the TP=W and EP=W outputs against the single-GPU layer with the full
 weights (relative error), CUDA-graph replay against eager per rank.  Timing: median device
 time per layer call of graph replays (benchmarks/common.py), all-reduce included; TP=1 is the
 single-GPU layer on rank 0.  tests/gpu/test_parallel_gpu.py runs the check part.
@@ -71,8 +73,8 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
             ids = torch.rand(m, e, generator=g, device=device).topk(k, dim=1).indices.to(torch.int32)
             w = torch.softmax(torch.randn(m, k, generator=g, device=device), 1)
             ref = full(x, w, ids).float()
-            row = {"model": model, "M": m, "rank": rank}
-            for name, layer in (("tp2", tp), ("ep2", ep)):
+            row = {"model": model, "M": m, "rank": rank, "world": world}
+            for name, layer in (("tp", tp), ("ep", ep)):
                 say(model, m, name, "eager")
                 out = layer(x, w, ids).clone()
                 row[f"{name}_rel_err"] = float((out.float() - ref).norm() / ref.norm())
@@ -134,15 +136,17 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
     ap.add_argument("--watchdog", type=float, default=0, help="seconds after which a rank dumps stacks and exits")
+    ap.add_argument("--world", type=int, default=torch.cuda.device_count(), help="GPUs (default: all)")
     args = ap.parse_args()
-    if torch.cuda.device_count() < 2:
-        sys.exit(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    rows = run(args.bundle, 2, not args.check_only, args.models, args.ms, args.watchdog)
-    print(f"{'model':14s} {'M':>5s} {'TP1 us':>8s} {'TP2 us':>8s} {'EP2 us':>8s}  TP2 err   EP2 err   graph/eager")
+    if not 2 <= args.world <= torch.cuda.device_count():
+        sys.exit(f"needs 2 <= --world <= {torch.cuda.device_count()} GPUs, got {args.world}")
+    w = args.world
+    rows = run(args.bundle, w, not args.check_only, args.models, args.ms, args.watchdog)
+    print(f"{'model':14s} {'M':>5s} {'TP1 us':>8s} {f'TP{w} us':>8s} {f'EP{w} us':>8s}  TP err    EP err    graph/eager")
     for r in (r for r in rows if r["rank"] == 0):
-        print(f"{r['model']:14s} {r['M']:5d} {r.get('tp1_us', float('nan')):8.1f} {r.get('tp2_us', float('nan')):8.1f} "
-              f"{r.get('ep2_us', float('nan')):8.1f}  {r['tp2_rel_err']:.1e}   {r['ep2_rel_err']:.1e}   "
-              f"{max(r['tp2_graph_vs_eager'], r['ep2_graph_vs_eager']):.1e}")
+        print(f"{r['model']:14s} {r['M']:5d} {r.get('tp1_us', float('nan')):8.1f} {r.get('tp_us', float('nan')):8.1f} "
+              f"{r.get('ep_us', float('nan')):8.1f}  {r['tp_rel_err']:.1e}   {r['ep_rel_err']:.1e}   "
+              f"{max(r['tp_graph_vs_eager'], r['ep_graph_vs_eager']):.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
