@@ -155,13 +155,7 @@ class EpilogueMixin:
                        slice_idx: Int32, slice_count: Int32):
         """Wait for this slice's turn, add the running partial, publish (or reset the lock if last)."""
         s = self.s
-        lock = ops.locks + Int64(lock_slot) * Int64(4)
-        if tid == Int32(0):
-            state = Int32(-1)
-            while state != slice_idx:
-                state = I.ld_global_acquire_i32(lock)
-        cute.arch.sync_threads()
-
+        lock = self._wait_slice_turn(ops, tid, lock_slot, slice_idx)
         active = Int32(32 * s.n_warps)
         tile_int4 = Int32(16 * s.m_blocks * s.tile_n // 4)
         if tid < active:
@@ -190,7 +184,22 @@ class EpilogueMixin:
                         if slice_idx != slice_count - Int32(1):
                             I.st_global_v4_f32(addr, c0, c1, c2, c3)
                         self._acc_set(acc, mb, j, c0, c1, c2, c3)
+        self._pass_slice_turn(lock, tid, slice_idx, slice_count)
 
+    @cute.jit
+    def _wait_slice_turn(self, ops, tid: Int32, lock_slot: Int32, slice_idx: Int32) -> Int64:
+        """Block until the tile's lock reaches this slice's index; returns the lock's address."""
+        lock = ops.locks + Int64(lock_slot) * Int64(4)
+        if tid == Int32(0):
+            state = Int32(-1)
+            while state != slice_idx:
+                state = I.ld_global_acquire_i32(lock)
+        cute.arch.sync_threads()
+        return lock
+
+    @cute.jit
+    def _pass_slice_turn(self, lock: Int64, tid: Int32, slice_idx: Int32, slice_count: Int32):
+        """After the CTA's partial is written: hand the turn on, or reset the lock if last."""
         cute.arch.sync_threads()
         if tid == Int32(0):
             if slice_idx == slice_count - Int32(1):

@@ -253,12 +253,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                           slice_count: Int32):
         """As the mma.sync merge, with each thread's 128 floats in its own slots of the partial."""
         s = self.s
-        lock = ops.locks + Int64(lock_slot) * Int64(4)
-        if tid == Int32(0):
-            state = Int32(-1)
-            while state != slice_idx:
-                state = I.ld_global_acquire_i32(lock)
-        cute.arch.sync_threads()
+        lock = self._wait_slice_turn(ops, tid, lock_slot, slice_idx)
         tile_int4 = s.moe_block_size * s.tile_n // 4
         for jj in cutlass.range_constexpr(self.nw):
             for v in cutlass.range_constexpr(self.acc_n // 4):
@@ -272,12 +267,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                     I.st_global_v4_f32(addr, c[0], c[1], c[2], c[3])
                 for e in cutlass.range_constexpr(4):
                     acc[jj, 4 * v + e] = c[e]
-        cute.arch.sync_threads()
-        if tid == Int32(0):
-            if slice_idx == slice_count - Int32(1):
-                I.st_global_i32(lock, Int32(0))
-            else:
-                I.red_add_release_i32(lock, Int32(1))
+        self._pass_slice_turn(lock, tid, slice_idx, slice_count)
 
     @cute.jit
     def _wg_store(self, ops, acc: cute.Tensor, smem: Int32, t, tid: Int32, n_tile: Int32, valid_rows: Int32,
