@@ -269,9 +269,15 @@ def route_metadata_bytes(moe_block_size: int) -> int:
     return 16 * (moe_block_size // 2 + moe_block_size // 2 + 1)
 
 
+def wgmma_stage_parts(moe_block_size: int, tile: TileConfig) -> tuple[int, int, int]:
+    """Bytes of one wgmma pipeline stage: (bf16 activations, packed weights, e4m3 scales)."""
+    return (moe_block_size * tile.tile_k * 2, tile.tile_n * tile.tile_k // PACK_FACTOR * 4,
+            tile.tile_n * tile.tile_k // ScaleFormat.E4M3_K16.group_size)
+
+
 def wgmma_stage_bytes(moe_block_size: int, tile: TileConfig) -> int:
-    """One pipeline stage of the wgmma loop: activations (bf16), packed weights, e4m3 scales."""
-    return moe_block_size * tile.tile_k * 2 + tile.tile_n * tile.tile_k // PACK_FACTOR * 4 + tile.tile_n * tile.tile_k // 16
+    """One pipeline stage of the wgmma loop."""
+    return sum(wgmma_stage_parts(moe_block_size, tile))
 
 
 def wgmma_shared_memory_footprint(moe_block_size: int, tile: TileConfig, stages: int = STAGES) -> int:

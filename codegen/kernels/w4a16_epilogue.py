@@ -54,6 +54,30 @@ class EpilogueMixin:
         return self._pack_pair(x0 * x0, x1 * x1)
 
     @cute.jit
+    def _store_chunk(self, ops, smem: Int32, row: Int32, col: Int32, valid_rows: Int32, staged: Int32):
+        """Write the staged 16-byte chunk at `staged` to output column chunk `col` of block row `row`.
+
+        Rows past the block's routes and (zero-padded N) columns past n_out are not written.
+        """
+        s = self.s
+        store = row < valid_rows
+        if cutlass.const_expr(s.n_out is not None):
+            store = store and col < Int32(s.n_out // 8)
+        if store:
+            route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
+            q0, q1, q2, q3 = self._finish_chunk(smem, row, I.ld_shared_v4_u32(staged))
+            if cutlass.const_expr(s.sum_topk > 0):
+                # fused top-k sum: add this route's row into its token's row (zeroed before)
+                addr = ops.out + (Int64(route // Int32(s.sum_topk)) * Int64(s.out_width // 8) + Int64(col)) * Int64(16)
+                self._red_pair(addr, q0)
+                self._red_pair(addr + Int64(4), q1)
+                self._red_pair(addr + Int64(8), q2)
+                self._red_pair(addr + Int64(12), q3)
+            else:
+                out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
+                I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
+
+    @cute.jit
     def _finish_chunk(self, smem: Int32, row: Int32, q):
         """One staged 16-byte output chunk of block row `row`: x its router weight, relu2."""
         s = self.s
@@ -250,23 +274,7 @@ class EpilogueMixin:
         for _ in cutlass.range_constexpr(-(-rows // per_iter)):
             row = c_gl_wr // c_gl_stride
             col = c_gl_wr - row * c_gl_stride  # 16-byte chunk in the (stored) tile row
-            store = row < valid_rows
-            if cutlass.const_expr(s.n_out is not None):  # zero-padded N: columns past n_out are not stored
-                store = store and col < Int32(s.n_out // 8)
-            if store:
-                route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
-                q0, q1, q2, q3 = self._finish_chunk(
-                    smem, row, I.ld_shared_v4_u32(self._sh(smem, Int32(s.sh_red_off) + c_sh_rd)))
-                if cutlass.const_expr(s.sum_topk > 0):
-                    # fused top-k sum: add this route's row into its token's row (zeroed before)
-                    addr = ops.out + (Int64(route // Int32(s.sum_topk)) * Int64(s.out_width // 8) + Int64(col)) * Int64(16)
-                    self._red_pair(addr, q0)
-                    self._red_pair(addr + Int64(4), q1)
-                    self._red_pair(addr + Int64(8), q2)
-                    self._red_pair(addr + Int64(12), q3)
-                else:
-                    out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
-                    I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
+            self._store_chunk(ops, smem, row, col, valid_rows, self._sh(smem, Int32(s.sh_red_off) + c_sh_rd))
             c_gl_wr += c_gl_stride * Int32(per_iter)
             c_sh_rd += c_sh_stride * Int32(per_iter)
         cute.arch.sync_threads()

@@ -293,16 +293,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         col = tid % Int32(chunks)
         for it in cutlass.range_constexpr(s.moe_block_size * chunks // s.threads):
             row = tid // Int32(chunks) + Int32(it * s.threads // chunks)
-            out_col = Int32(chunks) * n_tile + col
-            store = row < valid_rows
-            if cutlass.const_expr(s.n_out is not None):  # zero-padded N: columns past n_out are not stored
-                store = store and out_col < Int32(s.n_out // 8)
-            if store:
-                route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
-                q0, q1, q2, q3 = self._finish_chunk(
-                    smem, row, I.ld_shared_v4_u32(t.base + row * row_bytes + col * Int32(16)))
-                out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(out_col)
-                I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
+            self._store_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows,
+                              t.base + row * row_bytes + col * Int32(16))
         cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ one tile

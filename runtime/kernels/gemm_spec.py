@@ -33,6 +33,7 @@ from ..planning import (
     cta_m_blocks,
     route_metadata_bytes,
     wgmma_shared_memory_footprint,
+    wgmma_stage_parts,
 )
 from ..types import DType
 
@@ -343,15 +344,15 @@ class GemmSpec:
 
     @property
     def wg_x_stage_bytes(self) -> int:
-        return self.moe_block_size * self.tile_k * 2
+        return wgmma_stage_parts(self.moe_block_size, self.tile)[0]
 
     @property
     def wg_w_stage_bytes(self) -> int:
-        return self.tile_n * self.tile_k // 2
+        return wgmma_stage_parts(self.moe_block_size, self.tile)[1]
 
     @property
     def wg_s_stage_bytes(self) -> int:
-        return self.tile_n * self.tile_k // SCALE_GROUP
+        return wgmma_stage_parts(self.moe_block_size, self.tile)[2]
 
     @property
     def wg_out_row_bytes(self) -> int:
