@@ -19,12 +19,13 @@ decode                                result                       compensation
 ====================================  ===========================  ==============
 e2m1 -> bf16 (`dequant_e2m1x8_bf16`)  w * 2**-126                  global scale
 e2m1 -> fp16 (`dequant_e2m1x8_f16`)   w * 2**-14                   global scale
-S0E5M3 scale -> bf16 / fp16           s * 2**7 (exact, s >= 2**-6) global scale
+S0E5M3 scale -> bf16 pair             s * 2**23 (exact)            global scale
+S0E5M3 scale -> fp16 pair             s * 2**7 (exact)             global scale
 e8m0 scale -> bf16 / fp16             2**(e - 127) * 2**7          global scale
 ====================================  ===========================  ==============
 
-so a product weight * scale carries 2**-119 (bf16) or 2**-7 (fp16); weight
-preparation multiplies the per-expert global scale by 2**119 / 2**7 to undo it
+so a product weight * scale carries 2**-103 (bf16) or 2**-7 (fp16); weight
+preparation multiplies the per-expert global scale by 2**103 / 2**7 to undo it
 (see docs/layouts.md, `runtime/weights.py`).
 """
 
@@ -140,40 +141,40 @@ def dequant_e2m1x8_f16(x: Uint32, *, loc=None, ip=None):
     return _dequant_e2m1x8(DType.FP16, x, loc, ip)
 
 
-@dsl_user_op
-def dequant_s0e5m3x4_bf16(q: Uint32, *, loc=None, ip=None):
-    """Four S0E5M3 scale bytes -> (bytes 0,2), (bytes 1,3) as bf16x2 holding s * 2**7.
+def _s0e5m3_pair_ptx(byte: int, dtype: DType) -> str:
+    # prmt selector nibbles (pos 0..3): byte `byte` of $1 into position 0, byte 0 of the zero
+    # register (index 4) elsewhere; then one multiply-add copies it onto both halves (a multiplier
+    # that is not a power of two keeps ptxas on IMAD, off the integer ALU pipe the weight decode fills)
+    spread, offset = (0x00100010, 0x40004000) if dtype is DType.BF16 else (0x00800080, 0)
+    return ("{\n .reg .b32 t, z, c;\n mov.b32 z, 0;\n"
+            f" prmt.b32 t, $1, z, {0x4440 | byte:#06x};\n mov.b32 c, {offset:#010x};\n"
+            f" mad.lo.u32 $0, t, {spread:#010x}, c;\n}}")
 
-    A prepared scale byte is s * 2**7 with 5 exponent bits (bias 15) and 3
-    mantissa bits and no sign; for s >= 2**-6 its top exponent bit is 1, so
-    putting byte bit 7 on bf16 bit 14 and bits 6..0 on bits 10..4 gives the
-    bf16 exponent e5 + 112 -- exactly the same value (bias 127 = 15 + 112).
-        hi pair = ((q & 0x80008000) >> 1) | ((q & 0x7F007F00) >> 4)
-        lo pair = the same on q << 8
+
+@dsl_user_op
+def scale_pair_s0e5m3_bf16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
+    """S0E5M3 scale byte `byte` (0..3) of q -> (s, s) as bf16x2 holding s * 2**23, exact for every byte
+    a prepared e4m3 scale produces (exponent field >= 1).
+
+    A prepared byte is v = s * 2**7 with 5 exponent bits e (bias 15) and 3 mantissa bits and no
+    sign.  Putting it on bf16 bits 11..4 and setting bit 14 gives bf16 exponent e + 128, mantissa
+    m: 2**(e + 1) * (1 + m / 8) = v * 2**16.  One prmt (isolate the byte) and one multiply-add
+    (onto both halves, plus the exponent bit), the latter off the integer ALU pipe:
+        t = prmt(q, 0, 0x4440 | byte)                  # 0x000000bb
+        pair = t * 0x00100010 + 0x40004000
+    An exponent-0 byte (v < 2**-14, never produced: e4m3 scales are >= 2**-9) reads as the normal
+    2**1 * (1 + m / 8) instead of its subnormal value.
     """
-    out = _asm(
-        2, T.i32, _ir([Uint32(q)], loc, ip),
-        "{\n .reg .b32 t, s;\n"
-        " and.b32 s, $2, 0x80008000;\n shr.b32 s, s, 1;\n and.b32 t, $2, 0x7F007F00;\n shr.b32 t, t, 4;\n"
-        " or.b32 $1, s, t;\n"
-        " shl.b32 t, $2, 8;\n and.b32 s, t, 0x80008000;\n shr.b32 s, s, 1;\n and.b32 t, t, 0x7F007F00;\n"
-        " shr.b32 t, t, 4;\n or.b32 $0, s, t;\n}",
-        "=r,=r,r", effects=False, loc=loc, ip=ip,
-    )
-    return _u32(out)
+    return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_pair_ptx(int(byte), DType.BF16), "=r,r",
+                     effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op
-def dequant_s0e5m3x4_f16(q: Uint32, *, loc=None, ip=None):
-    """Four S0E5M3 scale bytes -> (bytes 0,2), (bytes 1,3) as half2 holding s * 2**7 (exact:
-    S0E5M3 is fp16 without the sign and the low 7 mantissa bits)."""
-    out = _asm(
-        2, T.i32, _ir([Uint32(q)], loc, ip),
-        "{\n .reg .b32 t;\n and.b32 t, $2, 0xFF00FF00;\n shr.b32 $1, t, 1;\n"
-        " and.b32 t, $2, 0x00FF00FF;\n shl.b32 $0, t, 7;\n}",
-        "=r,=r,r", effects=False, loc=loc, ip=ip,
-    )
-    return _u32(out)
+def scale_pair_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
+    """S0E5M3 scale byte `byte` (0..3) of q -> (s, s) as half2 holding s * 2**7 (exact for every byte:
+    S0E5M3 is fp16 without the sign and the low 7 mantissa bits): prmt, then t * 0x00800080."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_pair_ptx(int(byte), DType.FP16), "=r,r",
+                     effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

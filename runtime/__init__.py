@@ -19,12 +19,14 @@ from .errors import (
     SpecError,
     UnknownSpecializationError,
 )
-from .kernels import GemmWorkspace, moe_activation, moe_topk_sum, pack_routes, w4a16_moe_gemm
+from .kernels import (
+    GemmRoutes, GemmWorkspace, moe_activation, moe_topk_sum, pack_gemm_routes, pack_routes, w4a16_moe_gemm,
+)
 from .manifest import verify_bundle
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
 from .parallel import ParallelMoeLayer, ep_partition, ep_select, tp_shard_w2, tp_shard_w13
 from .types import Activation, DType
-from .weights import PackedNvfp4, ScaleFlushWarning, W13Order, pack_nvfp4, prepare_w2, prepare_w13, unpack_nvfp4
+from .weights import PackedNvfp4, W13Order, pack_nvfp4, prepare_w2, prepare_w13, unpack_nvfp4
 
 __all__ = [
     "Bundle",
@@ -34,6 +36,8 @@ __all__ = [
     "moe_topk_sum",
     "pack_routes",
     "w4a16_moe_gemm",
+    "pack_gemm_routes",
+    "GemmRoutes",
     "GemmWorkspace",
     "MoeLayer",
     "MoeWorkspace",
@@ -60,7 +64,6 @@ __all__ = [
     "BadInputError",
     "LaunchError",
     "PackedNvfp4",
-    "ScaleFlushWarning",
     "W13Order",
     "pack_nvfp4",
     "unpack_nvfp4",

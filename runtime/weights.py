@@ -9,7 +9,7 @@
     packed (output; docs/layouts.md derives every permutation below):
         qweight       (E, K/16, 2N) i32   one row of 2N words per (expert, 16-k group)
         scales        (E, K/16, N)  u8    S0E5M3 bytes of s * 2**7, 8-byte units
-        global_scale  (E,) f32            weight_scale_2 * 2**119 (bf16) or * 2**7 (fp16)
+        global_scale  (E,) f32            weight_scale_2 * 2**103 (bf16) or * 2**7 (fp16)
 
 The GEMM dequantises in registers with bit tricks that leave power-of-two offsets
 in the weight (2**-126 bf16 / 2**-14 fp16) and in the scale (2**7); the global scale
@@ -20,7 +20,6 @@ dtype.  Everything here is vectorised torch and runs on CPU or CUDA tensors.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
@@ -86,23 +85,25 @@ def e2m1_code_bits(dtype: DType) -> tuple[tuple[int, int, int, int], ...]:
 
 # ---- block scales ------------------------------------------------------------------------------
 SCALE_UNIT_BYTES = 8  # one unit: the 8 column blocks (b = 0..7) a lane group g meets in a slab
-# Byte position p of a unit holds the scale of column block SCALE_BYTE_ORDER[p]: the device turns
-# bytes (0, 2) and (1, 3) of each u32 into one bf16x2/fp16x2 each, and wants (B0, B1), (B2, B3).
+# Byte position p of a unit holds the scale of column block SCALE_BYTE_ORDER[p]: the 16-column
+# fragment of column blocks (B0, B1) reads bytes 0 and 2 of the unit's first u32, (B2, B3) bytes 1
+# and 3, (B4, B5) and (B6, B7) the same bytes of the second u32.
 SCALE_BYTE_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)
 SCALE_STORE_EXPONENT = 7  # a byte stores v = s * 2**7: every e4m3 value then is a normal fp16
 FP16_TO_S0E5M3_SHIFT = 7  # fp16 bits >> 7 keep 5 exponent + 3 mantissa bits (the sign is 0)
 S0E5M3_MASK = 0xFF
-# The bf16 decode maps byte bit 7 onto the top bf16 exponent bit, so only bytes with bit 7 set
-# (v >= 2, i.e. s >= 2**-6) decode to s * 2**7; smaller non-zero scales are flushed to zero.
-MIN_BF16_DECODABLE_SCALE = 2.0**-6
 
 # ---- power-of-two offsets of the device decode and their compensation ---------------------------
 # The e2m1 bit trick drops the nibble's exponent into the element type's exponent field, so the
 # decoded weight is w * 2**(e2m1 bias - element bias): 2**(1 - 127) in bf16, 2**(1 - 15) in fp16.
 FP4_DECODE_EXPONENT = {DType.BF16: -126, DType.FP16: -14}
+# The scale decode yields s * 2**SCALE_DECODE_EXPONENT: the fp16 one is the stored byte itself
+# (s * 2**7); the bf16 one adds 128 to the byte's exponent to keep the product w * s in the normal
+# range (s * 2**23, exact for every e4m3 scale).
+SCALE_DECODE_EXPONENT = {DType.BF16: 23, DType.FP16: SCALE_STORE_EXPONENT}
 GLOBAL_SCALE_COMPENSATION = {
-    dt: 2.0 ** -(exponent + SCALE_STORE_EXPONENT) for dt, exponent in FP4_DECODE_EXPONENT.items()
-}  # bf16: 2**119, fp16: 2**7
+    dt: 2.0 ** -(exponent + SCALE_DECODE_EXPONENT[dt]) for dt, exponent in FP4_DECODE_EXPONENT.items()
+}  # bf16: 2**103, fp16: 2**7
 
 
 class W13Order(str, Enum):
@@ -113,17 +114,12 @@ class W13Order(str, Enum):
     INTERLEAVED = "interleaved"  # gpt-oss: gate rows at even indices, up rows at odd ones
 
 
-class ScaleFlushWarning(UserWarning):
-    """Some block scales could not be represented for the bf16 decode and became zero."""
-
-
 @dataclass(frozen=True)
 class PackedNvfp4:
     """NVFP4 weights of E experts in the packed layout, ready for the GEMM of one activation dtype.
 
-    `flushed_scales` counts non-zero block scales below 2**-6 that had to be stored as zero
-    (bf16 only; a warning was issued when it is non-zero).  `layout` and `scale_format` are the
-    values the GEMM's specialization key carries for this object.
+    `layout` and `scale_format` are the values the GEMM's specialization key carries for this
+    object.
     """
 
     layout: ClassVar[str] = "packed"
@@ -136,7 +132,6 @@ class PackedNvfp4:
     n: int  # logical output features
     k: int  # logical input features
     dtype: DType
-    flushed_scales: int = 0
 
     @property
     def n_stored(self) -> int:
@@ -194,15 +189,14 @@ def pack_nvfp4(
     dtype: DType | str | torch.dtype,
 ) -> PackedNvfp4:
     """Pack one ModelOpt NVFP4 weight [E, N, K] for the GEMM with `dtype` activations."""
-    packed = _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="")
-    _warn_if_flushed(packed, "weight_scale")
-    return packed
+    return _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="")
 
 
 def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ModelOpt tensors (weight, weight_scale, weight_scale_2 (E,)) a packed object holds.
 
-    The exact inverse of `pack_nvfp4` except for flushed scales, which come back as zero.
+    The exact inverse of `pack_nvfp4`, except that a block whose scale is zero comes back with zero
+    codes (the packed form stores them so; the dequantized weights are the same zeros).
     """
     if not isinstance(packed, PackedNvfp4):
         raise BadInputError(f"packed must be a PackedNvfp4, got {type(packed).__name__}")
@@ -228,7 +222,7 @@ def prepare_w13(
     by projection (column 0 = gate / w1, column 1 = up / w3) whatever `order` is.  When the two
     differ, the larger becomes the expert's global scale and the other half's block scales are
     multiplied by smaller / larger and re-rounded to e4m3 (lossy: up to half an e4m3 step, and
-    scales that fall below 2**-6 are flushed for bf16); equal values are packed exactly.
+    re-rounding below e4m3's range gives zero); equal values are packed exactly.
     """
     try:
         row_order = W13Order(order)
@@ -246,9 +240,7 @@ def prepare_w13(
         weight = torch.cat((weight[:, 0::2], weight[:, 1::2]), dim=1)
         weight_scale = torch.cat((weight_scale[:, 0::2], weight_scale[:, 1::2]), dim=1)
     global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, half)
-    packed = _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_")
-    _warn_if_flushed(packed, "w13_weight_scale")
-    return packed
+    return _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_")
 
 
 def prepare_w2(
@@ -258,9 +250,7 @@ def prepare_w2(
     dtype: DType | str | torch.dtype,
 ) -> PackedNvfp4:
     """Pack the down projection: N = H output columns, K = I."""
-    packed = _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="w2_")
-    _warn_if_flushed(packed, "w2_weight_scale")
-    return packed
+    return _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="w2_")
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -409,7 +399,11 @@ def _pack(
         weight_scale = torch.nn.functional.pad(
             weight_scale.view(torch.uint8), (0, (k_stored - k) // SCALE_GROUP_K, 0, n_stored - n)
         ).view(torch.float8_e4m3fn)
-    scale_bytes, flushed = _encode_scale_bytes(weight_scale, dtype)
+    scale_bytes = _encode_scale_bytes(weight_scale)
+    # The bf16 scale decode has no zero (it sets an exponent bit), so a block whose scale is zero
+    # stores zero codes instead: the same products, exactly 0 in both decodes.
+    zero_block = (scale_bytes == 0).repeat_interleave(SCALE_GROUP_K // 2, dim=-1)
+    weight = weight.masked_fill(zero_block, 0)
     return PackedNvfp4(
         qweight=_pack_codes(_bytes_to_codes(weight), dtype),
         scales=_order_scale_bytes(scale_bytes),
@@ -418,20 +412,7 @@ def _pack(
         n=n,
         k=k,
         dtype=dtype,
-        flushed_scales=flushed,
     )
-
-
-def _warn_if_flushed(packed: PackedNvfp4, name: str) -> None:
-    if packed.flushed_scales:
-        total = packed.num_experts * packed.n * (packed.k // SCALE_GROUP_K)
-        warnings.warn(
-            f"{name}: {packed.flushed_scales} of {total} non-zero block scales are below 2**-6 and were "
-            "stored as zero: the bf16 scale decode cannot represent them (the fp16 path can; "
-            "see docs/layouts.md)",
-            ScaleFlushWarning,
-            stacklevel=3,
-        )
 
 
 def _bytes_to_codes(weight: torch.Tensor) -> torch.Tensor:
@@ -492,17 +473,12 @@ def _unpack_codes(qweight: torch.Tensor, n: int, k: int, dtype: DType) -> torch.
 # ---- scales --------------------------------------------------------------------------------------
 
 
-def _encode_scale_bytes(weight_scale: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, int]:
-    """(E, N, K/16) e4m3 -> (E, N, K/16) S0E5M3 bytes of s * 2**7, and the number flushed to zero."""
+def _encode_scale_bytes(weight_scale: torch.Tensor) -> torch.Tensor:
+    """(E, N, K/16) e4m3 -> (E, N, K/16) S0E5M3 bytes of s * 2**7 (exact for every e4m3 value)."""
     values = weight_scale.float()
     as_fp16 = (values * 2.0**SCALE_STORE_EXPONENT).to(torch.float16)  # exact for every e4m3 value
     codes = (as_fp16.view(torch.int16).to(torch.int32) >> FP16_TO_S0E5M3_SHIFT) & S0E5M3_MASK
-    flushed = 0
-    if dtype is DType.BF16:
-        undecodable = (values > 0) & (values < MIN_BF16_DECODABLE_SCALE)
-        flushed = int(undecodable.sum())
-        codes = codes.masked_fill(undecodable, 0)
-    return codes.to(torch.uint8), flushed
+    return codes.to(torch.uint8)
 
 
 def _decode_scale_bytes(codes: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ from cuteaot.runtime import BadInputError, DType
 from cuteaot.runtime.weights import (
     stored_dims,
     PackedNvfp4,
-    ScaleFlushWarning,
     pack_nvfp4,
     prepare_w2,
     prepare_w13,
@@ -20,7 +19,7 @@ from cuteaot.runtime.weights import (
 
 from tests.reference.nvfp4 import decode_packed_like_device, dequantize_modelopt, quantize_nvfp4
 
-COMPENSATION = {"bf16": 2.0**119, "fp16": 2.0**7}
+COMPENSATION = {"bf16": 2.0**103, "fp16": 2.0**7}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -64,18 +63,18 @@ def _decode(packed, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("experts,n,k", [(1, 64, 64), (3, 128, 192), (2, 320, 128), (2, 40, 48)])
 def test_pack_unpack_round_trip_is_bit_exact(dtype, experts, n, k):
-    # bf16 keeps only scales >= 2**-6 (e4m3 exponent field >= 1, byte >= 0x08); fp16 keeps all.
-    min_byte = 0x08 if dtype == "bf16" else 0x00
-    weight, scale, scale_2 = _random_modelopt(experts, n, k, min_scale_byte=min_byte, seed=n + k)
+    weight, scale, scale_2 = _random_modelopt(experts, n, k, min_scale_byte=0x00, seed=n + k)
     packed = pack_nvfp4(weight, scale, scale_2, dtype)
     n_stored, k_stored = stored_dims(n, k)  # zero-padded to multiples of 128
     assert packed.qweight.shape == (experts, k_stored // 16, 2 * n_stored) and packed.qweight.dtype == torch.int32
     assert packed.scales.shape == (experts, k_stored // 16, n_stored) and packed.scales.dtype == torch.uint8
     assert (packed.n, packed.k) == (n, k)
-    assert packed.flushed_scales == 0 and packed.dtype is DType(dtype)
+    assert packed.dtype is DType(dtype)
     assert (packed.layout, packed.scale_format) == ("packed", "e4m3_k16")
     w_back, s_back, s2_back = unpack_nvfp4(packed)
-    assert torch.equal(w_back, weight)
+    zero_block = (scale.view(torch.uint8) == 0).repeat_interleave(8, dim=-1)  # 16 k = 8 bytes a scale
+    assert zero_block.any() and not zero_block.all()
+    assert torch.equal(w_back, weight.masked_fill(zero_block, 0))  # zero-scale blocks store zero codes
     assert torch.equal(s_back.view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(s2_back, scale_2)
 
@@ -85,7 +84,6 @@ def test_pack_unpack_round_trip_is_bit_exact(dtype, experts, n, k):
 def test_device_decode_emulation_matches_modelopt_exactly(dtype, experts, n, k):
     weight, scale, scale_2 = quantize_nvfp4(_realistic_weights(experts, n, k, seed=k))
     packed = pack_nvfp4(weight, scale, scale_2.view(-1, 1), dtype)  # (E, 1) is accepted too
-    assert packed.flushed_scales == 0
     decoded = _decode(packed, dtype)
     reference = dequantize_modelopt(weight, scale, scale_2)
     assert reference.abs().amax() > 0 and (reference != 0).float().mean() > 0.5
@@ -94,9 +92,9 @@ def test_device_decode_emulation_matches_modelopt_exactly(dtype, experts, n, k):
 
 
 def test_emulation_uses_arbitrary_nibbles_and_scales():
-    # Every nibble pattern (incl. -0) and every decodable scale, not only quantizer output.
-    for dtype, min_byte in (("bf16", 0x08), ("fp16", 0x00)):
-        weight, scale, scale_2 = _random_modelopt(2, 128, 64, min_scale_byte=min_byte, seed=7)
+    # Every nibble pattern (incl. -0) and every e4m3 scale, subnormals included, not only quantizer output.
+    for dtype in ("bf16", "fp16"):
+        weight, scale, scale_2 = _random_modelopt(2, 128, 64, min_scale_byte=0x00, seed=7)
         packed = pack_nvfp4(weight, scale, scale_2, dtype)
         decoded = _decode(packed, dtype)
         assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2)), dtype
@@ -119,29 +117,16 @@ def _with_small_scales():
     return weight, raw.view(torch.float8_e4m3fn), scale_2
 
 
-def test_bf16_flushes_scales_below_2_pow_minus_6_with_a_warning():
-    weight, scale, scale_2 = _with_small_scales()
-    with pytest.warns(ScaleFlushWarning, match="3 of 512 non-zero block scales") as record:
-        packed = pack_nvfp4(weight, scale, scale_2, "bf16")
-    assert record[0].filename == __file__  # the warning points at the caller
-    assert packed.flushed_scales == 3
-    _, s_back, _ = unpack_nvfp4(packed)
-    expected = scale.float().masked_fill(scale.float() < 2.0**-6, 0.0)
-    assert torch.equal(s_back.float(), expected)
-    decoded = _decode(packed, "bf16")
-    assert torch.equal(decoded, dequantize_modelopt(weight, s_back, scale_2))
-    assert torch.equal(decoded[0, 0, 16:32], torch.zeros(16))
-
-
-def test_fp16_keeps_small_scales_exactly():
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_small_scales_are_kept_exactly(dtype):
     weight, scale, scale_2 = _with_small_scales()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        packed = pack_nvfp4(weight, scale, scale_2, "fp16")
-    assert packed.flushed_scales == 0
+        packed = pack_nvfp4(weight, scale, scale_2, dtype)
     assert torch.equal(unpack_nvfp4(packed)[1].view(torch.uint8), scale.view(torch.uint8))
-    decoded = _decode(packed, "fp16")
+    decoded = _decode(packed, dtype)
     assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
+    assert decoded[0, 0, 16:32].abs().max() > 0  # the 2**-9 block is not flushed
 
 
 # ---- fused gate/up and down projections ----------------------------------------------------------
@@ -252,10 +237,10 @@ def test_dtype_and_overflow_errors():
         pack_nvfp4(weight, scale, scale_2, "fp32")
     with pytest.raises(BadInputError, match="must be one of"):
         pack_nvfp4(weight, scale, scale_2, torch.float32)
-    big = torch.tensor([1.0, 1024.0])
+    big = torch.tensor([1.0, 2.0**26])  # 2**26 * 2**103 overflows float32
     with pytest.raises(BadInputError, match="overflows float32; bf16 needs weight_scale_2 <"):
         pack_nvfp4(weight, scale, big, "bf16")
-    assert pack_nvfp4(weight, scale, big, "fp16").global_scale[1] == 1024.0 * 2**7
+    assert pack_nvfp4(weight, scale, big, "fp16").global_scale[1] == 2.0**26 * 2**7
 
 
 def test_w13_and_w2_errors_name_their_tensors():

@@ -92,10 +92,12 @@ class ProbeKernel:
         self._quads(s, d, i, I.dequant_e2m1x8_f16)
 
     def _s0e5m3_bf16(self, s, d, i):
-        self._pairs(s, d, i, I.dequant_s0e5m3x4_bf16)
+        for byte in range(4):
+            d.u32[4 * i + byte] = I.scale_pair_s0e5m3_bf16(s.u32[i], byte)
 
     def _s0e5m3_f16(self, s, d, i):
-        self._pairs(s, d, i, I.dequant_s0e5m3x4_f16)
+        for byte in range(4):
+            d.u32[4 * i + byte] = I.scale_pair_s0e5m3_f16(s.u32[i], byte)
 
     def _e8m0_bf16(self, s, d, i):
         self._pairs(s, d, i, I.dequant_e8m0x4_bf16)

@@ -34,10 +34,11 @@ class MainloopMixin:
         return I.dequant_e2m1x8_bf16(x)
 
     @cute.jit
-    def _dequant_scales(self, q: Uint32):
+    def _scale_pair(self, p: Uint32, byte: cutlass.Constexpr[int]) -> Uint32:
+        """(s, s) of scale byte `byte` of the raw scale word p (docs/layouts.md, "scales")."""
         if cutlass.const_expr(self.is_fp16):
-            return I.dequant_s0e5m3x4_f16(q)
-        return I.dequant_s0e5m3x4_bf16(q)
+            return I.scale_pair_s0e5m3_f16(p, byte)
+        return I.scale_pair_s0e5m3_bf16(p, byte)
 
     @cute.jit
     def _pair_mul(self, a: Uint32, b: Uint32) -> Uint32:
@@ -164,26 +165,24 @@ class MainloopMixin:
 
     @cute.jit
     def _load_bs_regs(self, regs: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
-        """Four weight words (one per jj) and four scale pairs of 16-k row `kk` of stage `pipe`.
+        """Four weight words (one per jj) and the two raw scale words of 16-k row `kk` of stage `pipe`.
 
         t.b_rd / t.s_rd are this thread's shared addresses in stage 0, row 0 (computed once per
-        tile); stage and row add constants, so the loads take immediate offsets.
+        tile); stage and row add constants, so the loads take immediate offsets.  The scales stay
+        raw (4 bytes a word) until `_scaled_weight_fragment` expands the pair it needs, which keeps
+        two registers per set instead of four decoded pairs.
         """
         s = self.s
         q0, q1, q2, q3 = I.ld_shared_v4_u32(
             t.b_rd + Int32((s.sh_b_off + pipe * s.b_sh_stage + s.b_sh_stride * kk) * 16)
         )
         p0, p1 = I.ld_shared_v2_u32(t.s_rd + Int32(pipe * s.s_sh_stage * 16 + kk * 2 * s.s_sh_stride * 8))
-        s0, s1 = self._dequant_scales(p0)
-        s2, s3 = self._dequant_scales(p1)
-        regs[0, 0] = q0
-        regs[0, 1] = q1
-        regs[0, 2] = q2
-        regs[0, 3] = q3
-        regs[1, 0] = s0
-        regs[1, 1] = s1
-        regs[1, 2] = s2
-        regs[1, 3] = s3
+        regs[0] = q0
+        regs[1] = q1
+        regs[2] = q2
+        regs[3] = q3
+        regs[4] = p0
+        regs[5] = p1
 
     @cute.jit
     def _load_next(self, bs_next, a_next, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int],
@@ -199,15 +198,16 @@ class MainloopMixin:
                 self._load_a_regs(a_next, t, (pipe + 1) % self.s.stages, 0)
 
     @cute.jit
-    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, sc: Uint32):
+    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, p: Uint32, jj: cutlass.Constexpr[int]):
         """One packed word -> b0/b1 fragments of two 8-column blocks, times their scales.
 
-        frag[0, *] is column block c0 (scale lane 0), frag[1, *] block c1 = c0 + 8 (lane 1);
-        frag[x, 0] holds k = 2t, 2t+1 and frag[x, 1] k = 2t+8, 2t+9 (docs/layouts.md).
+        frag[0, *] is column block c0, frag[1, *] block c1 = c0 + 8; their scales are bytes
+        jj % 2 and jj % 2 + 2 of the raw scale word p (SCALE_BYTE_ORDER).  frag[x, 0] holds
+        k = 2t, 2t+1 and frag[x, 1] k = 2t+8, 2t+9 (docs/layouts.md).
         """
         c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q)
-        s_c0 = I.pair_broadcast_lane(sc, 0)
-        s_c1 = I.pair_broadcast_lane(sc, 1)
+        s_c0 = self._scale_pair(p, jj % 2)
+        s_c1 = self._scale_pair(p, jj % 2 + 2)
         frag[0, 0] = self._pair_mul(c0_b0, s_c0)
         frag[0, 1] = self._pair_mul(c0_b1, s_c0)
         frag[1, 0] = self._pair_mul(c1_b0, s_c1)
@@ -216,7 +216,7 @@ class MainloopMixin:
     @cute.jit
     def _mma_row(self, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor):
         for jj in cutlass.range_constexpr(4):
-            self._scaled_weight_fragment(frag, bs[0, jj], bs[1, jj])
+            self._scaled_weight_fragment(frag, bs[jj], bs[4 + jj // 2], jj)
             if cutlass.const_expr(self.m8):
                 # Weights as the 16-row A operand (16 output columns), activations as B (8 tokens).
                 d0, d1, d2, d3 = self._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
@@ -251,7 +251,7 @@ class MainloopMixin:
         # so nothing is copied between "current" and "next" registers.
         a_shape = (2,) if self.m8 else (s.m_blocks, 4)
         a_regs = [cute.make_rmem_tensor(a_shape, Uint32), cute.make_rmem_tensor(a_shape, Uint32)]
-        bs_regs = [cute.make_rmem_tensor((2, 4), Uint32), cute.make_rmem_tensor((2, 4), Uint32)]
+        bs_regs = [cute.make_rmem_tensor((6,), Uint32), cute.make_rmem_tensor((6,), Uint32)]
         frag = cute.make_rmem_tensor((2, 2), Uint32)
         self._load_bs_regs(bs_regs[0], t, 0, 0)
         self._load_a_regs(a_regs[0], t, 0, 0)

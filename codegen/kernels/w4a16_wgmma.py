@@ -147,17 +147,14 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         s_at = t.s_rd + Int32(pipe * s.wg_s_stage_bytes + kk * s.tile_n)
         if cutlass.const_expr(self.nw == 4):
             q = I.ld_shared_v4_u32(w_at)
-            p0, p1 = I.ld_shared_v2_u32(s_at)
-            s0, s1 = self._dequant_scales(p0)  # blocks 0, 1 (scale pairs: rows g, g + 8)
-            s2, s3 = self._dequant_scales(p1)  # blocks 2, 3
-            sc = (s0, s1, s2, s3)
+            p = I.ld_shared_v2_u32(s_at)  # raw scale words: blocks 0, 1 in p[0], blocks 2, 3 in p[1]
         else:
             q = I.ld_shared_v2_u32(w_at)
-            sc = self._dequant_scales(I.ld_shared_u32(s_at))
+            p = (I.ld_shared_u32(s_at),)
         for j in cutlass.range_constexpr(self.nw):
             c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q[j])
-            s_c0 = I.pair_broadcast_lane(sc[j], 0)
-            s_c1 = I.pair_broadcast_lane(sc[j], 1)
+            s_c0 = self._scale_pair(p[j // 2], j % 2)  # (scale pairs: rows g, g + 8)
+            s_c1 = self._scale_pair(p[j // 2], j % 2 + 2)
             # m16n8k16 A order: (row g, k lo), (row g + 8, k lo), (row g, k hi), (row g + 8, k hi)
             frag[j, 0] = self._pair_mul(c0_b0, s_c0)
             frag[j, 1] = self._pair_mul(c1_b0, s_c1)

@@ -178,11 +178,10 @@ def _s0e5m3_f16(byte: torch.Tensor) -> torch.Tensor:
 
 
 def _s0e5m3_bf16(byte: torch.Tensor) -> torch.Tensor:
-    # Exact for bytes with the top bit set (s * 2**7 >= 2, i.e. s >= 2**-6, every prepared scale);
-    # a byte with the top bit clear lands 112 binades low: s * 2**7 * 2**-112 (bf16 exponent e5
-    # instead of e5 + 112; exponent 0 gives the matching bf16 subnormal).
-    value = _e5m3_value(byte)
-    value = torch.where(byte >= 128, value, value * 2.0**-112)
+    # s * 2**23 = the byte's value * 2**16, exact for exponent fields >= 1 (every prepared e4m3
+    # scale); an exponent-0 byte reads as the normal 2 * (1 + m / 8) (documented, never produced).
+    e, m = (byte >> 3).to(torch.float64), (byte & 7).to(torch.float64)
+    value = torch.where(e == 0, 2.0 * (1 + m / 8), _e5m3_value(byte) * 2.0**16)
     return _bits16(value.to(torch.float32).to(torch.bfloat16))
 
 
@@ -201,6 +200,16 @@ def _e8m0_f16(byte: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("probe,decode_byte", [
     (Probe.S0E5M3_BF16, _s0e5m3_bf16), (Probe.S0E5M3_F16, _s0e5m3_f16),
+], ids=lambda v: v.value if isinstance(v, Probe) else "")
+def test_scale_pair_decode(bundle, capsys, probe, decode_byte):
+    """scale_pair_s0e5m3_*(x, byte): (s, s) of one byte, for every byte value in every position."""
+    words = _byte_words(torch.Generator().manual_seed(2))
+    got = _run(bundle, probe, _i32(words), words.numel())
+    want = torch.stack([_pair(b, b) for b in (decode_byte(_bytes_of(words, k)) for k in range(4))], dim=1)
+    _check(capsys, probe.value, got, want, inputs=words)
+
+
+@pytest.mark.parametrize("probe,decode_byte", [
     (Probe.E8M0_BF16, _e8m0_bf16), (Probe.E8M0_F16, _e8m0_f16),
 ], ids=lambda v: v.value if isinstance(v, Probe) else "")
 def test_scale_decode(bundle, capsys, probe, decode_byte):

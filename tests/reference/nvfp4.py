@@ -94,16 +94,12 @@ def _e2m1x8(x: torch.Tensor, dtype: str):
             for a, b in _ROTATIONS[dtype]]
 
 
-def _scale_pair(q: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bytes 1 and 3 of q -> one element pair holding s * 2**7."""
-    if dtype == "bf16":
-        return _halves(((q & 0x80008000) >> 1) | ((q & 0x7F007F00) >> 4), dtype)
-    return _halves((q & 0xFF00FF00) >> 1, dtype)
-
-
-def _scale_x4(q: torch.Tensor, dtype: str):
-    """The kernel's scale decode of one u32: (pair of q << 8, pair of q) = ((B0, B2), (B1, B3)) bytes."""
-    return _scale_pair((q << 8) & U32, dtype), _scale_pair(q, dtype)
+def _scale_byte(q: torch.Tensor, byte: int, dtype: str) -> torch.Tensor:
+    """The kernel's scale decode (scale_pair_s0e5m3_*) of byte `byte` of q, as float32: the byte
+    on bits 11..4 with bit 14 set (bf16, s * 2**23) or on bits 14..7 (fp16, s * 2**7)."""
+    code = (q >> (8 * byte)) & 0xFF
+    bits = (code << 4) | 0x4000 if dtype == "bf16" else code << 7
+    return _halves(bits, dtype)[0]
 
 
 def _mul(a: torch.Tensor, b: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -133,7 +129,9 @@ def decode_packed_like_device(
     words = (qweight.to(torch.int64) & U32).view(experts, groups, slabs, 8, 4, 4)  # lane = 4g + t, jj
     unit = scales.to(torch.int64).view(experts, groups, slabs, 8, 2, 4)  # (slab, g): two u32 of 4 bytes
     packs = unit[..., 0] | (unit[..., 1] << 8) | (unit[..., 2] << 16) | (unit[..., 3] << 24)
-    scale_regs = [*_scale_x4(packs[..., 0], dtype), *_scale_x4(packs[..., 1], dtype)]  # s0..s3
+    # word jj's two 8-column blocks scale with bytes jj % 2 and jj % 2 + 2 of u32 jj // 2
+    scale_regs = [(_scale_byte(packs[..., jj // 2], jj % 2, dtype), _scale_byte(packs[..., jj // 2], jj % 2 + 2, dtype))
+                  for jj in range(4)]
 
     e = torch.arange(experts).view(-1, 1, 1, 1, 1)
     grp = torch.arange(groups).view(1, -1, 1, 1, 1)
