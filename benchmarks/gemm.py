@@ -1,8 +1,10 @@
 """Grouped W4A16 GEMM (FC1, FC2) of real MoE layers vs torch._grouped_mm on bf16 weights.
 
-For each model and M: our GEMM through the runtime (route packing included for
-M > 6), and torch._grouped_mm on bf16 weights of the same shapes for the same
-routing (rows pre-sorted by expert, so its number excludes the gather/scatter).
+For each model and M: our GEMM through the runtime on routes packed beforehand
+(`pack_gemm_routes`, as a layer packs once for FC1 and FC2), the route packing on
+its own, the two in one call, and torch._grouped_mm on bf16 weights of the same
+shapes for the same routing (rows pre-sorted by expert, so its number excludes
+the sorting and the gather/scatter).  % HBM is of the GEMM alone.
 Effective bandwidth = bytes of the weights of the experts actually hit / time;
 TFLOP/s = 2 * routes * N * K / time.  Rooflines: weight bytes / measured HBM copy
 bandwidth and FLOPs / measured bf16 tensor-core rate (a large torch.matmul).
@@ -17,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.common import device_us, hbm_copy_bandwidth
-from cuteaot.runtime import GemmWorkspace, load_bundle, pack_nvfp4, w4a16_moe_gemm
+from cuteaot.runtime import GemmWorkspace, load_bundle, pack_gemm_routes, pack_nvfp4, w4a16_moe_gemm
 from cuteaot.runtime.kernels.gemm import plan_for
 from tests.reference.nvfp4 import quantize_nvfp4
 
@@ -56,8 +58,14 @@ def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict
     out = torch.empty(m * top_k, n, device="cuda", dtype=torch.bfloat16)
     plan = plan_for(m, n, k, top_k, experts, bundle.profile)
     ws = GemmWorkspace.allocate(plan, m, top_k, experts, "cuda")
-    ours = device_us(lambda: w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route,
-                                            a_per_route=per_route, out=out, workspace=ws))
+    def gemm(routes=None):
+        return w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route,
+                              a_per_route=per_route, out=out, workspace=ws, routes=routes)
+
+    with_packing = device_us(gemm)
+    routes = pack_gemm_routes(bundle, ids, packed, workspace=ws)
+    ours = device_us(lambda: gemm(routes))
+    packing = device_us(lambda: pack_gemm_routes(bundle, ids, packed, workspace=ws)) if routes.block_size else 0.0
     hit = int(torch.unique(ids).numel())
     weight_bytes = hit * (n * k // 2 + n * k // 16 + 4)
     flops = 2 * m * top_k * n * k
@@ -78,7 +86,7 @@ def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict
         "plan": f"b{plan.moe_block_size}{' direct' if plan.direct_topk_routes else ''}"
                 f"{' wgmma' if plan.mainloop == 'wgmma' else ''} "
                 f"{plan.tile.tile_n}x{plan.tile.tile_k} {plan.blocks_per_sm}/SM",
-        "us": ours, "GB/s": weight_bytes / ours / 1e3, "TFLOP/s": flops / ours / 1e6,
+        "us": ours, "route_pack_us": packing, "with_packing_us": with_packing, "GB/s": weight_bytes / ours / 1e3, "TFLOP/s": flops / ours / 1e6,
         "pct_hbm": 100 * weight_bytes / hbm / (ours * 1e-6),
         "roofline_us": max(weight_bytes / hbm, flops / tc) * 1e6,
         "torch_grouped_mm_bf16_us": peer, "torch_GB/s": peer_bytes / peer / 1e3, "torch_TFLOP/s": flops / peer / 1e6,
@@ -101,7 +109,8 @@ def main() -> None:
             for m in args.m:
                 r = bench(bundle, model, which, m, hbm, tc)
                 rows.append(r)
-                print(f"{model:16s} {which} M={m:5d} {r['plan']:22s} {r['us']:8.1f} us  {r['GB/s']:7.0f} GB/s "
+                print(f"{model:16s} {which} M={m:5d} {r['plan']:22s} {r['us']:8.1f} us (pack {r['route_pack_us']:4.1f}, "
+                      f"both {r['with_packing_us']:7.1f}) {r['GB/s']:7.0f} GB/s "
                       f"({r['pct_hbm']:5.1f}% HBM) {r['TFLOP/s']:6.1f} TF/s | roofline {r['roofline_us']:7.1f} us | "
                       f"torch bf16 {r['torch_grouped_mm_bf16_us']:8.1f} us {r['torch_TFLOP/s']:6.1f} TF/s", flush=True)
     if args.json:

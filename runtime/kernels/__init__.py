@@ -8,11 +8,11 @@ from .activation import ActivationSpec, moe_activation
 from .topk_sum import TopKSumSpec, moe_topk_sum
 from .route_pack import RoutePackSpec, pack_routes, route_pack_specs
 from .gemm_spec import GemmSpec
-from .gemm import GemmWorkspace, w4a16_moe_gemm
+from .gemm import GemmRoutes, GemmWorkspace, pack_gemm_routes, w4a16_moe_gemm
 from .probe import ProbeSpec
 from .fused_spec import FusedSpec
 
 FAMILIES = {ActivationSpec.FAMILY: ActivationSpec, TopKSumSpec.FAMILY: TopKSumSpec, RoutePackSpec.FAMILY: RoutePackSpec,
             GemmSpec.FAMILY: GemmSpec, ProbeSpec.FAMILY: ProbeSpec, FusedSpec.FAMILY: FusedSpec}
 
-__all__ = ["ActivationSpec", "TopKSumSpec", "FAMILIES", "moe_activation", "moe_topk_sum", "RoutePackSpec", "pack_routes", "route_pack_specs", "GemmSpec", "GemmWorkspace", "w4a16_moe_gemm"]
+__all__ = ["ActivationSpec", "TopKSumSpec", "FAMILIES", "moe_activation", "moe_topk_sum", "RoutePackSpec", "pack_routes", "route_pack_specs", "GemmSpec", "GemmRoutes", "GemmWorkspace", "pack_gemm_routes", "w4a16_moe_gemm"]

@@ -12,7 +12,8 @@ The launch plan (route block size, tile, persistent grid) comes from
 runtime/planning.py for the exact M and the bundle's device profile; it names
 the kernel by key, so the bundle must have been built for this problem.  For
 M <= 6 the routes are used directly (no packing); otherwise `pack_routes`
-groups them by expert first.  The whole persistent grid must be co-resident
+groups them by expert first.  A layer whose GEMMs share the routing (FC1 and
+FC2) can pack once with `pack_gemm_routes` and pass `routes=` to each GEMM.  The whole persistent grid must be co-resident
 (split-K slices wait on each other): checked with the occupancy API on the
 first use of each kernel.
 """
@@ -72,6 +73,77 @@ class GemmWorkspace:
             and self.route_indices.numel() >= plan.max_route_slots
             and self.block_experts.numel() >= plan.max_route_blocks
             and self.route_pack.numel() >= route_pack_workspace_elements(m * top_k, num_experts)
+        )
+
+
+@dataclass(frozen=True)
+class GemmRoutes:
+    """Routes of one `topk_ids` prepared for `w4a16_moe_gemm` (from `pack_gemm_routes`).
+
+    `block_size` is the plan's route block (0 = direct top-k routes, nothing packed); a GEMM
+    accepts these routes when its own plan for the same M uses the same block, which FC1 and
+    FC2 of a layer usually do (it raises otherwise).
+    """
+
+    ids_ptr: int  # data_ptr of the topk_ids they were made from
+    shape: tuple[int, int]  # (M, top_k)
+    num_experts: int
+    block_size: int
+    route_indices: torch.Tensor
+    block_experts: torch.Tensor
+    route_count: torch.Tensor
+
+
+def pack_gemm_routes(bundle: Bundle, topk_ids: torch.Tensor, weights: PackedNvfp4, *,
+                     workspace: GemmWorkspace | None = None) -> GemmRoutes:
+    """Pack `topk_ids` once for the GEMMs over `weights`-shaped problems at this M.
+
+    Without a workspace the buffers are allocated here (not capturable); with one (e.g.
+    GemmWorkspace.allocate for the largest M) the routes live in it, so do not hand the same
+    workspace to a GEMM that packs for itself before these routes are used.
+    """
+    check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
+    if not isinstance(weights, PackedNvfp4):
+        raise BadInputError(f"weights must be a PackedNvfp4 (runtime/weights.py), got {type(weights).__name__}")
+    m, top_k = topk_ids.shape
+    plan = plan_for(m, weights.n, weights.k, top_k, weights.num_experts, bundle.profile)
+    if workspace is None:
+        workspace = GemmWorkspace.allocate(plan, m, top_k, weights.num_experts, bundle.device)
+    elif not workspace.fits(plan, m, top_k, weights.num_experts):
+        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.allocate for the largest M")
+    return _routes(bundle, plan, topk_ids, weights.num_experts, workspace)
+
+
+def _routes(bundle: Bundle, plan: GemmPlan, topk_ids: torch.Tensor, num_experts: int,
+            workspace: GemmWorkspace) -> GemmRoutes:
+    if plan.direct_topk_routes:
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        indices = block_experts = count = ids
+        block_size = 0
+    else:
+        indices, block_experts, count = pack_routes(
+            bundle, topk_ids, num_experts, plan.moe_block_size,
+            packed_route_indices=workspace.route_indices[: plan.max_route_slots],
+            block_expert_ids=workspace.block_experts[: plan.max_route_blocks],
+            packed_route_count=workspace.route_count, workspace=workspace.route_pack,
+        )
+        block_size = plan.moe_block_size
+    return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, block_size, indices, block_experts,
+                      count)
+
+
+def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, plan: GemmPlan) -> None:
+    if not isinstance(routes, GemmRoutes):
+        raise BadInputError(f"routes must come from pack_gemm_routes, got {type(routes).__name__}")
+    if routes.ids_ptr != topk_ids.data_ptr() or routes.shape != tuple(topk_ids.shape):
+        raise BadInputError(f"routes were packed from another topk_ids (shape {routes.shape}); pack these ids")
+    if routes.num_experts != num_experts:
+        raise BadInputError(f"routes were packed for {routes.num_experts} experts, the weights have {num_experts}")
+    wanted = 0 if plan.direct_topk_routes else plan.moe_block_size
+    if routes.block_size != wanted:
+        raise BadInputError(
+            f"routes were packed with block size {routes.block_size or 'direct'}, this GEMM's plan at "
+            f"M={topk_ids.shape[0]} uses {wanted or 'direct'}: pack them with pack_gemm_routes for these weights"
         )
 
 
@@ -148,12 +220,14 @@ def w4a16_moe_gemm(
     epilogue: str = "none",
     out: torch.Tensor | None = None,
     workspace: GemmWorkspace | None = None,
+    routes: GemmRoutes | None = None,
 ) -> torch.Tensor:
     """Grouped W4A16 GEMM of routed rows; returns `out` (M * top_k, N), allocated if None.
 
     Launches on torch's current stream.  CUDA-graph capturable when `out` and a
     `workspace` that fits (GemmWorkspace.allocate for the largest M) are given and
-    topk_ids is int32 (int64 ids are converted, which allocates).
+    topk_ids is int32 (int64 ids are converted, which allocates).  `routes` (from
+    `pack_gemm_routes` on the same topk_ids) skips the route packing.
     """
     check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
     m, top_k = topk_ids.shape
@@ -207,22 +281,17 @@ def w4a16_moe_gemm(
     elif not workspace.fits(plan, m, top_k, weights.num_experts):
         raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.allocate for the largest M")
 
-    if plan.direct_topk_routes:
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-        route_indices = block_experts = route_count = ids
+    if routes is None:
+        routes = _routes(bundle, plan, topk_ids, weights.num_experts, workspace)
     else:
-        route_indices, block_experts, route_count = pack_routes(
-            bundle, topk_ids, weights.num_experts, plan.moe_block_size,
-            packed_route_indices=workspace.route_indices[: plan.max_route_slots],
-            block_expert_ids=workspace.block_experts[: plan.max_route_blocks],
-            packed_route_count=workspace.route_count, workspace=workspace.route_pack,
-        )
+        _check_routes(routes, topk_ids, weights.num_experts, plan)
     tokens = m * top_k if a_per_route else m
     tw = topk_weights if mul_topk_weights else workspace.c_tmp
     launch.kernel.launch(
         plan.grid_x, stream,
         a.data_ptr(), weights.qweight.data_ptr(), out.data_ptr(), weights.scales.data_ptr(),
-        weights.global_scale.data_ptr(), route_indices.data_ptr(), block_experts.data_ptr(), route_count.data_ptr(),
+        weights.global_scale.data_ptr(), routes.route_indices.data_ptr(), routes.block_experts.data_ptr(),
+        routes.route_count.data_ptr(),
         tw.data_ptr(), workspace.c_tmp.data_ptr(), workspace.locks.data_ptr(), tokens,
     )
     return out

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from cuteaot.runtime import GemmWorkspace, load_bundle, pack_nvfp4, w4a16_moe_gemm
+from cuteaot.runtime import GemmWorkspace, load_bundle, pack_gemm_routes, pack_nvfp4, w4a16_moe_gemm
+from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.kernels.gemm import plan_for
 from cuteaot.runtime.planning import simulate_partition
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
@@ -151,6 +152,36 @@ def test_graph_replay_equals_eager_and_locks_stay_clean(bundle):
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert int(ws.locks.abs().sum()) == 0, "split-K locks must be zero after every launch"
+
+
+def test_routes_packed_once_serve_fc1_and_fc2(bundle):
+    """pack_gemm_routes + routes= gives bit-identical outputs to the GEMM's own packing, for FC1 and FC2."""
+    w13, _ = _weights(2 * INTER, HIDDEN, "bf16", seed=5)
+    w2, _ = _weights(HIDDEN, INTER, "bf16", seed=6)
+    for m in (1, 8, 64, 1000):
+        ids, topk_w = _routing(m, TOP_K, False, seed=m + 1)
+        a = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+        routes = pack_gemm_routes(bundle, ids, w13)
+        assert routes.block_size == (0 if plan_for(m, *SHAPES["w13"], TOP_K, EXPERTS, bundle.profile).direct_topk_routes
+                                     else plan_for(m, *SHAPES["w13"], TOP_K, EXPERTS, bundle.profile).moe_block_size)
+        h_own = w4a16_moe_gemm(bundle, a, w13, ids)
+        h = torch.full_like(h_own, float("nan"))
+        w4a16_moe_gemm(bundle, a, w13, ids, out=h, routes=routes)
+        assert torch.equal(h, h_own), f"FC1 M={m}"
+        x = h[:, :INTER].contiguous()
+        fc2_plan = plan_for(m, *SHAPES["w2"], TOP_K, EXPERTS, bundle.profile)
+        y_own = w4a16_moe_gemm(bundle, x, w2, ids, topk_weights=topk_w, mul_topk_weights=True, a_per_route=True)
+        if routes.block_size == (0 if fc2_plan.direct_topk_routes else fc2_plan.moe_block_size):
+            y = torch.full_like(y_own, float("nan"))
+            w4a16_moe_gemm(bundle, x, w2, ids, topk_weights=topk_w, mul_topk_weights=True, a_per_route=True,
+                           out=y, routes=routes)
+            assert torch.equal(y, y_own), f"FC2 M={m}"
+        else:
+            with pytest.raises(BadInputError, match="routes were packed with block size"):
+                w4a16_moe_gemm(bundle, x, w2, ids, topk_weights=topk_w, mul_topk_weights=True, a_per_route=True,
+                               routes=routes)
+    with pytest.raises(BadInputError, match="another topk_ids"):
+        w4a16_moe_gemm(bundle, a, w13, ids.clone(), routes=routes)
 
 
 def test_zz_write_results():
