@@ -1,29 +1,47 @@
-"""Three representative GEMM launches (decode, small batch, large batch) for Nsight Compute.
+"""GEMM launches of real MoE shapes for Nsight Compute, one (model, GEMM, M) at a time.
 
-    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-        --section SchedulerStats -k regex:W4A16 python -m benchmarks.profile_gemm
+    ncu --clock-control none --set full -k regex:W4A16 \
+        python -m benchmarks.profile_gemm --case qwen3-30b-a3b:fc1:64 --case qwen3-30b-a3b:fc2:4096
 
-Qwen3-30B-A3B FC1 (N 1536, K 2048, 128 experts, top 8) at M = 1, 64, 4096, from the
-bench-gemm bundle; route packing runs too but is filtered out by the kernel regex.
+Each case builds its operands exactly as `benchmarks.gemm` does (FC2 reads one row per route
+and multiplies the router weight), runs once to warm up and once more to be profiled, so with
+`--launch-skip`-free ncu each kernel shows up twice; route packing runs too (its own kernel).
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from benchmarks.gemm import random_packed
+from benchmarks.gemm import MODELS, random_packed
 from cuteaot.runtime import load_bundle, w4a16_moe_gemm
 
 
+def run_case(bundle, model: str, which: str, m: int) -> None:
+    hidden, inter, experts, top_k = MODELS[model]
+    n, k = (2 * inter, hidden) if which == "fc1" else (hidden, inter)
+    per_route = which == "fc2"
+    packed = random_packed(experts, n, k)
+    g = torch.Generator().manual_seed(m)
+    ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+    a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+    topk_w = torch.rand(m, top_k, device="cuda")
+    for _ in range(2):
+        w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route, a_per_route=per_route)
+    torch.cuda.synchronize()
+    print(f"{model} {which} M={m} done", flush=True)
+
+
 def main() -> None:
-    bundle = load_bundle("generated/bench-gemm")
-    packed = random_packed(128, 1536, 2048)
-    for m in (1, 64, 4096):
-        ids = torch.rand(m, 128).topk(8, dim=1).indices.to(torch.int32).cuda()
-        a = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-        w4a16_moe_gemm(bundle, a, packed, ids)
-        torch.cuda.synchronize()
-        print(f"M={m} done", flush=True)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", default="generated/bench-gemm")
+    ap.add_argument("--case", action="append", required=True, help="model:fc1|fc2:M")
+    args = ap.parse_args()
+    bundle = load_bundle(args.bundle)
+    for case in args.case:
+        model, which, m = case.split(":")
+        run_case(bundle, model, which, int(m))
 
 
 if __name__ == "__main__":
