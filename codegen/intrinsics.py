@@ -96,23 +96,39 @@ _SIGN_BITS = 0x80008000
 _E2M1_MAG_MASK = {DType.BF16: 0x01C001C0, DType.FP16: 0x0E000E00}  # e1 e0 m on 8..6 / 11..9 (+16)
 
 
+def _shifted(lines: list, reg: str, r: int, bits: list) -> str:
+    """PTX bringing word bits p + r (mod 32) to p for every p in `bits`; returns the operand name.
+
+    If all of them wrap around it is a left shift (ptxas issues IMAD.SHL, off the integer ALU
+    pipe), if none does a right shift, otherwise a rotate."""
+    if r == 0:
+        return "$4"
+    if all(p + r >= 32 for p in bits):
+        lines.append(f"shl.b32 {reg}, $4, {32 - r};")
+    elif all(p + r < 32 for p in bits):
+        lines.append(f"shr.b32 {reg}, $4, {r};")
+    else:
+        lines.append(f"shf.r.wrap.b32 {reg}, $4, $4, {r};")
+    return reg
+
+
+def _bit_positions(mask: int) -> list:
+    return [p for p in range(32) if mask >> p & 1]
+
+
 def _e2m1_word_ptx(dtype: DType) -> str:
     """PTX of the word decode: register j = sign bits of rotr(x, a_j) | magnitude bits of rotr(x, b_j)."""
     mag = _E2M1_MAG_MASK[dtype]
     lines = []
     for j, (a, b) in enumerate(E2M1_DECODE_ROTATIONS[dtype]):
-        if a == b:  # one rotate (none for 0) and one AND
-            src = "$4"
-            if a:
-                lines.append(f"shf.r.wrap.b32 t, $4, $4, {a};")
-                src = "t"
+        if a == b:  # one shift (none for 0) and one AND
+            src = _shifted(lines, "t", a, _bit_positions(_SIGN_BITS | mag))
             lines.append(f"and.b32 ${j}, {src}, {_SIGN_BITS | mag:#010x};")
-        elif a == 0:  # AND the sign bits, AND the magnitude bits where they are, shift-add them down
-            lines += [f"and.b32 s, $4, {_SIGN_BITS:#010x};", f"and.b32 t, $4, {mag << b:#010x};",
-                      f"shr.b32 t, t, {b};", f"or.b32 ${j}, s, t;"]
-        else:  # two rotates, the second AND folds into the OR (one LOP3)
-            lines += [f"shf.r.wrap.b32 t, $4, $4, {a};", f"and.b32 s, t, {_SIGN_BITS:#010x};",
-                      f"shf.r.wrap.b32 t, $4, $4, {b};", f"and.b32 t, t, {mag:#010x};", f"or.b32 ${j}, s, t;"]
+        else:  # sign bits and magnitude bits from two shifts; the second AND folds into the OR (LOP3)
+            src = _shifted(lines, "s", a, _bit_positions(_SIGN_BITS))
+            lines.append(f"and.b32 s, {src}, {_SIGN_BITS:#010x};")
+            src = _shifted(lines, "t", b, _bit_positions(mag))
+            lines += [f"and.b32 t, {src}, {mag:#010x};", f"or.b32 ${j}, s, t;"]
     return "{\n .reg .b32 s, t;\n " + "\n ".join(lines) + "\n}"
 
 
@@ -130,7 +146,7 @@ def dequant_e2m1x8_bf16(x: Uint32, *, loc=None, ip=None):
     `runtime.weights.e2m1_code_bits` says: the sign lands on bit 15 / 31 and e1 e0 m on
     bits 8..6 / 24..22 (the two low exponent bits and the top mantissa bit), so with the
     bf16 bias of 127 instead of 1 the value is w * 2**-126, zero and subnormal codes included.
-    11 instructions for 8 weights (docs/layouts.md, "qweight words").
+    7 integer-ALU instructions and 4 left shifts (IMAD) for 8 weights (docs/layouts.md, "qweight words").
     """
     return _dequant_e2m1x8(DType.BF16, x, loc, ip)
 
@@ -726,6 +742,15 @@ def red_max_f32_nonnegative(addr: Int64, v: Float32, *, loc=None, ip=None) -> No
 def membar_gpu(*, loc=None, ip=None) -> None:
     """`membar.gl`: order this thread's memory accesses at GPU scope."""
     _asm(0, None, [], "membar.gl;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def sync_threads_count(flag: Int32, *, loc=None, ip=None) -> Int32:
+    """`bar.red.popc.u32 d, 0, p`: a __syncthreads (barrier 0, all threads of the CTA) that returns
+    how many threads passed a non-zero `flag`."""
+    return Int32(_asm(1, T.i32, _ir([Int32(flag)], loc, ip),
+                      "{\n .reg .pred p;\n setp.ne.s32 p, $1, 0;\n bar.red.popc.u32 $0, 0, p;\n}", "=r,r",
+                      effects=True, loc=loc, ip=ip)[0])
 
 
 # ----------------------------------------------------------------------------- scalar float

@@ -73,7 +73,7 @@ class _AllIntrinsics:
         I.red_add_bf16x2(go + 68, r); I.red_add_f16x2(go + 72, r)
         I.red_max_f32_nonnegative(go + 76, y0)
         I.membar_gpu()
-        wr = I.warp_reduce(y1, "add") + I.warp_reduce(z1, "max")
+        wr = I.warp_reduce(y1, "add") + I.warp_reduce(z1, "max") + Float32(I.sync_threads_count(Int32(tidx) & 1))
         I.st_global_v4_f32(go + 80, wr, wr, wr, wr)
 
 
@@ -105,6 +105,8 @@ INSTRUCTIONS = [
     "ld.shared.v4.b32",
     "st.shared.v4.f32",
     "shf.r.wrap.b32",
+    "mad.lo.u32",
+    "bar.red.popc.u32",
 ]
 
 

@@ -234,34 +234,19 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     I.st_shared_u32(topk_sh, self._topk_pair(ops, idx, routes))
             cute.arch.sync_threads()
         else:
-            if tid < Int32(s.moe_block_size // 4):
-                I.cp_async_16(
-                    route_sh + tid * Int32(16),
-                    ops.route_indices + Int64(route_block * Int32(s.moe_block_size) + tid * Int32(4)) * Int64(4),
-                )
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            if tid >= Int32(s.threads - 32):
-                lane = tid - Int32(s.threads - 32)
-                per_lane = -(-s.moe_block_size // 32)
-                count = Int32(0)
-                for i in cutlass.range_constexpr(per_lane):
-                    j = lane * Int32(per_lane) + Int32(i)
-                    if j < Int32(s.moe_block_size):
-                        if I.ld_shared_i32(route_sh + j * Int32(4)) < routes:
-                            count += Int32(1)
-                total = cute.arch.warp_redux_sync(count, "add")
-                if lane == Int32(0):
-                    I.st_shared_i32(smem + Int32(s.sh_valid_count_off * 16), total)
+            # one route per thread, loaded straight into registers; the barrier that publishes
+            # them also counts the valid ones (bar.red.popc)
+            assert s.moe_block_size <= s.threads, "one thread per route of the block"
+            in_block = Int32(0)
             if tid < Int32(s.moe_block_size):
-                idx = I.ld_shared_i32(route_sh + tid * Int32(4))
+                idx = I.ld_global_nc_i32(ops.route_indices + Int64(route_block * Int32(s.moe_block_size) + tid) * Int64(4))
+                I.st_shared_i32(route_sh + tid * Int32(4), idx)
                 I.st_shared_i32(src_sh + tid * Int32(4), idx // Int32(s.top_k))
                 if cutlass.const_expr(s.mul_topk_weights):
                     I.st_shared_u32(topk_sh + tid * Int32(4), self._topk_pair(ops, idx, routes))
-            cute.arch.sync_threads()
-            valid = I.ld_shared_i32(smem + Int32(s.sh_valid_count_off * 16))
-            cute.arch.sync_threads()
+                if idx < routes:
+                    in_block = Int32(1)
+            valid = I.sync_threads_count(in_block)
         return valid
 
     # ------------------------------------------------------------------ one tile

@@ -307,6 +307,8 @@ class GemmSpec:
 
     @property
     def sh_valid_count_off(self) -> int:
+        # no longer written (the count comes from a popc barrier); kept so the shared-memory
+        # footprints stay the ones the planner's tables were measured with
         return self.moe_block_size // 2 + self.moe_block_size // 2
 
     @property
