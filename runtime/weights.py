@@ -63,13 +63,14 @@ NIBBLE_SOURCES = ((0, 0), (8, 0), (0, 1), (8, 1), (1, 0), (9, 0), (1, 1), (9, 1)
 # code's sign on the element's sign bit (15 / 31) and its 3 magnitude bits e1 e0 m on E2M1_MAG_TOP,
 # -1, -2 (+16 for the high half): bits 8..6 in bf16, 11..9 in fp16.  Register j takes its sign bits
 # from the word rotated right by a_j and its magnitude bits from the word rotated right by b_j, for
-# (a_j, b_j) = E2M1_DECODE_ROTATIONS[dtype][j].  The four (a, b) were searched so that the 32 bits
-# are covered exactly and the decode costs 11 instructions a word (the nibble layout needed 15):
-# a == b is one rotate + one AND, a == 0 an AND, an AND and a shift-add, else two rotates + 2 LOP3.
+# (a_j, b_j) = E2M1_DECODE_ROTATIONS[dtype][j].  The four (a, b) cover the 32 bits exactly and were
+# searched for the fewest integer-ALU instructions (the GEMM's bottleneck pipe): a rotation whose
+# masked bits all wrap around is a left shift, which ptxas issues as IMAD.SHL on the FMA pipe.
+# bf16: 7 ALU + 4 IMAD a word, fp16: 6 + 5 (the first split-nibble rotations needed 11 ALU).
 E2M1_MAG_TOP = {DType.BF16: 8, DType.FP16: 11}
 E2M1_DECODE_ROTATIONS = {
-    DType.BF16: ((0, 1), (4, 4), (14, 14), (15, 10)),
-    DType.FP16: ((0, 1), (7, 7), (14, 14), (15, 10)),
+    DType.BF16: ((0, 0), (26, 26), (27, 29), (28, 6)),
+    DType.FP16: ((0, 0), (29, 29), (30, 23), (31, 26)),
 }
 
 

@@ -80,7 +80,7 @@ def _halves(pattern: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tens
 # The kernel's word decode (dequant_e2m1x8_*): register j = (sign bits of rotr(x, a_j)) |
 # (magnitude bits of rotr(x, b_j)); sign bits 15/31, magnitude e1 e0 m on 8..6 / 24..22 (bf16,
 # w * 2**-126) or 11..9 / 27..25 (fp16, w * 2**-14).
-_ROTATIONS = {"bf16": ((0, 1), (4, 4), (14, 14), (15, 10)), "fp16": ((0, 1), (7, 7), (14, 14), (15, 10))}
+_ROTATIONS = {"bf16": ((0, 0), (26, 26), (27, 29), (28, 6)), "fp16": ((0, 0), (29, 29), (30, 23), (31, 26))}
 _MAG_MASK = {"bf16": 0x01C001C0, "fp16": 0x0E000E00}
 
 
