@@ -104,7 +104,7 @@ INSTRUCTIONS = [
     "cvt.rn.f16x2.f32",
     "ld.shared.v4.b32",
     "st.shared.v4.f32",
-    "shf.r.wrap.b32",
+    "shl.b32",
     "mad.lo.u32",
     "bar.red.popc.u32",
 ]
