@@ -20,6 +20,7 @@ SHAPES = {  # name: (n, k, top_k, experts, a_per_route)
     "qwen3-30b fc1": (1536, 2048, 8, 128, False),
     "qwen3-30b fc2": (2048, 768, 8, 128, True),
     "qwen3-235b fc1": (3072, 4096, 8, 128, False),
+    "gpt-oss fc2": (2944, 2944, 4, 128, True),  # stored (zero-padded) sizes of 2880 x 2880
 }
 MS = (1, 8, 64)
 # name: (tile_n, tile_k, blocks_per_sm, stages, whole_tiles_m8) for 8-row blocks (M <= 115 here)
@@ -74,10 +75,10 @@ def variant_specs():
     return specs
 
 
-def build(out: str) -> None:
+def build(out: str, small_only: bool) -> None:
     from benchmarks.variants import build_variant_bundle
 
-    specs = variant_specs() + large_specs(48) + large_specs(64)
+    specs = variant_specs() + ([] if small_only else large_specs(48) + large_specs(64))
     build_variant_bundle("tune-gemm", [s.key() for s in specs], out, "benchmarks/tune_gemm.py")
 
 
@@ -110,7 +111,7 @@ def _time_variant(bundle, spec, grid: int, operands: dict, tokens: int, **timing
     return device_us(call, **timing), out.float()
 
 
-def run(bundle_path: str, json_path: str | None) -> None:
+def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
     import torch
 
     from benchmarks.common import hbm_copy_bandwidth
@@ -163,7 +164,8 @@ def run(bundle_path: str, json_path: str | None) -> None:
                 rows.append(row)
                 print(f"{shape:15s} M={m:3d} {name:18s} {us:8.1f} us {row['pct_hbm']:5.1f}% HBM  diff {diff:.2e}",
                       flush=True)
-    rows += run_large(bundle, hbm)
+    if not small_only:
+        rows += run_large(bundle, hbm)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"hbm_Bps": hbm, "rows": rows}, f, indent=1)
@@ -222,8 +224,9 @@ def main() -> None:
     ap.add_argument("--out", default="generated")
     ap.add_argument("--bundle", default="generated/tune-gemm")
     ap.add_argument("--json")
+    ap.add_argument("--small-only", action="store_true", help="only the 8-row-block variants (M <= 64)")
     args = ap.parse_args()
-    build(args.out) if args.mode == "build" else run(args.bundle, args.json)
+    build(args.out, args.small_only) if args.mode == "build" else run(args.bundle, args.json, args.small_only)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,10 @@ RUNTIME_DIR = Path(runtime_pkg.__file__).parent
 # The sources that decide what a key compiles to (the spec reader, enumeration, this driver and the
 # CLI only decide *which* keys to compile, and the keys say that themselves).
 CODEGEN_SOURCES = ("compile.py", "intrinsics.py", "ptx.py", "resources.py", "kernels")
-RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels")
+# every runtime module a compiled kernel depends on: the specs (kernels/), the shared-memory and
+# tile math they use (planning, fused_planning) and the weight layout the decode follows (weights)
+RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "planning.py", "fused_planning.py",
+                   "weights.py")
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cuda-cuobjdump")
 INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than it saves
 

@@ -91,11 +91,13 @@ _MAX_BLOCKS_PER_SM_ONE_M_BLOCK = 4
 _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK = 2
 # Packed 8-row blocks (about 7..100 tokens): 128-thread 128x64 tiles, 4 CTAs per SM.  Measured
 # with benchmarks/tune_gemm.py on the H200 (docs/benchmarks.md) against the 256-thread 128x128
-# tile at 2/SM: Qwen3-30B FC2 at M = 64 53 vs 64 us, FC1 98 vs 104 us, but Qwen3-235B FC1
-# (K = 4096) 436 vs 387 us.  The fused kernel uses it for every shape; the standalone GEMM up to
-# K = PACKED_M8_MAX_K, where long K loops favour the deeper 128-k tile.
+# tile at 2/SM, after the ALU-pipe decode: Qwen3-30B FC2 at M = 64 44.1 vs 51.8 us, FC1 73.6 vs
+# 79.8 us; gpt-oss FC2 (K = 2944 stored) 46.5 vs 49.8 us at M = 8 and 174.8 vs 175.9 at M = 64;
+# but Qwen3-235B FC1 (K = 4096) 298.9 vs 279.8 us at M = 64.  The fused kernel uses it for every
+# shape; the standalone GEMM up to K = PACKED_M8_MAX_K, where long K loops favour the deeper
+# 128-k tile.
 PACKED_M8_BLOCKS_PER_SM = 4
-PACKED_M8_MAX_K = 2048
+PACKED_M8_MAX_K = 3072
 PACKED_M8_MEASURED_ARCHS = ("sm_90a",)  # the standalone GEMM keeps the seed's tiles elsewhere
 # The seed's "enough work" rule charges 4 CTAs per (n tile, route) pair.
 _WORK_CTAS_PER_TILE_ROUTE = 4
