@@ -46,15 +46,25 @@ def random_packed(experts: int, n: int, k: int):
     return pack_nvfp4(w, s, s2, "bf16")
 
 
+class Problem:
+    """One GEMM of a model's MoE layer at M tokens, on random data: FC1 reads token rows, FC2 one
+    row per route and multiplies the router weight."""
+
+    def __init__(self, model: str, which: str, m: int):
+        hidden, inter, self.experts, self.top_k = MODELS[model]
+        self.n, self.k = (2 * inter, hidden) if which == "fc1" else (hidden, inter)
+        self.per_route = which == "fc2"
+        self.packed = random_packed(self.experts, self.n, self.k)
+        g = torch.Generator().manual_seed(m)
+        self.ids = torch.rand(m, self.experts, generator=g).topk(self.top_k, dim=1).indices.to(torch.int32).cuda()
+        self.topk_w = torch.rand(m, self.top_k, device="cuda")
+        self.a = torch.randn(m * self.top_k if self.per_route else m, self.k, device="cuda", dtype=torch.bfloat16)
+
+
 def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict:
-    hidden, inter, experts, top_k = MODELS[model]
-    n, k = (2 * inter, hidden) if which == "fc1" else (hidden, inter)
-    per_route = which == "fc2"
-    packed = random_packed(experts, n, k)
-    g = torch.Generator().manual_seed(m)
-    ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-    topk_w = torch.rand(m, top_k, device="cuda")
-    a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+    p = Problem(model, which, m)
+    experts, top_k, n, k, per_route = p.experts, p.top_k, p.n, p.k, p.per_route
+    packed, ids, topk_w, a = p.packed, p.ids, p.topk_w, p.a
     out = torch.empty(m * top_k, n, device="cuda", dtype=torch.bfloat16)
     plan = plan_for(m, n, k, top_k, experts, bundle.profile)
     ws = GemmWorkspace.allocate(plan, m, top_k, experts, "cuda")

@@ -14,21 +14,15 @@ import argparse
 
 import torch
 
-from benchmarks.gemm import MODELS, random_packed
+from benchmarks.gemm import Problem
 from cuteaot.runtime import load_bundle, w4a16_moe_gemm
 
 
 def run_case(bundle, model: str, which: str, m: int) -> None:
-    hidden, inter, experts, top_k = MODELS[model]
-    n, k = (2 * inter, hidden) if which == "fc1" else (hidden, inter)
-    per_route = which == "fc2"
-    packed = random_packed(experts, n, k)
-    g = torch.Generator().manual_seed(m)
-    ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-    a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
-    topk_w = torch.rand(m, top_k, device="cuda")
+    p = Problem(model, which, m)
     for _ in range(2):
-        w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route, a_per_route=per_route)
+        w4a16_moe_gemm(bundle, p.a, p.packed, p.ids, topk_weights=p.topk_w, mul_topk_weights=p.per_route,
+                       a_per_route=p.per_route)
     torch.cuda.synchronize()
     print(f"{model} {which} M={m} done", flush=True)
 
