@@ -46,6 +46,16 @@ def random_packed(experts: int, n: int, k: int):
     return pack_nvfp4(w, s, s2, "bf16")
 
 
+def routed_inputs(m: int, k: int, top_k: int, experts: int, per_route: bool):
+    """Random routing seeded by M (uniform over experts), router weights and bf16 input rows:
+    (topk_ids int32, topk_weights, a) with M token rows, or M * top_k route rows for FC2."""
+    g = torch.Generator().manual_seed(m)
+    ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+    topk_w = torch.rand(m, top_k, device="cuda")
+    a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+    return ids, topk_w, a
+
+
 class Problem:
     """One GEMM of a model's MoE layer at M tokens, on random data: FC1 reads token rows, FC2 one
     row per route and multiplies the router weight."""
@@ -55,10 +65,7 @@ class Problem:
         self.n, self.k = (2 * inter, hidden) if which == "fc1" else (hidden, inter)
         self.per_route = which == "fc2"
         self.packed = random_packed(self.experts, self.n, self.k)
-        g = torch.Generator().manual_seed(m)
-        self.ids = torch.rand(m, self.experts, generator=g).topk(self.top_k, dim=1).indices.to(torch.int32).cuda()
-        self.topk_w = torch.rand(m, self.top_k, device="cuda")
-        self.a = torch.randn(m * self.top_k if self.per_route else m, self.k, device="cuda", dtype=torch.bfloat16)
+        self.ids, self.topk_w, self.a = routed_inputs(m, self.k, self.top_k, self.experts, self.per_route)
 
 
 def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict:

@@ -115,7 +115,7 @@ def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
     import torch
 
     from benchmarks.common import hbm_copy_bandwidth
-    from benchmarks.gemm import random_packed
+    from benchmarks.gemm import random_packed, routed_inputs
     from cuteaot.runtime import load_bundle, pack_routes
     from cuteaot.runtime.kernels.gemm import GemmWorkspace
     from cuteaot.runtime.kernels.gemm_spec import Routes
@@ -129,10 +129,7 @@ def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
     for shape, (n, k, top_k, experts, per_route) in SHAPES.items():
         packed = random_packed(experts, n, k)
         for m in MS:
-            g = torch.Generator().manual_seed(m)
-            ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-            topk_w = torch.rand(m, top_k, device="cuda")
-            a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+            ids, topk_w, a = routed_inputs(m, k, top_k, experts, per_route)
             plan = plan_for(m, n, k, top_k, experts, bundle.profile)
             big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 16 * 256)
             ws = GemmWorkspace.allocate(big, m, top_k, experts, "cuda")
@@ -173,9 +170,7 @@ def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
 
 def run_large(bundle, hbm) -> list[dict]:
     """Large-M variants: the planner's route block size, each variant's tile, grid and depth."""
-    import torch
-
-    from benchmarks.gemm import random_packed
+    from benchmarks.gemm import random_packed, routed_inputs
     from cuteaot.runtime import pack_routes
     from cuteaot.runtime.kernels.gemm import GemmWorkspace, plan_for
 
@@ -186,10 +181,7 @@ def run_large(bundle, hbm) -> list[dict]:
         for m in LARGE_MS:
             plan = plan_for(m, n, k, top_k, experts, bundle.profile)
             specs = large_specs(plan.moe_block_size)
-            g = torch.Generator().manual_seed(m)
-            ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-            topk_w = torch.rand(m, top_k, device="cuda")
-            a = torch.randn(m * top_k if per_route else m, k, device="cuda", dtype=torch.bfloat16)
+            ids, topk_w, a = routed_inputs(m, k, top_k, experts, per_route)
             big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 64 * 256)
             ws = GemmWorkspace.allocate(big, m, top_k, experts, "cuda")
             r_idx, b_exp, r_cnt = pack_routes(bundle, ids, experts, plan.moe_block_size,

@@ -33,9 +33,7 @@ def specs():
 
 
 def run(bundle_path: str) -> None:
-    import torch
-
-    from benchmarks.gemm import random_packed
+    from benchmarks.gemm import random_packed, routed_inputs
     from benchmarks.tune_gemm import _time_variant
     from cuteaot.runtime import load_bundle, pack_routes
     from cuteaot.runtime.kernels.gemm import GemmWorkspace, plan_for
@@ -44,10 +42,7 @@ def run(bundle_path: str) -> None:
     sms = bundle.profile.sm_count
     for shape, (n, k, top_k, experts, per_route) in SHAPES.items():
         packed = random_packed(experts, n, k)
-        g = torch.Generator().manual_seed(M)
-        ids = torch.rand(M, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-        topk_w = torch.rand(M, top_k, device="cuda")
-        a = torch.randn(M * top_k if per_route else M, k, device="cuda", dtype=torch.bfloat16)
+        ids, topk_w, a = routed_inputs(M, k, top_k, experts, per_route)
         plan = plan_for(M, n, k, top_k, experts, bundle.profile)  # split-K scratch for any variant's tail
         big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 128 * 256)
         ws = GemmWorkspace.allocate(big, M, top_k, experts, "cuda")

@@ -37,17 +37,30 @@ def test_tp_slices_and_refusals():
         tp_slice(1536, 2, 2)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_shards_sum_to_the_whole_layer(layer, world):
+def _assert_ranks_sum_to_the_layer(layer, world, rank_shard):
+    """sum over ranks of the float32 layer on rank_shard(rank) = (w13, w2, reference kwargs) equals
+    the whole layer's float32 reference."""
     w13, w2, x, weights, ids = layer
     full, _, _ = moe_reference(x, dequantize_modelopt(*w13), dequantize_modelopt(*w2), weights, ids, "silu")
     total = torch.zeros_like(full)
     for rank in range(world):
-        s13, s2 = tp_shard_w13(w13, rank, world), tp_shard_w2(w2, rank, world)
-        assert s13.weight.shape == (E, 2 * I // world, H // 2) and s2.weight.shape == (E, H, I // world // 2)
-        part, _, _ = moe_reference(x, dequantize_modelopt(*s13), dequantize_modelopt(*s2), weights, ids, "silu")
+        s13, s2, kwargs = rank_shard(rank)
+        part, _, _ = moe_reference(x, dequantize_modelopt(*s13), dequantize_modelopt(*s2), weights, ids, "silu",
+                                   **kwargs)
         total += part
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_shards_sum_to_the_whole_layer(layer, world):
+    w13, w2 = layer[:2]
+
+    def shard(rank):
+        s13, s2 = tp_shard_w13(w13, rank, world), tp_shard_w2(w2, rank, world)
+        assert s13.weight.shape == (E, 2 * I // world, H // 2) and s2.weight.shape == (E, H, I // world // 2)
+        return s13, s2, {}
+
+    _assert_ranks_sum_to_the_layer(layer, world, shard)
 
 
 def test_tp_shard_reads_every_checkpoint_row_order(layer):
@@ -79,16 +92,14 @@ def test_ep_partition_handles_uneven_expert_counts():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ep_ranks_sum_to_the_whole_layer(layer, world):
-    w13, w2, x, weights, ids = layer
-    full, _, _ = moe_reference(x, dequantize_modelopt(*w13), dequantize_modelopt(*w2), weights, ids, "silu")
-    total = torch.zeros_like(full)
-    for rank in range(world):
+    w13, w2 = layer[:2]
+
+    def shard(rank):
         expert_map, local = ep_partition(E, rank, world)
-        s13, s2 = ep_select(w13, local), ep_select(w2, local)
-        part, _, _ = moe_reference(x, dequantize_modelopt(*s13), dequantize_modelopt(*s2), weights, ids, "silu",
-                                   local=set(local), expert_index=expert_map.clamp(min=0))
-        total += part
-    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+        return ep_select(w13, local), ep_select(w2, local), dict(local=set(local),
+                                                                 expert_index=expert_map.clamp(min=0))
+
+    _assert_ranks_sum_to_the_layer(layer, world, shard)
 
 
 def test_parallel_layer_needs_torch_distributed():
