@@ -634,6 +634,50 @@ def cp_async_16_zfill(smem_addr: Int32, gmem_addr: Int64, pred: Int32, *, loc=No
          "r,l,r", effects=True, loc=loc, ip=ip)
 
 
+# ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)
+# A bulk copy is issued by one thread and moves a whole contiguous range; its completion is
+# counted in bytes on an mbarrier (a 64-bit shared-memory object), which threads wait on by
+# phase parity.  Used by `benchmarks/stream_probe.py`; none of the GEMM kernels uses them yet.
+
+
+@dsl_user_op
+def mbarrier_init(addr: Int32, count: int, *, loc=None, ip=None) -> None:
+    """Initialise the 8-byte-aligned mbarrier at addr to expect `count` arrivals per phase."""
+    _asm(0, None, _ir([Int32(addr)], loc, ip), f"mbarrier.init.shared::cta.b64 [$0], {count};", "r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fence_mbarrier_init(*, loc=None, ip=None) -> None:
+    """Make initialised mbarriers visible to the async proxy (bulk copies) before first use."""
+    _asm(0, None, [], "fence.mbarrier_init.release.cluster;", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_arrive_expect_tx(addr: Int32, nbytes: int, *, loc=None, ip=None) -> None:
+    """Arrive once on the mbarrier and add `nbytes` to the bytes its phase waits for."""
+    _asm(0, None, _ir([Int32(addr)], loc, ip), f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};",
+         "r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_wait_parity(addr: Int32, parity: Int32, *, loc=None, ip=None) -> None:
+    """Spin (`mbarrier.try_wait.parity`) until the phase with this parity (0/1) has completed."""
+    _asm(0, None, _ir([Int32(addr), Int32(parity)], loc, ip),
+         "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
+         " @!done bra WAIT;\n}", "r,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_bulk_g2s(smem_addr: Int32, gmem_addr: Int64, nbytes: int, mbar: Int32, *, loc=None, ip=None) -> None:
+    """Copy `nbytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared;
+    completion is counted on the mbarrier at `mbar` (`cp.async.bulk ... complete_tx::bytes`)."""
+    assert nbytes % 16 == 0 and nbytes > 0, nbytes
+    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(mbar)], loc, ip),
+         f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];",
+         "r,l,r", effects=True, loc=loc, ip=ip)
+
+
 # ----------------------------------------------------------------------------- global memory
 
 

@@ -52,6 +52,9 @@ class _AllIntrinsics:
         m0, m1 = I.ldmatrix_x2(sb + Int32(tidx) * 16)
         I.cp_async_16(sb + 512, g)
         I.cp_async_16_zfill(sb + 1024, g, Int32(tidx))
+        I.mbarrier_init(sb + 2048, 1); I.fence_mbarrier_init()
+        I.mbarrier_arrive_expect_tx(sb + 2048, 64); I.cp_async_bulk_g2s(sb + 1536, g, 64, sb + 2048)
+        I.mbarrier_wait_parity(sb + 2048, Int32(0))
         cute.arch.cp_async_commit_group(); cute.arch.cp_async_wait_group(0)
         s = I.ld_shared_u32(sb) ^ Uint32(I.ld_shared_i32(sb)) 
         v0, v1 = I.ld_shared_v2_u32(sb + 8)
@@ -107,6 +110,11 @@ INSTRUCTIONS = [
     "shl.b32",
     "mad.lo.u32",
     "bar.red.popc.u32",
+    "mbarrier.init.shared::cta.b64",
+    "fence.mbarrier_init.release.cluster",
+    "mbarrier.arrive.expect_tx.shared::cta.b64",
+    "mbarrier.try_wait.parity.shared::cta.b64",
+    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
 ]
 
 
