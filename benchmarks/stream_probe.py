@@ -13,10 +13,12 @@ tile) through shared memory, `stages` deep, touching one word per thread per sta
 * bulk: `cp.async.bulk` of 1 KB rows (or the whole 4 KB) issued by 4 (1) threads,
   completion counted on one mbarrier per stage.
 
-If cp16 streams at HBM speed here, the GEMM's small-M ceiling is in its own per-stage
-work, not in how it requests memory (docs/benchmarks.md, 2026-11-29 small-M study).
+Timed like the GEMM benchmark (`device_us`: launches captured in a CUDA graph).  If cp16
+streams well above the GEMM's share of HBM here, the GEMM's small-M ceiling is its own
+per-stage work, not how it requests memory (docs/benchmarks.md, 2026-11-29 small-M study).
+No `from __future__ import annotations`: CuTeDSL evaluates the kernel's annotations, and
+cutlass is imported inside `build` only, so `run` works where CuTeDSL is not installed.
 """
-
 
 import argparse
 import json
@@ -128,12 +130,10 @@ def build(out: str) -> None:
 
 
 def run(directory: str, iters: int) -> None:
-    import statistics
-
     import torch
     from cuda.bindings import driver as cu
 
-    from benchmarks.common import hbm_copy_bandwidth
+    from benchmarks.common import device_us, hbm_copy_bandwidth
     from cuteaot.runtime.abi import ArgBuffer, Param, ParamKind, Signature
     from cuteaot.runtime.bundle import check_cu
 
@@ -147,7 +147,6 @@ def run(directory: str, iters: int) -> None:
     hbm = hbm_copy_bandwidth()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s; {ctas} CTAs x {THREADS} threads stream {src.numel() / 1e6:.0f} MB")
     print("| variant | µs | GB/s | % of HBM copy |\n| --- | ---: | ---: | ---: |")
-    stream = torch.cuda.current_stream().cuda_stream
     for name, entry in index.items():
         with open(os.path.join(directory, entry["cubin"]), "rb") as f:
             module = check_cu(cu.cuModuleLoadData(f.read()), "cuModuleLoadData")
@@ -157,21 +156,11 @@ def run(directory: str, iters: int) -> None:
         args = ArgBuffer(signature)
 
         def launch():
-            check_cu(cu.cuLaunchKernel(function, ctas, 1, 1, THREADS, 1, 1, entry["smem"], stream,
+            check_cu(cu.cuLaunchKernel(function, ctas, 1, 1, THREADS, 1, 1, entry["smem"],
+                                       torch.cuda.current_stream().cuda_stream,
                                        args.set(src.data_ptr(), sink.data_ptr(), iters), 0), "cuLaunchKernel")
 
-        launch()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(9):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(10):
-                launch()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b) / 10 * 1e3)
-        us = statistics.median(samples)
+        us = device_us(launch, iters=10, reps=9)
         print(f"| {name} | {us:.1f} | {src.numel() / us / 1e3:.0f} | {100 * src.numel() / (us * 1e-6) / hbm:.1f} |")
 
 
