@@ -18,27 +18,20 @@ import torch
 
 from benchmarks.common import device_us, hbm_copy_bandwidth
 from benchmarks.gemm import MODELS, Problem
-from cuteaot.runtime import GemmWorkspace, load_bundle, pack_gemm_routes, w4a16_moe_gemm
-from cuteaot.runtime.kernels.gemm import plan_for
+from cuteaot.runtime import load_bundle
 
 
-def _gemm_call(bundle, p: Problem, m: int):
-    plan = plan_for(m, p.n, p.k, p.top_k, p.experts, bundle.profile)
-    ws = GemmWorkspace.allocate(plan, m, p.top_k, p.experts, "cuda")
-    out = torch.empty(m * p.top_k, p.n, device="cuda", dtype=torch.bfloat16)
-    routes = pack_gemm_routes(bundle, p.ids, p.packed, workspace=ws)
-
-    def call():
-        return w4a16_moe_gemm(bundle, p.a, p.packed, p.ids, topk_weights=p.topk_w, mul_topk_weights=p.per_route,
-                              a_per_route=p.per_route, out=out, workspace=ws, routes=routes)
-
-    return call, out
+def _gemm_call(bundle, p: Problem):
+    """The bundle's GEMM on p's operands with routes packed beforehand, and its output."""
+    g = p.gemm(bundle)
+    routes = g.pack_routes()
+    return (lambda: g.run(routes)), g.out
 
 
 def compare(base, new, model: str, which: str, m: int, rounds: int, hbm: float) -> dict:
     p = Problem(model, which, m)
-    base_call, base_out = _gemm_call(base, p, m)
-    new_call, new_out = _gemm_call(new, p, m)
+    base_call, base_out = _gemm_call(base, p)
+    new_call, new_out = _gemm_call(new, p)
     base_call()
     new_call()
     torch.cuda.synchronize()
@@ -49,7 +42,7 @@ def compare(base, new, model: str, which: str, m: int, rounds: int, hbm: float) 
         times["base"].append(device_us(base_call, reps=3))
         times["new"].append(device_us(new_call, reps=3))
     b, n = statistics.median(times["base"]), statistics.median(times["new"])
-    weight_bytes = int(torch.unique(p.ids).numel()) * (p.n * p.k // 2 + p.n * p.k // 16 + 4)
+    weight_bytes = p.weight_bytes
     return {"model": model, "gemm": which, "M": m, "base_us": b, "new_us": n, "new/base": n / b,
             "base_pct_hbm": 100 * weight_bytes / hbm / (b * 1e-6), "new_pct_hbm": 100 * weight_bytes / hbm / (n * 1e-6),
             "rel_diff": diff}

@@ -66,25 +66,47 @@ class Problem:
         self.per_route = which == "fc2"
         self.packed = random_packed(self.experts, self.n, self.k)
         self.ids, self.topk_w, self.a = routed_inputs(m, self.k, self.top_k, self.experts, self.per_route)
+        self.m = m
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights, scales and global scale of the experts the routing hits."""
+        hit = int(torch.unique(self.ids).numel())
+        return hit * (self.n * self.k // 2 + self.n * self.k // 16 + 4)
+
+    def gemm(self, bundle) -> "GemmRun":
+        """Our GEMM on these operands: plan, workspace and output for this bundle's device."""
+        plan = plan_for(self.m, self.n, self.k, self.top_k, self.experts, bundle.profile)
+        return GemmRun(self, bundle, plan, GemmWorkspace.allocate(plan, self.m, self.top_k, self.experts, "cuda"),
+                       torch.empty(self.m * self.top_k, self.n, device="cuda", dtype=torch.bfloat16))
+
+
+class GemmRun:
+    """A Problem bound to a bundle: `run(routes=None)` launches the GEMM into `out`."""
+
+    def __init__(self, p: Problem, bundle, plan, workspace, out):
+        self.p, self.bundle, self.plan, self.workspace, self.out = p, bundle, plan, workspace, out
+
+    def run(self, routes=None):
+        p = self.p
+        return w4a16_moe_gemm(self.bundle, p.a, p.packed, p.ids, topk_weights=p.topk_w, mul_topk_weights=p.per_route,
+                              a_per_route=p.per_route, out=self.out, workspace=self.workspace, routes=routes)
+
+    def pack_routes(self):
+        return pack_gemm_routes(self.bundle, self.p.ids, self.p.packed, workspace=self.workspace)
 
 
 def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict:
     p = Problem(model, which, m)
-    experts, top_k, n, k, per_route = p.experts, p.top_k, p.n, p.k, p.per_route
-    packed, ids, topk_w, a = p.packed, p.ids, p.topk_w, p.a
-    out = torch.empty(m * top_k, n, device="cuda", dtype=torch.bfloat16)
-    plan = plan_for(m, n, k, top_k, experts, bundle.profile)
-    ws = GemmWorkspace.allocate(plan, m, top_k, experts, "cuda")
-    def gemm(routes=None):
-        return w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=per_route,
-                              a_per_route=per_route, out=out, workspace=ws, routes=routes)
-
-    with_packing = device_us(gemm)
-    routes = pack_gemm_routes(bundle, ids, packed, workspace=ws)
-    ours = device_us(lambda: gemm(routes))
-    packing = device_us(lambda: pack_gemm_routes(bundle, ids, packed, workspace=ws)) if routes.block_size else 0.0
+    experts, top_k, n, k, ids = p.experts, p.top_k, p.n, p.k, p.ids
+    g = p.gemm(bundle)
+    plan = g.plan
+    with_packing = device_us(g.run)
+    routes = g.pack_routes()
+    ours = device_us(lambda: g.run(routes))
+    packing = device_us(g.pack_routes) if routes.block_size else 0.0
     hit = int(torch.unique(ids).numel())
-    weight_bytes = hit * (n * k // 2 + n * k // 16 + 4)
+    weight_bytes = p.weight_bytes
     flops = 2 * m * top_k * n * k
 
     # peer: torch._grouped_mm on bf16 weights, rows sorted by expert
