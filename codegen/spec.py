@@ -41,7 +41,7 @@ import yaml
 from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
-from cuteaot.runtime.fused_planning import plan_fused
+from cuteaot.runtime.fused_planning import DECODE_MAX_M, plan_fused
 from cuteaot.runtime.kernels.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
 from cuteaot.runtime.types import Activation, DType
@@ -91,16 +91,20 @@ class MoeProblem:
         """{"fused[...]": FusedSpec} of every fused variant the runtime plans for m tokens on `profile`."""
         specs = {}
         for on_input, expert_map, calibration in self.fused:
-            plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k,
-                              self.activation.is_gated, profile, expert_map=expert_map, collect_amax=calibration)
             name = "fused" + "".join(f"+{n}" for n, on in (("router_weight_on_input", on_input),
                                                          ("expert_map", expert_map), ("calibration", calibration)) if on)
-            specs[name] = FusedSpec.for_plan(
-                plan, dtype, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.activation,
-                router_weight_on_input=on_input, expert_map=expert_map, collect_amax=calibration,
-                fast_math=fast_math, swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
-                swiglu_limit=self.swiglu_limit,
-            )
+            # MoeLayer(deterministic=True) replaces the decode regime by the packed path (no atomics)
+            modes = (False, True) if m <= DECODE_MAX_M and not (expert_map or calibration) else (False,)
+            for deterministic in modes:
+                plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k,
+                                  self.activation.is_gated, profile, expert_map=expert_map, collect_amax=calibration,
+                                  deterministic=deterministic)
+                specs[name + ("+deterministic" if deterministic else "")] = FusedSpec.for_plan(
+                    plan, dtype, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k,
+                    self.activation, router_weight_on_input=on_input, expert_map=expert_map,
+                    collect_amax=calibration, fast_math=fast_math, swiglu_alpha=self.swiglu_alpha,
+                    swiglu_beta=self.swiglu_beta, swiglu_limit=self.swiglu_limit,
+                )
         return specs
 
     def activation_spec(self, dtype: DType, fast_math: bool) -> ActivationSpec:

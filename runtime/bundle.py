@@ -24,6 +24,7 @@ from .errors import (
 )
 from .keys import KernelKey
 from .manifest import KernelRecord, kernel_records, read_cubin, read_manifest
+from .workspace import WorkspacePool
 
 _DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 
@@ -106,6 +107,7 @@ class Bundle:
         self._kernels: dict[str, LoadedKernel] = {}
         self._libraries: list = []
         self.plans: dict = {}  # per-call-site launch plans cached by the ops modules
+        self.workspaces = WorkspacePool(device)  # MoE layers' scratch memory, reserved before serving
 
     # -- loading ----------------------------------------------------------------
     def _load(self, records: list[KernelRecord]) -> None:

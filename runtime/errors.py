@@ -61,3 +61,7 @@ class BadInputError(CuteAotError, ValueError):
 
 class LaunchError(CuteAotError, RuntimeError):
     """The CUDA driver refused a load or a launch."""
+
+
+class CaptureError(CuteAotError, RuntimeError):
+    """Something that must happen before CUDA-graph capture (allocating a workspace) was asked for during it."""

@@ -105,8 +105,13 @@ def plan_fused(
     *,
     expert_map: bool = False,
     collect_amax: bool = False,
+    deterministic: bool = False,
 ) -> FusedPlan:
-    """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count)."""
+    """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
+
+    `deterministic` rules out the decode regime, whose top-k sum adds rows with bf16 atomics
+    in no fixed order; every other step sums in a fixed order.
+    """
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                     ("num_experts", num_experts), ("top_k", top_k)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -114,7 +119,7 @@ def plan_fused(
     if top_k > num_experts:
         raise BadInputError(f"top_k={top_k} exceeds num_experts={num_experts}")
     (n1, k1), (n2, k2) = fused_gemm_dims(hidden_size, intermediate_size, gated)
-    decode = m <= DECODE_MAX_M and not expert_map and not collect_amax
+    decode = m <= DECODE_MAX_M and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
     routes = m * top_k
 

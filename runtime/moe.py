@@ -1,22 +1,25 @@
 """The serving API: one fused W4A16 MoE layer, built once, called every step.
 
     layer = MoeLayer(bundle, w13, w2, top_k=8, activation="silu")   # prepare_w13 / prepare_w2 weights
+    layer.reserve(streams=[s1, s2])                                  # optional: concurrent streams
     out = layer(hidden_states, topk_weights, topk_ids)               # (M, H), same dtype as the input
 
 A call validates its inputs, picks the launch plan of its token count (cached),
 and launches on torch's current stream:
 
-* M <= 2 (no expert_map, no calibration): one fused kernel; routes read straight
-  from topk_ids, the top-k sum folded into FC2 (red.add into the zeroed output).
+* M <= 2 (no expert_map, no calibration, not deterministic): one fused kernel; routes
+  read straight from topk_ids, the top-k sum folded into FC2 (red.add into the zeroed
+  output).
 * otherwise: route packing, the fused kernel (FC2 rows per route), the top-k sum.
 
-Buffers are preallocated for `max_tokens` (default: the largest token bucket of
-the bundle); larger calls run in chunks of `max_tokens` tokens.  Each stream gets
-its own workspace (the first call on a stream allocates it; CUDA-graph capture on
-a stream that has none uses the layer's default workspace, allocated with the
-layer), so layers may run on several streams at once.  Every launch leaves the
-barrier/lock words at zero.  `run_w4a16_moe` is the functional form; the
-`cuteaot::moe_layer` torch custom op makes a layer usable under torch.compile.
+Memory is reserved before serving, never by a call (runtime/workspace.py): building a
+layer reserves the buffers of `max_tokens` tokens (default: the bundle's largest token
+bucket; larger calls run in chunks), shared by every layer of the same shape;
+`reserve(streams)` gives streams that run layers concurrently their own.  So calls can be
+captured in CUDA graphs in any style (torch.cuda.graph with shared pools,
+torch.compile's "reduce-overhead").  Every launch leaves the barrier/lock words at zero.
+`run_w4a16_moe` is the functional form; the `cuteaot::moe_layer` torch custom op makes a
+layer usable under torch.compile.
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
 from .bundle import Bundle, current_stream_handle
 from .errors import BadInputError
-from .fused_planning import FusedPlan, plan_fused, workspace_bounds
+from .fused_planning import DECODE_MAX_M, FusedPlan, plan_fused, workspace_bounds
 from .kernels.fused_spec import FusedSpec
 from .kernels.gemm import PersistentLaunch
 from .kernels.route_pack import MAX_EXPERTS, pack_routes, route_pack_workspace_elements
@@ -38,6 +41,7 @@ from .kernels.topk_sum import moe_topk_sum
 from .tensors import check_rank, check_tensor
 from .types import Activation
 from .weights import PackedNvfp4
+from .workspace import WorkspaceShape, capturing
 
 __all__ = ["MoeLayer", "MoeWorkspace", "run_w4a16_moe"]
 
@@ -55,23 +59,31 @@ class MoeWorkspace:
     block_experts: torch.Tensor
     route_count: torch.Tensor
     route_pack: torch.Tensor
+    ids64: torch.Tensor  # int64 topk_ids with out-of-range values pinned to -1 / E ...
+    ids32: torch.Tensor  # ... then narrowed for the direct-route (decode) kernel
 
     @classmethod
-    def allocate(cls, layer: "MoeLayer", max_tokens: int) -> "MoeWorkspace":
-        b = workspace_bounds(max_tokens, layer.top_k, layer.route_experts, layer.bundle.profile)
-        routes = max_tokens * layer.top_k
-        dev, i32 = layer.device, dict(dtype=torch.int32, device=layer.device)
+    def allocate(cls, shape: WorkspaceShape, bundle: Bundle) -> "MoeWorkspace":
+        b = workspace_bounds(shape.max_tokens, shape.top_k, shape.route_experts, bundle.profile)
+        routes, dev = shape.routes, bundle.device
+        i32 = dict(dtype=torch.int32, device=dev)
         return cls(
-            max_tokens=max_tokens,
-            fc13=torch.empty(routes * max(layer.fc1_width, layer.hidden_size), dtype=layer.dtype.torch, device=dev),
-            activated=torch.empty(routes * layer.intermediate_size, dtype=layer.dtype.torch, device=dev),
+            max_tokens=shape.max_tokens,
+            fc13=torch.empty(routes * max(shape.fc1_width, shape.hidden_size), dtype=shape.dtype.torch, device=dev),
+            activated=torch.empty(routes * shape.intermediate_size, dtype=shape.dtype.torch, device=dev),
             c_tmp=torch.empty(b["c_tmp_floats"], dtype=torch.float32, device=dev),
             locks=torch.zeros(b["lock_words"], **i32),
             route_indices=torch.empty(b["route_slots"], **i32),
             block_experts=torch.empty(b["route_blocks"], **i32),
             route_count=torch.zeros(1, **i32),
-            route_pack=torch.empty(route_pack_workspace_elements(routes, layer.route_experts), **i32),
+            route_pack=torch.empty(route_pack_workspace_elements(routes, shape.route_experts), **i32),
+            ids64=torch.empty(routes, dtype=torch.int64, device=dev),
+            ids32=torch.empty(routes, **i32),
         )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
 @dataclass(frozen=True)
@@ -94,20 +106,63 @@ class MoeLayer:
         weight index, -1 for experts held by other ranks; their routes contribute 0.
     router_weight_on_input: scale FC1's rows by the router weight (= weighting the
         input, FC1 being linear) instead of FC2's.
-    validate_ids: check topk_ids values on the host (one device sync per call; skipped
-        under CUDA-graph capture and torch.compile).  Out-of-range ids are otherwise
-        dropped by the kernels, leaving their rows undefined.
+    max_tokens: tokens one launch serves (workspace capacity); larger calls run in chunks.
+    deterministic: bit-identical results run to run, eager or replayed, on any stream: M <= 2
+        takes the packed path instead of summing the top-k rows with bf16 atomics.
+    validate_ids: also check topk_ids on the host (one device sync per call; skipped under
+        capture and torch.compile).  Without it, routes whose id is outside [0, E) (e.g. -1
+        for masked routes) are dropped by the kernels and contribute 0.
+
+    Building the layer resolves its kernels for every token bucket of the bundle (so options
+    the bundle cannot serve fail here, naming the nearest built kernels) and reserves its
+    workspace; see runtime/workspace.py for how layers and streams share workspaces.
     """
 
     def __init__(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4, *, top_k: int,
                  activation: Activation | str = "silu", swiglu_alpha: float | None = None,
                  swiglu_beta: float | None = None, swiglu_limit: float | None = None, fast_math: bool = True,
                  router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None,
-                 max_tokens: int | None = None, validate_ids: bool = True):
+                 max_tokens: int | None = None, deterministic: bool = False, validate_ids: bool = False):
         try:
             self.activation = Activation(activation)
         except ValueError:
             raise BadInputError(f"activation must be one of {[a.value for a in Activation]}, got {activation!r}") from None
+        self._check_weights(bundle, w13, w2)
+        inter = w2.k
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise BadInputError(f"top_k must be a positive int, got {top_k!r}")
+        self.bundle, self.device, self.dtype = bundle, bundle.device, w13.dtype
+        self.w13, self.w2 = w13, w2
+        self.hidden_size, self.intermediate_size, self.top_k = w13.k, inter, top_k
+        self.fc1_width = w13.n
+        self.num_experts = w13.num_experts
+        self.expert_map = expert_map
+        if expert_map is not None:
+            self._check_expert_map(expert_map)
+        self.route_experts = self.num_experts if expert_map is None else expert_map.shape[0]
+        if self.route_experts > MAX_EXPERTS:
+            raise BadInputError(f"at most {MAX_EXPERTS} experts are supported, got {self.route_experts}")
+        if top_k > self.route_experts:
+            raise BadInputError(f"top_k={top_k} exceeds the {self.route_experts} experts")
+        self.options = dict(router_weight_on_input=bool(router_weight_on_input), fast_math=bool(fast_math),
+                            swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
+        self.deterministic = bool(deterministic)
+        self.max_tokens = _bundle_max_tokens(bundle) if max_tokens is None else max_tokens
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise BadInputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        self.validate_ids = validate_ids
+        self._resolved: dict[tuple[int, bool], _Resolved] = {}
+        for m in _construction_token_counts(bundle, self.max_tokens):
+            self.resolve(m)  # options the bundle cannot serve fail now, not at the first call
+        self.shape = WorkspaceShape(self.hidden_size, inter, self.fc1_width, top_k, self.route_experts,
+                                    self.dtype, self.max_tokens)
+        pool = bundle.workspaces
+        pool.acquire(self.shape, self._allocate_workspace)
+        weakref.finalize(self, pool.release, self.shape)  # the last layer of a shape frees its workspaces
+        self.id = f"moe-layer-{next(_IDS)}"
+        _LAYERS[self.id] = self
+
+    def _check_weights(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4) -> None:
         for name, w in (("w13", w13), ("w2", w2)):
             if not isinstance(w, PackedNvfp4):
                 raise BadInputError(f"{name} must be a PackedNvfp4 (prepare_{name}), got {type(w).__name__}")
@@ -118,50 +173,23 @@ class MoeLayer:
         if w13.num_experts != w2.num_experts:
             raise BadInputError(f"w13 has {w13.num_experts} experts, w2 {w2.num_experts}")
         gated = self.activation.is_gated
-        inter = w2.k
-        if w13.n != inter * (2 if gated else 1) or w13.k != w2.n:
+        if w13.n != w2.k * (2 if gated else 1) or w13.k != w2.n:
             raise BadInputError(
                 f"w13 is {w13.n}x{w13.k} and w2 {w2.n}x{w2.k} (N x K); {self.activation.value} needs "
                 f"w13 = {'2I' if gated else 'I'} x H and w2 = H x I"
             )
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            raise BadInputError(f"top_k must be a positive int, got {top_k!r}")
-        self.bundle, self.device, self.dtype = bundle, bundle.device, w13.dtype
-        self.w13, self.w2 = w13, w2
-        self.hidden_size, self.intermediate_size, self.top_k = w13.k, inter, top_k
-        self.fc1_width = w13.n
-        self.num_experts = w13.num_experts
-        self.expert_map = expert_map
-        if expert_map is not None:
-            check_rank(expert_map, "expert_map", 1, "(global experts,) int32")
-            check_tensor(expert_map, "expert_map", dtype=torch.int32, shape=tuple(expert_map.shape),
-                         device=self.device, align=4)
-            lo, hi = (int(v) for v in torch.aminmax(expert_map))
-            if lo < -1 or hi >= self.num_experts:
-                raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
-                                    f"got range [{lo}, {hi}]")
-        self.route_experts = self.num_experts if expert_map is None else expert_map.shape[0]
-        if self.route_experts > MAX_EXPERTS:
-            raise BadInputError(f"at most {MAX_EXPERTS} experts are supported, got {self.route_experts}")
-        if top_k > self.route_experts:
-            raise BadInputError(f"top_k={top_k} exceeds the {self.route_experts} experts")
-        self.options = dict(router_weight_on_input=bool(router_weight_on_input), fast_math=bool(fast_math),
-                            swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
-        FusedSpec.for_plan(plan_fused(1, self.hidden_size, inter, self.route_experts, top_k, gated, bundle.profile),
-                           self.dtype, self.hidden_size, inter, self.num_experts, top_k, self.activation,
-                           **self.options)  # validates the activation parameters now
-        self.max_tokens = _bundle_max_tokens(bundle) if max_tokens is None else max_tokens
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise BadInputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        self.validate_ids = validate_ids
-        self._resolved: dict[tuple[int, bool], _Resolved] = {}
-        # Layers of one shape share workspaces (a model's layers run one after another on a stream).
-        self._ws_key = ("moe_workspace", self.hidden_size, inter, self.fc1_width, top_k, self.route_experts,
-                        self.dtype, self.max_tokens)
-        if (*self._ws_key, "default") not in bundle.plans:
-            bundle.plans[(*self._ws_key, "default")] = MoeWorkspace.allocate(self, self.max_tokens)
-        self.id = f"moe-layer-{next(_IDS)}"
-        _LAYERS[self.id] = self
+
+    def _check_expert_map(self, expert_map: torch.Tensor) -> None:
+        check_rank(expert_map, "expert_map", 1, "(global experts,) int32")
+        check_tensor(expert_map, "expert_map", dtype=torch.int32, shape=tuple(expert_map.shape),
+                     device=self.device, align=4)
+        lo, hi = (int(v) for v in torch.aminmax(expert_map))
+        if lo < -1 or hi >= self.num_experts:
+            raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
+                                f"got range [{lo}, {hi}]")
+
+    def _allocate_workspace(self) -> MoeWorkspace:
+        return MoeWorkspace.allocate(self.shape, self.bundle)
 
     # ------------------------------------------------------------------ resolution
 
@@ -169,11 +197,12 @@ class MoeLayer:
         """The plan, kernel spec and checked kernel of an m-token call (cached)."""
         r = self._resolved.get((m, collect_amax))
         if r is None:
+            expert_map = self.expert_map is not None
             plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.route_experts, self.top_k,
-                              self.activation.is_gated, self.bundle.profile, expert_map=self.expert_map is not None,
-                              collect_amax=collect_amax)
+                              self.activation.is_gated, self.bundle.profile, expert_map=expert_map,
+                              collect_amax=collect_amax, deterministic=self.deterministic)
             spec = FusedSpec.for_plan(plan, self.dtype, self.hidden_size, self.intermediate_size, self.num_experts,
-                                      self.top_k, self.activation, expert_map=self.expert_map is not None,
+                                      self.top_k, self.activation, expert_map=expert_map,
                                       collect_amax=collect_amax, **self.options)
             key = ("w4a16_fused_kernel", spec)
             launch = self.bundle.plans.get(key) or PersistentLaunch(self.bundle, spec)
@@ -181,26 +210,26 @@ class MoeLayer:
             r = self._resolved[(m, collect_amax)] = _Resolved(plan, spec, launch)
         return r
 
-    def workspace(self, stream: int | None = None) -> MoeWorkspace:
-        """The workspace of a stream (torch's current one by default), allocated on first use.
+    # ------------------------------------------------------------------ memory
 
-        Shared by every layer of this shape on the bundle.  The first stream takes the
-        default workspace allocated with the first layer; a stream first seen while it
-        captures a CUDA graph also uses it (allocate-free capture): replay such graphs on
-        one stream at a time, or run the layer once on each capture stream beforehand.
+    def reserve(self, streams: Iterable[torch.cuda.Stream]) -> None:
+        """Give each stream its own workspace so that layers of this shape may run on them concurrently.
+
+        Call before capturing CUDA graphs (it allocates; under capture it raises CaptureError).
+        Streams without a reservation share the shape's default workspace, which is right
+        whenever they do not run layers of this shape at the same time.
         """
+        for stream in streams:
+            if not isinstance(stream, torch.cuda.Stream):
+                raise BadInputError(f"reserve takes torch.cuda.Stream objects, got {type(stream).__name__}")
+            if stream.device != self.device:
+                raise BadInputError(f"stream is on {stream.device}, the layer on {self.device}")
+            self.bundle.workspaces.reserve(self.shape, stream.cuda_stream, self._allocate_workspace)
+
+    def workspace(self, stream: int | None = None) -> MoeWorkspace:
+        """The workspace a call on `stream` (a raw cudaStream_t; default torch's current one) uses."""
         stream = current_stream_handle(self.device.index) if stream is None else stream
-        plans = self.bundle.plans
-        ws = plans.get((*self._ws_key, stream))
-        if ws is None:
-            default = plans[(*self._ws_key, "default")]
-            if _capturing(self.device):
-                return default
-            taken = any(k[:-1] == self._ws_key and k[-1] != "default" and v is default
-                        for k, v in plans.items() if isinstance(k, tuple) and k[:1] == ("moe_workspace",))
-            ws = MoeWorkspace.allocate(self, self.max_tokens) if taken else default
-            plans[(*self._ws_key, stream)] = ws
-        return ws
+        return self.bundle.workspaces.get(self.shape, stream)
 
     # ------------------------------------------------------------------ call
 
@@ -232,7 +261,15 @@ class MoeLayer:
         plan = r.plan
         routes = m * self.top_k
         if plan.decode:
-            ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+            ids = topk_ids
+            if ids.dtype != torch.int32:
+                # narrowed through the workspace (a call never allocates); ids outside [-1, E] become
+                # -1 or E first, which the kernel drops like the originals, instead of wrapping into
+                # valid ids
+                wide = ws.ids64[:routes].view(m, self.top_k)
+                torch.clamp(topk_ids, -1, self.route_experts, out=wide)
+                ids = ws.ids32[:routes].view(m, self.top_k)
+                ids.copy_(wide)
             route_indices = block_experts = route_count = ids
         else:
             route_indices, block_experts, route_count = pack_routes(
@@ -282,7 +319,7 @@ class MoeLayer:
                                     f"got {layer_idx!r}")
         elif layer_idx is not None:
             raise BadInputError("layer_idx is only used with activation_amax (calibration)")
-        if self.validate_ids and m and not _capturing(self.device):
+        if self.validate_ids and m and not capturing(self.device):
             lo, hi = (int(v) for v in torch.aminmax(topk_ids))
             low = -1 if self.expert_map is not None else 0
             if lo < low or hi >= self.route_experts:
@@ -293,10 +330,6 @@ class MoeLayer:
         return m
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _bundle_max_tokens(bundle: Bundle) -> int:
     rows = bundle.manifest.get("resolution", [])
     tokens = [row["tokens"] for row in rows if row.get("profile") == bundle.profile.name]
@@ -305,23 +338,40 @@ def _bundle_max_tokens(bundle: Bundle) -> int:
     return max(tokens)
 
 
+def _construction_token_counts(bundle: Bundle, max_tokens: int) -> list[int]:
+    """Token counts a new layer resolves up front: both sides of the decode threshold and every bucket."""
+    rows = bundle.manifest.get("resolution", [])
+    buckets = {row["tokens"] for row in rows if row.get("profile") == bundle.profile.name}
+    counts = {m for m in buckets | set(range(1, DECODE_MAX_M + 2)) if m <= max_tokens}
+    return sorted(counts | {max_tokens})
+
+
 def run_w4a16_moe(bundle: Bundle, hidden_states: torch.Tensor, w13: PackedNvfp4, w2: PackedNvfp4,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu",
                   swiglu_alpha: float | None = None, swiglu_beta: float | None = None,
                   swiglu_limit: float | None = None, fast_math: bool = True, router_weight_on_input: bool = False,
                   expert_map: torch.Tensor | None = None, activation_amax: torch.Tensor | None = None,
                   layer_idx: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Functional MoE: builds (and caches on the bundle) the MoeLayer of these weights and options."""
+    """Functional MoE: builds the MoeLayer of these weights and options on the first call.
+
+    The layer is cached on `w13` itself, so it lives exactly as long as the weights do: dropping
+    the weights drops the layer and, with the last layer of its shape, the workspaces.  Build the
+    first call of each weight pair outside CUDA-graph capture (it reserves the workspace).
+    """
     check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
-    key = ("moe_layer", id(w13), id(w2), topk_ids.shape[1], str(activation), swiglu_alpha, swiglu_beta,
-           swiglu_limit, fast_math, router_weight_on_input, None if expert_map is None else id(expert_map))
-    entry = bundle.plans.get(key)
-    if entry is None or entry[0]() is not w13 or entry[1]() is not w2:
+    if not isinstance(w13, PackedNvfp4) or not isinstance(w2, PackedNvfp4):
+        raise BadInputError(f"w13 and w2 must be PackedNvfp4 (prepare_w13 / prepare_w2), got "
+                            f"{type(w13).__name__} and {type(w2).__name__}")
+    key = (bundle.id, id(w2), topk_ids.shape[1], str(activation), swiglu_alpha, swiglu_beta, swiglu_limit,
+           fast_math, router_weight_on_input, None if expert_map is None else id(expert_map))
+    cache = w13.functional_layers
+    entry = cache.get(key)
+    if entry is None or entry[0]() is not w2 or (expert_map is not None and entry[1].expert_map is not expert_map):
         layer = MoeLayer(bundle, w13, w2, top_k=topk_ids.shape[1], activation=activation, swiglu_alpha=swiglu_alpha,
                          swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit, fast_math=fast_math,
                          router_weight_on_input=router_weight_on_input, expert_map=expert_map)
-        entry = bundle.plans[key] = (weakref.ref(w13), weakref.ref(w2), layer)
-    return entry[2](hidden_states, topk_weights, topk_ids, out=out, activation_amax=activation_amax,
+        entry = cache[key] = (weakref.ref(w2), layer)
+    return entry[1](hidden_states, topk_weights, topk_ids, out=out, activation_amax=activation_amax,
                     layer_idx=layer_idx)
 
 

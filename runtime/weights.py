@@ -133,6 +133,8 @@ class PackedNvfp4:
     n: int  # logical output features
     k: int  # logical input features
     dtype: DType
+    # layers run_w4a16_moe built on these weights, by options: they live and die with the weights
+    functional_layers: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def n_stored(self) -> int:

@@ -15,9 +15,11 @@ from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.fused_planning import BARRIER_WORDS, DECODE_MAX_M, plan_fused, workspace_bounds
 from cuteaot.runtime.kernels.fused_spec import FusedSpec
+import cuteaot.runtime.moe as moe_module
 from cuteaot.runtime.moe import MoeLayer
 from cuteaot.runtime.planning import TileConfig
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
+from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import quantize_nvfp4
 
 H200, GB10 = PROFILES["h200"], PROFILES["gb10"]
@@ -160,14 +162,24 @@ def test_spec_fused_unknown_variant_is_an_error(tmp_path):
 # ---- serving-layer validation (stand-in bundle on the CPU) ---------------------------------------
 
 
+class _ResolvedOnly:
+    """PersistentLaunch without a driver: construction resolves kernels, these tests never launch."""
+
+    def __init__(self, bundle, spec):
+        self.spec = spec
+
+
 @pytest.fixture(scope="module")
 def layer():
     g = torch.Generator().manual_seed(1)
     w13 = prepare_w13(*quantize_nvfp4(torch.randn(16, 512, 512, generator=g) * 0.05), "bf16")
     w2 = prepare_w2(*quantize_nvfp4(torch.randn(16, 512, 256, generator=g) * 0.05), "bf16")
     bundle = types.SimpleNamespace(device=torch.device("cpu"), profile=H200, plans={}, name="stand-in",
-                                   manifest={"resolution": [{"profile": "h200", "tokens": 64}]})
-    return MoeLayer(bundle, w13, w2, top_k=4, activation="silu")
+                                   manifest={"resolution": [{"profile": "h200", "tokens": 64}]},
+                                   workspaces=WorkspacePool(torch.device("cpu")))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe_module, "PersistentLaunch", _ResolvedOnly)
+        return MoeLayer(bundle, w13, w2, top_k=4, activation="silu", validate_ids=True)
 
 
 def _inputs(m=4, top_k=4, e=16):
@@ -227,10 +239,11 @@ def test_layer_construction_checks_weights_and_options(layer):
         MoeLayer(b, layer.w13, layer.w2, top_k=4, swiglu_limit=-1.0)
 
 
-def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer):
+def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer, monkeypatch):
     em = torch.full((32,), -1, dtype=torch.int32)
     em[:16] = torch.arange(16, dtype=torch.int32)
-    ep = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, expert_map=em)
+    monkeypatch.setattr(moe_module, "PersistentLaunch", _ResolvedOnly)
+    ep = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, expert_map=em, validate_ids=True)
     x, w, ids = _inputs(e=32)
     with pytest.raises(BadInputError, match=r"topk_ids must be in \[-1, 32\)"):
         ep(x, w, ids.masked_fill(ids == 3, -2))

@@ -1,0 +1,221 @@
+"""Workspaces without a GPU: the pool's sharing/release rules, and that a MoeLayer call allocates nothing.
+
+The call-path test runs the real `MoeLayer` orchestration (checks, resolution, chunking,
+id narrowing, argument assembly) on CPU tensors against a stand-in bundle whose kernel
+launches are recorded instead of issued, under a torch dispatch mode that records every
+tensor an aten op creates.  A call with `out=` given must create none: that is what makes it
+safe under CUDA-graph capture and torch.compile's "reduce-overhead" pools.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cuteaot.runtime.moe as moe
+from cuteaot.runtime import workspace as workspace_mod
+from cuteaot.runtime.devices import PROFILES
+from cuteaot.runtime.errors import CaptureError, UnknownSpecializationError
+from cuteaot.runtime.weights import prepare_w2, prepare_w13
+from cuteaot.runtime.workspace import WorkspacePool
+from tests.reference.nvfp4 import random_nvfp4
+
+H, I, E, TOP_K = 512, 256, 16, 4  # the tiny-fused-silu problem
+BUCKETS = (1, 2, 3, 4, 8, 16, 37, 64)
+
+
+# ------------------------------------------------------------------------------ the pool
+
+
+def test_pool_shares_a_shape_and_frees_it_with_the_last_layer():
+    pool = WorkspacePool(torch.device("cpu"))
+    made = []
+    alloc = lambda: made.append(object()) or made[-1]  # noqa: E731
+    pool.acquire("shape-a", alloc)
+    pool.acquire("shape-a", alloc)
+    pool.acquire("shape-b", alloc)
+    assert pool.allocations == 2 and len(pool) == 2
+    s1 = pool.reserve("shape-a", 111, alloc)
+    assert pool.reserve("shape-a", 111, alloc) is s1 and pool.allocations == 3
+    assert pool.get("shape-a", 111) is s1
+    assert pool.get("shape-a", 222) is made[0]  # an unreserved stream shares the default
+    assert pool.allocations == 3  # looking up never allocates
+    pool.release("shape-a")
+    assert pool.get("shape-a", 111) is s1  # one layer of shape-a is still alive
+    pool.release("shape-a")
+    assert pool.reserved_streams("shape-a") == [] and len(pool) == 1 and pool.live_layers("shape-a") == 0
+    with pytest.raises(KeyError):
+        pool.get("shape-a", 111)
+
+
+def test_pool_refuses_to_allocate_under_capture(monkeypatch):
+    pool = WorkspacePool(torch.device("cpu"))
+    pool.acquire("s", object)
+    monkeypatch.setattr(workspace_mod, "capturing", lambda device: True)
+    with pytest.raises(CaptureError, match=r"call layer.reserve\(streams=\[...\]\) before capturing"):
+        pool.reserve("s", 7, object)
+    with pytest.raises(CaptureError, match="building a MoE layer"):
+        pool.acquire("other", object)
+    pool.acquire("s", object)  # a second layer of an existing shape needs no memory: fine under capture
+    assert pool.allocations == 1
+
+
+# ------------------------------------------------------------------------------ the call path
+
+
+class _RecordedKernel:
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def launch(self, grid_x, stream, *values):
+        self.calls.append(("fused", grid_x, values))
+
+
+class _StubLaunch:
+    """PersistentLaunch without a driver: the bundle 'has' exactly the keys in `built` (None = all)."""
+
+    built: set | None = None
+    calls: list = []
+
+    def __init__(self, bundle, spec):
+        if self.built is not None and spec.key() not in self.built:
+            raise UnknownSpecializationError(f"no kernel {spec.key().describe()}")
+        self.spec, self.kernel = spec, _RecordedKernel(self.calls)
+
+
+def _stub_bundle(max_bucket: int = 64):
+    rows = [{"profile": "h200", "tokens": t} for t in BUCKETS if t <= max_bucket]
+    cpu = torch.device("cpu")
+    return types.SimpleNamespace(device=cpu, profile=PROFILES["h200"], manifest={"resolution": rows}, plans={},
+                                 workspaces=WorkspacePool(cpu), name="stub", id="stub")
+
+
+@pytest.fixture()
+def stubbed(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(_StubLaunch, "calls", calls)
+    monkeypatch.setattr(_StubLaunch, "built", None)
+    monkeypatch.setattr(moe, "PersistentLaunch", _StubLaunch)
+    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
+
+    def pack_routes(bundle, topk_ids, num_experts, block_size, **buffers):
+        calls.append(("pack_routes", topk_ids.shape, block_size))
+        return buffers["packed_route_indices"], buffers["block_expert_ids"], buffers["packed_route_count"]
+
+    monkeypatch.setattr(moe, "pack_routes", pack_routes)
+    monkeypatch.setattr(moe, "moe_topk_sum", lambda bundle, fc2, out, **kw: calls.append(("topk_sum", fc2.shape)))
+    return calls
+
+
+def _weights(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = prepare_w13(*random_nvfp4(E, 2 * I, H, g), "bf16")
+    w2 = prepare_w2(*random_nvfp4(E, H, I, g), "bf16")
+    return w13, w2
+
+
+class _NewTensors(TorchDispatchMode):
+    """Records every aten op whose output does not share storage with one of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.created: list[str] = []
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        bases = {t.untyped_storage().data_ptr() for t in inputs}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in bases:
+                self.created.append(str(func))
+        return out
+
+
+def _inputs(m: int, ids_dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(m, E, generator=g).topk(TOP_K, dim=1).indices.to(ids_dtype)
+    w = torch.softmax(torch.randn(m, TOP_K, generator=g), dim=1)
+    return x, w, ids
+
+
+@pytest.mark.parametrize("m, ids_dtype", [(1, torch.int32), (1, torch.int64), (2, torch.int64), (5, torch.int32),
+                                          (37, torch.int64), (150, torch.int32)])
+def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
+    bundle = _stub_bundle()
+    w13, w2 = _weights()
+    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, activation="silu")  # max_tokens 64: M=150 runs in chunks
+    x, w, ids = _inputs(m, ids_dtype)
+    out = torch.empty(m, H, dtype=torch.bfloat16)
+    allocations = bundle.workspaces.allocations
+    stubbed.clear()
+    with _NewTensors() as mode:
+        layer(x, w, ids, out=out)
+    assert mode.created == [], f"the call created tensors: {mode.created}"
+    assert bundle.workspaces.allocations == allocations
+    launches = [c for c in stubbed if c[0] == "fused"]
+    assert len(launches) == -(-m // layer.max_tokens)
+    if m <= 2:  # decode: routes straight from the ids, narrowed into the workspace when int64
+        ids_ptr = launches[0][2][10]
+        ws = layer.workspace()
+        assert ids_ptr == (ids.data_ptr() if ids_dtype == torch.int32 else ws.ids32.data_ptr())
+        if ids_dtype == torch.int64:
+            assert torch.equal(ws.ids32[: m * TOP_K].view(m, TOP_K), ids.to(torch.int32))
+
+
+def test_int64_ids_out_of_int32_range_stay_dropped(stubbed):
+    bundle = _stub_bundle()
+    layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K)
+    x, w, ids = _inputs(1, torch.int64)
+    ids[0, 0], ids[0, 1] = 2**32 + 3, -(2**40)  # would wrap to the valid ids 3 and 0 if narrowed blindly
+    layer(x, w, ids, out=torch.empty(1, H, dtype=torch.bfloat16))
+    narrowed = layer.workspace().ids32[:TOP_K].tolist()
+    assert narrowed[:2] == [E, -1] and narrowed[2:] == ids[0, 2:].tolist()
+
+
+def test_layers_of_one_shape_share_and_release_their_workspace(stubbed):
+    bundle = _stub_bundle()
+    w13, w2 = _weights()
+    layers = [moe.MoeLayer(bundle, w13, w2, top_k=TOP_K) for _ in range(5)]
+    assert bundle.workspaces.allocations == 1
+    assert len({id(layer.workspace()) for layer in layers}) == 1
+    other = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, max_tokens=16)  # another capacity: another shape
+    assert bundle.workspaces.allocations == 2
+    del layers, other
+    gc.collect()
+    assert len(bundle.workspaces) == 0
+
+
+def test_functional_layers_live_and_die_with_their_weights(stubbed):
+    bundle = _stub_bundle()
+    w13, w2 = _weights()
+    x, w, ids = _inputs(5, torch.int32)
+    for _ in range(3):
+        moe.run_w4a16_moe(bundle, x, w13, w2, w, ids, out=torch.empty(5, H, dtype=torch.bfloat16))
+    assert bundle.workspaces.allocations == 1 and len(w13.functional_layers) == 1
+    del w13, w2
+    gc.collect()
+    assert len(bundle.workspaces) == 0, "the functional layer kept its weights and workspace alive"
+
+
+def test_deterministic_layers_never_take_the_decode_path(stubbed):
+    bundle = _stub_bundle()
+    layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K, deterministic=True)
+    assert not any(layer.resolve(m).plan.decode for m in (1, 2))
+    assert moe.MoeLayer(bundle, *_weights(), top_k=TOP_K).resolve(1).plan.decode
+
+
+def test_options_the_bundle_cannot_serve_fail_at_construction(stubbed, monkeypatch):
+    bundle = _stub_bundle()
+    w13, w2 = _weights()
+    default = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    built = {default.resolve(m).spec.key() for m in range(1, 65)}
+    monkeypatch.setattr(_StubLaunch, "built", built)
+    moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)  # the same options resolve
+    with pytest.raises(UnknownSpecializationError):
+        moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, router_weight_on_input=True)
