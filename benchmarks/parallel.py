@@ -59,7 +59,7 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
         w13 = ModelOptTensors(*random_nvfp4(e, 2 * i, h, torch.Generator(device=device).manual_seed(1)))
         w2 = ModelOptTensors(*random_nvfp4(e, h, i, torch.Generator(device=device).manual_seed(2)))
         full = MoeLayer(bundle, prepare_w13(*w13, "bf16"), prepare_w2(*w2, "bf16"), top_k=k, activation=act)
-        tp = ParallelMoeLayer(bundle, prepare_w13(*tp_shard_w13(w13, rank, world), "bf16"),
+        tp = ParallelMoeLayer(bundle, prepare_w13(*tp_shard_w13(w13, rank, world, activation=act), "bf16"),
                               prepare_w2(*tp_shard_w2(w2, rank, world), "bf16"), top_k=k, activation=act)
         expert_map, local = ep_partition(e, rank, world, device)
         ep = ParallelMoeLayer(bundle, prepare_w13(*ep_select(w13, local), "bf16"),

@@ -1,8 +1,9 @@
 """Tensor- and expert-parallel MoE across GPUs: shard the checkpoint, run the local layer, all-reduce.
 
 Tensor parallelism (TP, world w): every rank holds every expert but only I / w of the
-intermediate size: rows [r*I/w, (r+1)*I/w) of both the gate and the up half of W13, and the
-same columns (K) of W2.  Each rank's FC2 output is a partial sum over its slice of I; the
+intermediate size: rows [r*I/w, (r+1)*I/w) of both the gate and the up half of W13 (of W13
+itself for the non-gated relu2, whose W13 has I rows and no halves), and the same columns (K)
+of W2.  Each rank's FC2 output is a partial sum over its slice of I; the
 all-reduce adds them.  I / w must be a multiple of 16 (one NVFP4 scale group): gpt-oss's 2880
 splits 2 and 4 ways (1440, 720) but not 8 (360); that is refused with a clear error.
 
@@ -25,6 +26,7 @@ import torch
 from .bundle import Bundle
 from .errors import BadInputError
 from .moe import MoeLayer
+from .types import Activation
 from .weights import PackedNvfp4, W13Order
 
 SCALE_GROUP_K = 16  # NVFP4: one e4m3 block scale per 16 weights along K
@@ -64,26 +66,61 @@ def tp_slice(intermediate_size: int, rank: int, world: int) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
-def tp_shard_w13(w13: ModelOptTensors, rank: int, world: int, *, order: W13Order | str = W13Order.GATE_UP,
-                 ) -> ModelOptTensors:
-    """This rank's gate and up rows of W13 (E, 2I, H/2), returned in gate|up order.
+def tp_shard_w13(w13: ModelOptTensors, rank: int, world: int, *, activation: Activation | str,
+                 order: W13Order | str | None = None) -> ModelOptTensors:
+    """This rank's rows of W13: (E, 2I, H/2) [gate | up] for a gated activation, (E, I, H/2) for relu2.
 
-    `order` is the checkpoint's row order (as prepare_w13 takes it); pass the result to
-    prepare_w13 with the default order.
+    `activation` is required because the row count alone cannot tell the layouts apart: a
+    non-gated (relu2) W13 has I rows with no halves, and cutting it as gate|up would hand every
+    rank rows of two unrelated slices.  Gated: `order` is the checkpoint's row order (as
+    prepare_w13 takes it, gate_up when None) and the shard comes back in gate|up order, so pass
+    it to prepare_w13 with the default order.  relu2: rank r takes rows tp_slice(I) as stored;
+    an `order` is refused (there are no halves to order).
     """
     weight, scale, scale_2 = ModelOptTensors(*w13)
-    if weight.dim() != 3 or weight.shape[1] % 2:
-        raise BadInputError(f"w13 weight must be (E, 2I, H/2), got {tuple(weight.shape)}")
-    inter = weight.shape[1] // 2
-    rows = torch.arange(2 * inter, device=weight.device).view(2, inter)  # [gate rows, up rows] as stored
-    order = W13Order(order)
-    if order is W13Order.UP_GATE:
-        rows = rows.flip(0)
-    elif order is W13Order.INTERLEAVED:
-        rows = torch.arange(2 * inter, device=weight.device).view(inter, 2).T
-    s = tp_slice(inter, rank, world)
-    take = rows[:, s].reshape(-1)  # local gate rows, then local up rows
+    act = _activation(activation)
+    if weight.dim() != 3 or scale.dim() != 3 or scale.shape[:2] != weight.shape[:2]:
+        raise BadInputError(f"w13 must be weight (E, rows, H/2) and weight_scale (E, rows, H/16) with the same "
+                            f"E and rows, got {tuple(weight.shape)} and {tuple(scale.shape)}")
+    if act.is_gated:
+        take = _gated_rows(weight.shape[1], rank, world, W13Order.GATE_UP if order is None else order, act)
+    elif order is not None:
+        raise BadInputError(f"{act.value} is not gated: its W13 has no gate/up halves, so order={order!r} has no "
+                            f"meaning; leave order out")
+    else:
+        s = tp_slice(weight.shape[1], rank, world)
+        take = torch.arange(s.start, s.stop)
+    take = take.to(weight.device)
     return ModelOptTensors(weight.index_select(1, take), scale.index_select(1, take), scale_2)
+
+
+def _activation(activation: Activation | str) -> Activation:
+    try:
+        return Activation(activation)
+    except ValueError:
+        raise BadInputError(f"activation must be one of {[a.value for a in Activation]} (the layer's; it decides "
+                            f"whether W13 has gate/up halves), got {activation!r}") from None
+
+
+def _gated_rows(rows: int, rank: int, world: int, order: W13Order | str, act: Activation) -> torch.Tensor:
+    """Indices of a rank's gate rows then its up rows in a gated W13 of `rows` = 2I rows stored in `order`."""
+    try:
+        order = W13Order(order)
+    except ValueError:
+        raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
+    if rows % 2:
+        raise BadInputError(f"{act.value} is gated, so W13 needs 2I rows (gate and up halves), got an odd count "
+                            f"{rows}; for a non-gated layer pass activation='relu2'")
+    inter = rows // 2
+    stored = torch.arange(rows)
+    if order is W13Order.INTERLEAVED:  # gate rows at even indices, up rows at odd ones
+        gate, up = stored[0::2], stored[1::2]
+    else:
+        gate, up = stored[:inter], stored[inter:]
+        if order is W13Order.UP_GATE:
+            gate, up = up, gate
+    s = tp_slice(inter, rank, world)
+    return torch.cat((gate[s], up[s]))
 
 
 def tp_shard_w2(w2: ModelOptTensors, rank: int, world: int) -> ModelOptTensors:

@@ -21,12 +21,11 @@ import torch
 from cuteaot.runtime import load_bundle
 from cuteaot.runtime.kernels.probe import ATOMIC_SLOTS, NF3_CODEBOOK, Probe, probe_words, run_probe
 from cuteaot.runtime.types import DType
-from cuteaot.runtime.weights import e2m1_code_bits
+from tests.reference.e2m1 import E2M1_VALUES, device_code_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
 POISON = 0x7FADBEEF
-FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # e2m1 magnitudes, code & 7
 SHOWN = 5  # mismatches printed per failing probe
 
 
@@ -111,7 +110,7 @@ def _read(words: torch.Tensor, bits: tuple[int, int, int, int]) -> torch.Tensor:
 
 def _e2m1_words(g: torch.Generator, dtype: DType) -> torch.Tensor:
     """Every (low, high) code pair of every register, every code in every slot, random words."""
-    slots = e2m1_code_bits(dtype)
+    slots = device_code_bits(dtype.value)
     mask = lambda bits: sum(1 << p for p in bits)  # noqa: E731
     pair = torch.arange(256, dtype=torch.int64)
     parts = []
@@ -127,9 +126,9 @@ def _e2m1_words(g: torch.Generator, dtype: DType) -> torch.Tensor:
 
 
 def _e2m1_expected(words: torch.Tensor, exp: int, dtype: DType, elem: torch.dtype) -> torch.Tensor:
-    """R0..R3 = (code j, code j + 4) holding fp4(code) * 2**exp, codes read at e2m1_code_bits."""
-    table = torch.tensor(FP4_VALUES + [-v for v in FP4_VALUES], dtype=torch.float64) * 2.0**exp
-    slots = e2m1_code_bits(dtype)
+    """R0..R3 = (code j, code j + 4) holding e2m1(code) * 2**exp, codes read where the decode reads them."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64) * 2.0**exp
+    slots = device_code_bits(dtype.value)
 
     def half(i):
         return _bits16(table[_read(words, slots[i])].to(torch.float32).to(elem))
