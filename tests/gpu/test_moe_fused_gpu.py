@@ -200,6 +200,7 @@ def test_two_streams_concurrently(bundle):
     data = [model.inputs(m) for m in (64, 1000)]
     want = [layer(*d).clone() for d in data]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    layer.reserve(streams)  # concurrent streams need workspaces of their own
     outs = [torch.empty_like(w) for w in want]
     torch.cuda.synchronize()
     for _ in range(20):
@@ -229,8 +230,15 @@ def test_functional_api_and_bad_ids(bundle, check):
     check(out, ref, "run_w4a16_moe", "functional")
     bad = ids.clone()
     bad[3, 1] = 16
+    # the functional form drops an out-of-range route on the device (= a zero router weight) ...
+    out = run_w4a16_moe(bundle, x, model.w13, model.w2, w, bad, activation="silu")
+    dropped = w.clone()
+    dropped[3, 1] = 0
+    ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, dropped, ids, "silu")
+    check(out, ref, "run_w4a16_moe, one route dropped", "functional")
+    # ... and a layer that validates on the host refuses it before any launch
     with pytest.raises(BadInputError, match="topk_ids must be in"):
-        run_w4a16_moe(bundle, x, model.w13, model.w2, w, bad, activation="silu")
+        model.layer(bundle, validate_ids=True)(x, w, bad)
 
 
 def test_torch_compile(bundle, check):
