@@ -66,7 +66,7 @@ def humming_available() -> str | None:
     return None
 
 
-def bench(bundle, model: str, m: int, layer: MoeLayer, peer, hbm: float, tc: float) -> dict:
+def bench(bundle, model: str, m: int, layer: MoeLayer, det: MoeLayer, peer, hbm: float, tc: float) -> dict:
     hidden, inter, experts, top_k, activation = MODELS[model]
     g = torch.Generator().manual_seed(m)
     ids = torch.rand(m, experts, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
@@ -74,6 +74,8 @@ def bench(bundle, model: str, m: int, layer: MoeLayer, peer, hbm: float, tc: flo
     x = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda()
     out = torch.empty(m, hidden, device="cuda", dtype=torch.bfloat16)
     ours = device_us(lambda: layer(x, weights, ids, out=out))
+    # deterministic=True differs only where the default takes the decode path (bf16 atomics)
+    det_us = device_us(lambda: det(x, weights, ids, out=out)) if layer.resolve(m).plan.decode else ours
     out_peer = torch.empty_like(out)
     try:
         theirs = device_us(lambda: peer(x, weights, ids, out_peer))
@@ -92,7 +94,7 @@ def bench(bundle, model: str, m: int, layer: MoeLayer, peer, hbm: float, tc: flo
         "plan": f"{'decode' if r.decode else 'packed'} b{r.moe_block_size} fc1 {r.fc1_tile.tile_n}x{r.fc1_tile.tile_k} "
                 f"fc2 {r.fc2_tile.tile_n}x{r.fc2_tile.tile_k} grid {r.grid_x}",
         "us": ours, "roofline_us": roof, "pct_roofline": 100 * roof / ours,
-        "GB/s": weight_bytes / ours / 1e3, "torch_bf16_us": theirs,
+        "GB/s": weight_bytes / ours / 1e3, "torch_bf16_us": theirs, "deterministic_us": det_us,
     }
 
 
@@ -111,14 +113,16 @@ def main() -> None:
         w13 = random_packed(experts, 2 * inter, hidden)
         w2 = random_packed(experts, hidden, inter)
         layer = MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation, max_tokens=max(MS))
+        det = MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation, max_tokens=max(MS), deterministic=True)
         peer = torch_bf16_layer(hidden, inter, experts, top_k, activation)
         for m in MS:
-            r = bench(bundle, model, m, layer, peer, hbm, tc)
+            r = bench(bundle, model, m, layer, det, peer, hbm, tc)
             rows.append(r)
             print(f"{model:14s} M={m:5d} {r['plan']:44s} {r['us']:8.1f} us (roofline {r['roofline_us']:7.1f} us, "
-                  f"{r['pct_roofline']:5.1f}%) {r['GB/s']:6.0f} GB/s | torch bf16 {r['torch_bf16_us']:8.1f} us",
+                  f"{r['pct_roofline']:5.1f}%) {r['GB/s']:6.0f} GB/s | deterministic {r['deterministic_us']:8.1f} us "
+                  f"| torch bf16 {r['torch_bf16_us']:8.1f} us",
                   flush=True)
-        del layer, peer, w13, w2
+        del layer, det, peer, w13, w2
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
