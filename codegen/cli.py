@@ -1,15 +1,24 @@
 """`cuteaot` command line: build, list, merge, inspect, verify.
 
-`inspect` and `verify` use only the runtime (no CuTeDSL, no GPU).
+`inspect` and `verify` use only the runtime's dependencies (no CuTeDSL, no PyYAML, no GPU),
+so they run on a serving machine; this module imports nothing else at module level.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
+from importlib import metadata
 from pathlib import Path
 
 from cuteaot.runtime.errors import CuteAotError
+from cuteaot.runtime.manifest import SCHEMA_VERSION
+
+from . import CODEGEN_EXTRA_MODULES
+
+LINE_WIDTH = 160  # `inspect` keeps its lines within this; `-v` prints the long facts wrapped
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -24,18 +33,54 @@ def _facts(facts: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in facts.items() if v is not None)
 
 
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _jobs(text: str) -> int:
+    """argparse type of --jobs: a worker count of at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of worker processes (1 or more), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of worker processes (1 or more), got {value}; leave --jobs out to use every CPU"
+        )
+    return value
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """argparse type of --shard: `i/N` with 0 <= i < N."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected i/N (shard i of N, e.g. 0/4), got {text!r}")
+    index, count = int(match[1]), int(match[2])
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"expected i/N with 0 <= i < N (e.g. 0/4 ... 3/4), got {text!r}")
+    return index, count
+
+
+def _arch_order(arch: str) -> tuple[int, str]:
+    """sm_90a < sm_100a < sm_120a: by compute capability, not by text."""
+    match = re.fullmatch(r"sm_(\d+)(a?)", arch)  # read_manifest has checked this pattern
+    return int(match[1]), match[2]
+
+
+def _version() -> str:
+    try:
+        package = metadata.version("cuteaot")
+    except metadata.PackageNotFoundError:
+        package = "(not installed as a package: `pip install -e .`)"
+    return f"cuteaot {package}, manifest schema_version {SCHEMA_VERSION}"
+
+
 def cmd_build(args) -> int:
     from .build import build
 
-    shard = None
-    if args.shard:
-        i, _, n = args.shard.partition("/")
-        if not (i.isdigit() and n.isdigit()):
-            raise SystemExit(f"--shard takes i/N (e.g. 0/4), got {args.shard!r}")
-        shard = (int(i), int(n))
     for spec in args.spec:
         targets = args.targets.split(",") if args.targets else None
-        report = build(spec, args.out, workers=args.jobs, shard=shard, progress=not args.quiet, targets=targets)
+        report = build(spec, args.out, workers=args.jobs, shard=args.shard, progress=not args.quiet, targets=targets)
         print(report.summary())
     return 0
 
@@ -62,6 +107,34 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _kernel_rows(kernels: list[dict], width: int) -> tuple[list[str], list[list], bool]:
+    """The per-arch table and whether any facts were cut so that lines stay within `width`."""
+    headers = ["key", "family", "block", "smem", "regs", "stack", "bytes", "facts"]
+    rows = [
+        [
+            k["key"][:12], k["family"], "x".join(map(str, k["block"])), k["dynamic_smem_bytes"],
+            k["registers"], k.get("stack_bytes", "?"), k["bytes"], _facts(k["facts"]),
+        ]
+        for k in kernels
+    ]
+    others = _table(headers[:-1], [r[:-1] for r in rows]).splitlines()
+    room = max(width - max(map(len, others)) - 2, len("facts"))
+    cut = any(len(r[-1]) > room for r in rows)
+    return headers, [r[:-1] + [_clip(r[-1], room)] for r in rows], cut
+
+
+def _kernel_details(kernel: dict, width: int) -> str:
+    """Everything `-v` adds about one kernel, wrapped to `width`."""
+    indent = " " * 4
+    lines = [f"{kernel['key'][:12]}  {kernel['family']} v{kernel['version']}  {kernel['file']}"]
+    for label, text in (("facts", _facts(kernel["facts"])), ("symbol", kernel["symbol"])):
+        lines += textwrap.wrap(
+            f"{label}: {text}", width, initial_indent=indent, subsequent_indent=indent * 2,
+            break_long_words=True, break_on_hyphens=False,
+        )
+    return "\n".join(lines)
+
+
 def cmd_inspect(args) -> int:
     from cuteaot.runtime.manifest import read_manifest
 
@@ -69,17 +142,17 @@ def cmd_inspect(args) -> int:
     print(f"bundle {m['bundle']}  schema {m['schema_version']}  spec {m['spec']['file']} ({m['spec']['sha256'][:12]})")
     print("toolchain: " + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()))
     print("targets: " + ", ".join(f"{t['name']} ({t['arch']}, {t['sm_count']} SMs)" for t in m["targets"]))
-    for arch in sorted({k["arch"] for k in m["kernels"]}):
+    any_cut = False
+    for arch in sorted({k["arch"] for k in m["kernels"]}, key=_arch_order):
         ks = [k for k in m["kernels"] if k["arch"] == arch]
         print(f"\n{arch}: {len(ks)} kernels, {sum(k['bytes'] for k in ks) / 1024:.0f} KiB")
-        rows = [
-            [
-                k["key"][:12], k["family"], "x".join(map(str, k["block"])), k["dynamic_smem_bytes"],
-                k["registers"], k.get("stack_bytes", "?"), k["bytes"], _facts(k["facts"]), k["symbol"][:48],
-            ]
-            for k in ks
-        ]
-        print(_table(["key", "family", "block", "smem", "regs", "stack", "bytes", "facts", "symbol"], rows))
+        headers, rows, cut = _kernel_rows(ks, LINE_WIDTH)
+        print(_table(headers, rows))
+        any_cut |= cut
+        if args.verbose:
+            print("\n" + "\n".join(_kernel_details(k, LINE_WIDTH) for k in ks))
+    if any_cut and not args.verbose:
+        print("\n(facts cut to fit; `cuteaot inspect -v` prints every kernel's facts, file and symbol)")
     return 0
 
 
@@ -92,14 +165,15 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cuteaot", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="compile spec(s) into generated/<bundle>")
     p.add_argument("spec", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path("generated"), help="output root (default: generated)")
-    p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)")
-    p.add_argument("--shard", help="build only shard i of N (i/N); join with `cuteaot merge`")
+    p.add_argument("--jobs", "-j", type=_jobs, default=None, help="worker processes, 1 or more (default: CPU count)")
+    p.add_argument("--shard", type=_shard, help="build only shard i of N (i/N, 0 <= i < N); join with `cuteaot merge`")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--targets", help="build only these of the spec's device profiles (comma-separated names)")
     p.set_defaults(run=cmd_build)
@@ -112,15 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=cmd_merge)
     p = sub.add_parser("inspect", help="table of a bundle's kernels per arch")
     p.add_argument("bundle", type=Path)
+    p.add_argument("--verbose", "-v", action="store_true", help="also every kernel's full facts, file and symbol")
     p.set_defaults(run=cmd_inspect)
     p = sub.add_parser("verify", help="check a bundle's schema and checksums (no GPU needed)")
     p.add_argument("bundle", type=Path)
     p.set_defaults(run=cmd_verify)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return args.run(args)
     except CuteAotError as exc:
         print(f"cuteaot {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:  # build/list/merge on a machine without the codegen extra
+        if exc.name is None or exc.name.split(".")[0] not in CODEGEN_EXTRA_MODULES:
+            raise
+        print(
+            f"cuteaot {args.command}: needs the codegen extra (module {exc.name!r} is not installed): "
+            "pip install 'cuteaot[codegen]'; `verify` and `inspect` work without it",
+            file=sys.stderr,
+        )
         return 1
 
 

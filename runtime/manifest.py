@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from .keys import KernelKey
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+# The `arch` and `sha256` patterns of manifest.schema.json.  A record's `file` must be exactly
+# `<arch>/<key>.cubin`: with `arch` checked against this pattern, that leaves no room for `..`,
+# an absolute path or a file of another record (see `cubin_path`).
+_ARCH = re.compile(r"sm_[0-9]+a?")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 _KERNEL_FIELDS = {
     "key": str,
@@ -77,11 +83,26 @@ def _require(obj: dict, fields: dict, where: str) -> None:
             )
 
 
+def _no_manifest(bundle_dir: Path) -> str:
+    """What is wrong with a folder that is not a bundle, and how to make one."""
+    how = "build one with `cuteaot build SPEC --out DIR` (it is written to DIR/<bundle name from the spec>)"
+    if not bundle_dir.is_dir():
+        return f"{bundle_dir} does not exist (expected a bundle folder holding {MANIFEST_NAME}); {how}"
+    # `cuteaot verify generated` instead of `generated/<bundle>`: name the bundles inside
+    inside = sorted(str(d) for d in bundle_dir.iterdir() if (d / MANIFEST_NAME).is_file())
+    if inside:
+        return (
+            f"{bundle_dir} has no {MANIFEST_NAME}: it is a build output folder holding the bundle(s) "
+            f"{', '.join(inside[:5])}; pass one of those"
+        )
+    return f"{bundle_dir} has no {MANIFEST_NAME}, so it is not a cuteaot bundle; {how}"
+
+
 def read_manifest(bundle_dir: str | Path) -> dict:
     """Parse and structurally check `<bundle_dir>/manifest.json`."""
     path = Path(bundle_dir) / MANIFEST_NAME
     if not path.is_file():
-        raise SchemaMismatchError(f"{path} does not exist: {bundle_dir} is not a cuteaot bundle (run `make kernels`)")
+        raise SchemaMismatchError(_no_manifest(Path(bundle_dir)))
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -96,10 +117,26 @@ def read_manifest(bundle_dir: str | Path) -> dict:
         )
     _require(manifest, _TOP_FIELDS, str(path))
     for i, kernel in enumerate(manifest["kernels"]):
-        _require(kernel, _KERNEL_FIELDS, f"{path}: kernels[{i}]")
+        where = f"{path}: kernels[{i}]"
+        _require(kernel, _KERNEL_FIELDS, where)
         if KernelKey(kernel["family"], kernel["version"], kernel["facts"]).digest != kernel["key"]:
-            raise SchemaMismatchError(f"{path}: kernels[{i}]: key does not match its family/version/facts")
+            raise SchemaMismatchError(f"{where}: key does not match its family/version/facts")
+        _check_file_name(kernel["arch"], kernel["key"], kernel["file"], kernel["sha256"], where)
     return manifest
+
+
+def _check_file_name(arch: str, key: str, file: str, sha256: str, where: str) -> None:
+    """Refuse a record whose file is not `<arch>/<key>.cubin` (checked before anything is opened)."""
+    if not _ARCH.fullmatch(arch):
+        raise SchemaMismatchError(f"{where}: arch must look like 'sm_90a', got {arch!r}")
+    if not _SHA256.fullmatch(sha256):
+        raise SchemaMismatchError(f"{where}: sha256 must be 64 lowercase hex digits, got {sha256!r}")
+    expected = f"{arch}/{key}.cubin"
+    if file != expected:
+        raise SchemaMismatchError(
+            f"{where}: file must be {expected!r} (<arch>/<key>.cubin inside the bundle), got {file!r}; "
+            "the manifest was edited or is not from cuteaot: rebuild the bundle"
+        )
 
 
 def kernel_records(manifest: dict) -> list[KernelRecord]:
@@ -121,13 +158,34 @@ def kernel_records(manifest: dict) -> list[KernelRecord]:
     ]
 
 
-def read_cubin(bundle_dir: str | Path, record: KernelRecord) -> bytes:
-    """The cubin's bytes, after checking size and sha256 against the manifest."""
+def cubin_path(bundle_dir: str | Path, record: KernelRecord) -> Path:
+    """Where the record's cubin lies: `<bundle_dir>/<arch>/<key>.cubin`, never outside the bundle.
+
+    `read_manifest` already refused other file names; this checks again (a KernelRecord can be
+    built by hand) and resolves symlinks, so a cubin or arch folder linked to a file outside the
+    bundle is refused before it is opened.
+    """
+    where = f"{bundle_dir}: kernel {record.digest[:12]} ({record.arch})"
+    _check_file_name(record.arch, record.digest, record.file, record.sha256, where)
     path = Path(bundle_dir) / record.file
+    root, resolved = Path(bundle_dir).resolve(), path.resolve()
+    if not resolved.is_relative_to(root):
+        raise IntegrityError(
+            f"{path}: resolves to {resolved}, outside the bundle {root}; a bundle's cubins must lie inside it "
+            "(copy the bundle with `cp -rL` instead of linking its files)"
+        )
+    return path
+
+
+def read_cubin(bundle_dir: str | Path, record: KernelRecord) -> bytes:
+    """The cubin's bytes, after checking its place, size and sha256 against the manifest."""
+    path = cubin_path(bundle_dir, record)
     try:
         data = path.read_bytes()
     except FileNotFoundError as exc:
         raise IntegrityError(f"{path}: cubin listed in the manifest is missing") from exc
+    except OSError as exc:  # a directory or unreadable file where the cubin should be
+        raise IntegrityError(f"{path}: cubin listed in the manifest cannot be read: {exc}") from exc
     digest = hashlib.sha256(data).hexdigest()
     if len(data) != record.bytes or digest != record.sha256:
         raise IntegrityError(

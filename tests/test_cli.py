@@ -1,0 +1,134 @@
+"""The `cuteaot` command line without CuTeDSL or a GPU (issue 17, items 6 and 10)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cuteaot.codegen.cli import LINE_WIDTH, _parser
+from cuteaot.codegen.cli import main as cli
+from cuteaot.runtime.manifest import SCHEMA_VERSION
+from tests.handmade_bundle import SYMBOL, long_facts, read, write_bundle
+
+# A serving machine: torch + cuda-bindings + cuteaot, but neither PyYAML nor CuTeDSL.  The
+# blocker refuses those imports, then runs the CLI as `python -m cuteaot.codegen.cli` would.
+SERVING_MACHINE = """
+import runpy, sys
+EXTRA = ("yaml", "cutlass")
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in EXTRA:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: serving machine)", name=name)
+        return None
+for loaded in [m for m in sys.modules if m.partition(".")[0] in EXTRA]:
+    del sys.modules[loaded]
+sys.meta_path.insert(0, Blocker())
+runpy.run_module("cuteaot.codegen.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def _serving(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SERVING_MACHINE, *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    return write_bundle(tmp_path / "out" / "handmade")
+
+
+def test_verify_and_inspect_run_without_yaml_and_cutlass(bundle):
+    proc = _serving("verify", str(bundle))
+    assert proc.returncode == 0, proc.stderr
+    assert "OK — schema 1, 6 cubins match their sha256, 1 resolution rows resolve" in proc.stdout
+    proc = _serving("inspect", str(bundle))
+    assert proc.returncode == 0, proc.stderr
+    assert "sm_90a: 2 kernels" in proc.stdout
+
+
+def test_build_without_the_codegen_extra_says_what_to_install(tmp_path):
+    proc = _serving("build", "specs/tiny.yaml", "--out", str(tmp_path))
+    assert proc.returncode == 1
+    assert "cuteaot build: needs the codegen extra (module 'yaml' is not installed)" in proc.stderr
+    assert "pip install 'cuteaot[codegen]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_jobs_must_be_a_positive_count(jobs, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["build", "specs/tiny.yaml", f"--jobs={jobs}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: cuteaot build" in err
+    assert f"cuteaot build: error: argument --jobs/-j: expected a number of worker processes (1 or more), got" in err
+
+
+@pytest.mark.parametrize("shard", ["abc", "4/4", "1/0", "-1/4", "1/"])
+def test_shard_errors_name_the_command_and_the_option(shard, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["build", "specs/tiny.yaml", f"--shard={shard}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: cuteaot build" in err and "cuteaot build: error: argument --shard: expected i/N" in err
+    assert repr(shard) in err
+
+
+def test_valid_jobs_and_shard_parse():
+    args = _parser().parse_args(["build", "specs/tiny.yaml", "-j", "3", "--shard", "1/4"])
+    assert args.jobs == 3 and args.shard == (1, 4)
+    assert _parser().parse_args(["build", "specs/tiny.yaml"]).jobs is None
+
+
+def test_version_prints_package_and_schema_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert re.fullmatch(rf"cuteaot \S.*, manifest schema_version {SCHEMA_VERSION}", out), out
+
+
+def test_verify_of_a_folder_without_manifest_says_how_to_build(tmp_path, capsys):
+    empty = tmp_path / "not-a-bundle"
+    empty.mkdir()
+    assert cli(["verify", str(empty)]) == 1
+    err = capsys.readouterr().err
+    assert f"{empty} has no manifest.json" in err
+    assert "cuteaot build SPEC --out DIR" in err and "make kernels" not in err
+
+
+def test_verify_of_the_output_root_names_the_bundles_in_it(bundle, capsys):
+    assert cli(["verify", str(bundle.parent)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bundle.parent} has no manifest.json" in err and str(bundle) in err
+
+
+def test_inspect_orders_arches_by_compute_capability(bundle, capsys):
+    assert cli(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    headings = re.findall(r"^(sm_\w+): \d+ kernels", out, flags=re.M)
+    assert headings == ["sm_90a", "sm_100a", "sm_120a"]
+
+
+def test_inspect_lines_fit_and_rows_are_told_apart_by_key(bundle, capsys):
+    assert cli(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= LINE_WIDTH
+    for k in read(bundle)["kernels"]:  # every kernel's key prefix and family lead its row
+        assert re.search(rf"^{k['key'][:12]}  {k['family']} ", out, flags=re.M)
+    assert SYMBOL[:30] not in out  # the symbol is the same for all; it is not a column
+    assert "cuteaot inspect -v" in out  # the facts were cut: say where the full ones are
+
+
+def test_inspect_verbose_prints_full_facts_and_symbol_wrapped(bundle, capsys):
+    assert cli(["inspect", "-v", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= LINE_WIDTH
+    wrapped = out.replace("\n" + " " * 8, "\0")  # continuation lines are indented by 8
+    facts = " ".join(f"{k}={v}" for k, v in sorted(long_facts(1).items()))
+    assert f"    facts: {facts}\n" in wrapped.replace("\0", " ")  # facts wrap between words
+    assert f"    symbol: {SYMBOL}\n" in wrapped.replace("\0", "")  # a symbol is one long word
+    for k in read(bundle)["kernels"]:
+        assert k["file"] in out
