@@ -174,7 +174,7 @@ class Bundle:
         return UnknownSpecializationError(
             f"bundle {self.name!r} ({self.path}) has no kernel {key.describe()} for {self.arch}.\n"
             f"Nearest built specializations:\n{nearest}\n"
-            "Add the problem to the bundle's spec and rebuild (`make kernels`)."
+            "Add the problem (or option) to the bundle's spec and rebuild it (`cuteaot build SPEC --out DIR`)."
         )
 
     def __len__(self) -> int:
