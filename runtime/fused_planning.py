@@ -33,6 +33,9 @@ from .planning import (
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _RESIDENT_SHARED_MEMORY_PER_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
+    WGMMA_BLOCK_SIZES,
+    WGMMA_REGISTERS_SM90,
+    WGMMA_TALL_BLOCK,
     blocks_per_sm,
     cta_m_blocks,
     estimated_registers,
@@ -43,6 +46,9 @@ from .planning import (
     shared_memory_footprint,
     splitk_scratch_floats,
     tile_misfit,
+    wgmma_blocks_per_sm,
+    wgmma_tile,
+    wgmma_tiles,
 )
 from .weights import stored_dims
 
@@ -71,6 +77,7 @@ class FusedPlan:
     max_grid_x: int  # sm_count * blocks_per_sm: co-residency bound, sizes locks and scratch
     max_route_slots: int
     max_route_blocks: int
+    mainloop: str = "mma_sync"  # "wgmma": both GEMMs run the sm_90a warpgroup-MMA loop
 
     @property
     def whole_tiles_m8(self) -> bool:
@@ -132,6 +139,15 @@ def plan_fused(
     if decode:
         t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile)
 
+    wg = None if decode else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile)
+    if wg is not None:
+        block, t1, t2, bps = wg
+        cap = profile.sm_count * bps
+        slots = max_packed_route_slots(routes, block, num_experts)
+        return FusedPlan(m=m, decode=False, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
+                         grid_x=cap, max_grid_x=cap, max_route_slots=slots, max_route_blocks=slots // block,
+                         mainloop="wgmma")
+
     def per_sm(n: int, tile: TileConfig) -> int:
         return blocks_per_sm(m, n, top_k, block, tile, _SCALE, profile, estimated_registers(tile, block))
 
@@ -156,6 +172,25 @@ def plan_fused(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
         grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks,
     )
+
+
+def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile):
+    """(block, FC1 tile, FC2 tile, CTAs/SM) when both GEMMs can run the wgmma loop, else None.
+
+    The same rule as the standalone GEMM (runtime/planning.py `plan_gemm`): 64-row blocks take the
+    warpgroup-MMA loop on sm_90a, and 128-row blocks once the average expert fills them.  One
+    kernel runs both phases, so the grid is what both phases' register and shared-memory use let
+    co-reside.
+    """
+    tall = all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, _SCALE, profile)[0] is not None for n, k in (fc1_dims, fc2_dims))
+    if block == ALLOWED_MOE_BLOCK_SIZES[-1] and tall and m * top_k >= WGMMA_TALL_BLOCK * num_experts:
+        block = WGMMA_TALL_BLOCK
+    tiles = [wgmma_tile(n, k, block, _SCALE, profile)[0] for n, k in (fc1_dims, fc2_dims)]
+    if None in tiles:
+        return None
+    per_sm = min(wgmma_blocks_per_sm(m, n, top_k, block, t, profile, WGMMA_REGISTERS_SM90[(block, t.tile_n)])
+                 for (n, _), t in zip((fc1_dims, fc2_dims), tiles))
+    return block, tiles[0], tiles[1], per_sm
 
 
 def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile) -> tuple[TileConfig, TileConfig]:
@@ -190,14 +225,18 @@ def workspace_bounds(max_tokens: int, top_k: int, num_experts: int, profile: Dev
 
     def grid(block: int) -> int:  # blocks_per_sm's caps: 4 CTAs/SM for one-MMA-row tiles, 2 for taller
         per_sm = _MAX_BLOCKS_PER_SM_ONE_M_BLOCK if cta_m_blocks(block) == 1 else _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK
+        if block in WGMMA_BLOCK_SIZES:  # ... and what the wgmma loop's registers and shared memory allow
+            per_sm = max([per_sm] + [wgmma_blocks_per_sm(max_tokens, 1 << 20, top_k, block, t, profile,
+                                                         WGMMA_REGISTERS_SM90[(block, t.tile_n)])
+                                     for t in wgmma_tiles(block)])
         return profile.sm_count * per_sm
 
-    c_tmp = max(splitk_scratch_floats(grid(b), b, n) for b in ALLOWED_MOE_BLOCK_SIZES for n in tiles)
-    slots = max([routes * 8] + [max_packed_route_slots(routes, b, num_experts) for b in ALLOWED_MOE_BLOCK_SIZES])
+    blocks = ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK,)
+    c_tmp = max(splitk_scratch_floats(grid(b), b, n) for b in blocks for n in tiles)
+    slots = max([routes * 8] + [max_packed_route_slots(routes, b, num_experts) for b in blocks])
     return {
         "c_tmp_floats": c_tmp,
-        "lock_words": BARRIER_WORDS + max(grid(b) for b in ALLOWED_MOE_BLOCK_SIZES),
+        "lock_words": BARRIER_WORDS + max(grid(b) for b in blocks),
         "route_slots": slots,
-        "route_blocks": max(routes, max(max_packed_route_slots(routes, b, num_experts) // b
-                                        for b in ALLOWED_MOE_BLOCK_SIZES)),
+        "route_blocks": max(routes, max(max_packed_route_slots(routes, b, num_experts) // b for b in blocks)),
     }

@@ -1,7 +1,8 @@
 """CuTeDSL fused W4A16 MoE kernel: FC1 -> activation -> FC2 in one persistent launch.
 
 Port of the seed's `W4A16FusedMoeKernel`.  The two GEMM phases are the
-grouped GEMM of w4a16_gemm.py (one W4A16GemmKernel per phase, sharing the
+grouped GEMM of w4a16_gemm.py (one GEMM kernel object per phase: the mma.sync
+loop, or on sm_90a at large M the warpgroup-MMA loop of w4a16_wgmma.py; sharing the
 dynamic shared-memory arena and the split-K scratch); between phases every CTA
 meets at a grid barrier, so each phase sees all of the previous one's writes.
 Phases, shapes and buffers: runtime/kernels/fused_spec.py.
@@ -26,14 +27,14 @@ from cuteaot.runtime.types import DType
 
 from .. import intrinsics as I
 from .activation import ActivationKernel
-from .w4a16_gemm import W4A16GemmKernel, _Operands
+from .w4a16_gemm import _Operands, gemm_kernel
 
 
 class W4A16FusedMoeKernel:
     def __init__(self, spec: FusedSpec):
         self.s = spec
-        self.fc1 = W4A16GemmKernel(spec.fc1_gemm)
-        self.fc2 = W4A16GemmKernel(spec.fc2_gemm)
+        self.fc1 = gemm_kernel(spec.fc1_gemm)  # the wgmma loop when the plan chose it for both phases
+        self.fc2 = gemm_kernel(spec.fc2_gemm)
         self.act = ActivationKernel(spec.activation_spec)
         self.threads = spec.threads
         self.elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16

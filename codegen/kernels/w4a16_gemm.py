@@ -299,15 +299,19 @@ def build(spec: GemmSpec):
     def ptr(dtype):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
 
-    kernel_cls = W4A16GemmKernel
-    if spec.mainloop is Mainloop.WGMMA:
-        from .w4a16_wgmma import W4A16WgmmaGemmKernel  # it subclasses this module's kernel
-
-        kernel_cls = W4A16WgmmaGemmKernel
     elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
     args = (
         ptr(elem), ptr(cutlass.Int32), ptr(elem), ptr(cutlass.Uint8), ptr(cutlass.Float32), ptr(cutlass.Int32),
         ptr(cutlass.Int32), ptr(cutlass.Int32), ptr(cutlass.Float32), ptr(cutlass.Float32), ptr(cutlass.Int32),
         Int32(1), make_fake_stream(),
     )
-    return kernel_cls(spec), args
+    return gemm_kernel(spec), args
+
+
+def gemm_kernel(spec: GemmSpec) -> W4A16GemmKernel:
+    """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a)."""
+    if spec.mainloop is Mainloop.WGMMA:
+        from .w4a16_wgmma import W4A16WgmmaGemmKernel  # it subclasses this module's kernel
+
+        return W4A16WgmmaGemmKernel(spec)
+    return W4A16GemmKernel(spec)

@@ -31,7 +31,7 @@ from ..keys import KernelKey
 from ..planning import TileConfig
 from ..types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT, Activation, DType
 from .activation import ActivationSpec
-from .gemm_spec import Epilogue, GemmSpec, Routes
+from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class FusedSpec:
     swiglu_limit: Optional[float] = None
     whole_tiles_m8: bool = True
     amax_experts: int = 0  # collect_amax: experts in the weights (rows of the amax table); else 0
+    mainloop: Mainloop = Mainloop.MMA_SYNC  # both GEMM phases (wgmma: sm_90a, 64/128-row blocks)
 
     @classmethod
     def for_plan(cls, plan: FusedPlan, dtype: DType, hidden_size: int, intermediate_size: int, num_experts: int,
@@ -109,17 +110,19 @@ class FusedSpec:
             swiglu_alpha=None if swiglu_alpha is None else float(swiglu_alpha),
             swiglu_beta=None if swiglu_beta is None else float(swiglu_beta),
             swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
-            whole_tiles_m8=plan.whole_tiles_m8,
+            whole_tiles_m8=plan.whole_tiles_m8, mainloop=Mainloop(plan.mainloop),
         )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
         object.__setattr__(self, "activation", Activation(self.activation))
+        object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         if self.decode and (self.expert_map or self.collect_amax or self.moe_block_size != 8):
             raise BadInputError("decode (direct routes, fused top-k sum) needs 8-row blocks, no expert_map, no amax")
         if (self.amax_experts > 0) != self.collect_amax:
             raise BadInputError("amax_experts is the amax table's expert count: set exactly when collect_amax")
-        if self.fc1_tile_n * self.fc1_tile_k != self.fc2_tile_n * self.fc2_tile_k:
+        if (self.mainloop is Mainloop.MMA_SYNC
+                and self.fc1_tile_n * self.fc1_tile_k != self.fc2_tile_n * self.fc2_tile_k):
             raise BadInputError("FC1 and FC2 tiles must use the same CTA size (tile_n * tile_k / 64 threads)")
         for name in ("swiglu_alpha", "swiglu_beta", "swiglu_limit"):
             v = getattr(self, name)
@@ -144,7 +147,8 @@ class FusedSpec:
             dtype=self.dtype, n=n, k=k, n_out=None if logical_n == n else logical_n,
             k_in=None if logical_k == k else logical_k, tile_n=tile_n, tile_k=tile_k,
             moe_block_size=self.moe_block_size, blocks_per_sm=self.blocks_per_sm,
-            routes=Routes.DIRECT if self.decode else Routes.PACKED, whole_tiles_m8=self.whole_tiles_m8, **facts,
+            routes=Routes.DIRECT if self.decode else Routes.PACKED, whole_tiles_m8=self.whole_tiles_m8,
+            mainloop=self.mainloop, **facts,
         )
 
     @property
@@ -210,6 +214,7 @@ class FusedSpec:
             "swiglu_beta": self.swiglu_beta,
             "swiglu_limit": self.swiglu_limit,
             "whole_tiles_m8": self.whole_tiles_m8,
+            "mainloop": self.mainloop.value,
         }
         return KernelKey(self.FAMILY, self.VERSION, facts)
 
