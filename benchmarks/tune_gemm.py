@@ -107,7 +107,7 @@ def _time_variant(bundle, spec, grid: int, operands: dict, tokens: int, **timing
                              o["packed"].qweight.data_ptr(), out.data_ptr(), o["packed"].scales.data_ptr(),
                              o["packed"].global_scale.data_ptr(), o["r_idx"].data_ptr(), o["b_exp"].data_ptr(),
                              o["r_cnt"].data_ptr(), o["topk_w"].data_ptr(), o["ws"].c_tmp.data_ptr(),
-                             o["ws"].locks.data_ptr(), tokens)
+                             o["ws"].locks.data_ptr(), tokens, o["packed"].num_experts)
 
     call()
     torch.cuda.synchronize()

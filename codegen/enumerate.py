@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import route_pack_specs
+from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.kernels.probe import probe_specs
 
 from .spec import BundleSpec
@@ -29,10 +30,15 @@ def problem_kernels(spec: BundleSpec):
     for problem in spec.moe:
         for dtype in problem.dtypes:
             for fast_math in problem.fast_math:
-                yield problem, dtype, fast_math, {
+                roles = {
                     "activation": problem.activation_spec(dtype, fast_math).key(),
                     "topk_sum": problem.topk_sum_spec(dtype).key(),
                 }
+                if problem.gemm or problem.fused:
+                    # MoeLayer (and GEMM users) sum with the ids, skipping routes dropped for their id
+                    roles.update({f"topk_sum+masked_{ids.value}": problem.topk_sum_spec(dtype, ids).key()
+                                  for ids in IdsDType})
+                yield problem, dtype, fast_math, roles
 
 
 def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:

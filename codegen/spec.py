@@ -44,6 +44,7 @@ from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
 from cuteaot.runtime.fused_planning import DECODE_MAX_M, plan_fused
 from cuteaot.runtime.kernels.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
+from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.types import Activation, DType
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -113,8 +114,9 @@ class MoeProblem:
             swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta, swiglu_limit=self.swiglu_limit,
         )
 
-    def topk_sum_spec(self, dtype: DType) -> TopKSumSpec:
-        return TopKSumSpec(dtype, self.top_k, self.hidden_size)
+    def topk_sum_spec(self, dtype: DType, ids_dtype: IdsDType | None = None) -> TopKSumSpec:
+        """The top-k sum; with ids_dtype, the masked variant that skips routes dropped for their id."""
+        return TopKSumSpec(dtype, self.top_k, self.hidden_size, ids_dtype)
 
 
 @dataclass(frozen=True)

@@ -287,11 +287,12 @@ class MoeLayer:
             self.w13.global_scale.data_ptr(), self.w2.global_scale.data_ptr(), route_indices.data_ptr(),
             block_experts.data_ptr(), route_count.data_ptr(), topk_weights.data_ptr(), ws.c_tmp.data_ptr(),
             ws.locks.data_ptr(), (amax if amax is not None else ws.c_tmp).data_ptr(),
-            0 if layer_idx is None else layer_idx, m,
+            0 if layer_idx is None else layer_idx, m, self.num_experts,
         )
         if not plan.decode:
             fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
-            moe_topk_sum(self.bundle, fc2, out)
+            # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
+            moe_topk_sum(self.bundle, fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
 
     # ------------------------------------------------------------------ validation
 

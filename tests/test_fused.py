@@ -146,6 +146,19 @@ def test_spec_fused_true_builds_decode_and_packed_kernels(tmp_path):
     assert all("fused" in row["kernels"] for row in rows)
 
 
+def test_spec_fused_builds_the_masked_topk_sums_the_layer_launches(tmp_path):
+    """MoeLayer's packed path sums with the ids (int32 or int64, as the caller passes them)."""
+    from cuteaot.codegen.enumerate import kernel_keys
+    from cuteaot.runtime.kernels.topk_sum import spec_for_call
+
+    spec = _spec(tmp_path, "true")
+    keys = set(kernel_keys(spec))
+    fc2 = torch.empty(8, 4, 512, dtype=torch.bfloat16)  # (M, top_k, H) of the problem
+    for ids_dtype in (torch.int32, torch.int64):
+        assert spec_for_call(fc2, torch.empty(8, 4, dtype=ids_dtype)).key() in keys
+    assert {"topk_sum+masked_int32", "topk_sum+masked_int64"} <= set(resolution_table(spec)[0]["kernels"])
+
+
 def test_spec_fused_variants_enumerate_the_cross_product(tmp_path):
     spec = _spec(tmp_path, "{router_weight_on_input: [false, true], expert_map: [false, true]}")
     assert len(spec.moe[0].fused) == 4

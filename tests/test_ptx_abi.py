@@ -80,3 +80,44 @@ def test_real_kernels_match_declarations_and_use_16_byte_access():
         wrong = Signature(spec.SIGNATURE.params[:2] + (Param("rows", ParamKind.PTR, ""),))
         with pytest.raises(AbiMismatchError):
             check_abi(entry, wrong, "deliberately wrong")
+
+
+@pytest.mark.build
+def test_bounds_checked_kernels_take_and_read_the_expert_count():
+    """Kernels that read expert ids from routes declare the bound they check them against, and use it.
+
+    The direct-route GEMM and the fused decode kernel read raw topk_ids; the masked top-k sum reads
+    them to skip dropped routes.  Each must match its declared signature (compile_kernel checks the
+    PTX .entry) and actually load its last parameter, the expert count.
+    """
+    cute = pytest.importorskip("cutlass.cute", reason="needs CuTeDSL (cuteaot[codegen])")
+    import re
+
+    from cuteaot.codegen.compile import BUILDERS
+    from cuteaot.runtime.devices import PROFILES
+    from cuteaot.runtime.fused_planning import plan_fused
+    from cuteaot.runtime.kernels.fused_spec import FusedSpec
+    from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
+    from cuteaot.runtime.kernels.gemm_spec import Routes
+
+    h200 = PROFILES["h200"]
+    gemm = gemm_spec_for(plan_for(1, 1024, 512, 2, 8, h200), "bf16", 1024, 512, 2, a_per_route=False,
+                         mul_topk_weights=False, epilogue="none")
+    fused = FusedSpec.for_plan(plan_fused(1, 512, 256, 16, 4, True, h200), "bf16", 512, 256, 16, 4, "silu")
+    assert gemm.routes is Routes.DIRECT and fused.decode
+    for spec in (gemm, fused, TopKSumSpec("bf16", 4, 512, "int64")):
+        assert spec.SIGNATURE.params[-1].name == "num_experts"
+        obj, args = BUILDERS[spec.FAMILY](spec)
+        compiled = cute.compile(obj, *args, options="--gpu-arch sm_90a --keep-ptx --dump-dir /tmp")
+        (symbol,) = list(compiled.kernel_info)
+        ptx = compiled.artifacts.PTX
+        check_abi(parse_entry(ptx, symbol), spec.SIGNATURE, spec.FAMILY)
+        last = len(spec.SIGNATURE.params) - 1
+        assert re.search(rf"ld\.param\.\w+\s+%\w+, \[{re.escape(symbol)}_param_{last}\]", ptx), (
+            f"{spec.FAMILY}: the expert count is declared but never read"
+        )
+    # the masked sum compares int64 ids with the sign-extended count at 64 bits (a 32-bit compare
+    # would let 2^32 + 3 through as expert 3)
+    count = re.search(rf"ld\.param\.\w+\s+(%r\d+), \[{re.escape(symbol)}_param_{last}\]", ptx)[1]
+    wide = re.search(rf"cvt\.s64\.s32\s+(%rd\d+), {count};", ptx)[1]
+    assert re.search(rf"setp\.\w+\.s64\s+%p\d+, %rd\d+, {wide};", ptx)

@@ -108,3 +108,40 @@ def test_gemm_routes_are_checked_against_the_gemm_plan():
         _check_routes(routes(num_experts=64), ids, 128, plan)
     with pytest.raises(BadInputError, match=f"block size direct, this GEMM's plan at M=64 uses {plan.moe_block_size}"):
         _check_routes(routes(block_size=0), ids, 128, plan)
+
+
+# ---- out-of-range expert ids (dropped on the device) ---------------------------------------------
+
+
+def test_int64_direct_route_ids_cannot_wrap_into_valid_experts():
+    from cuteaot.runtime.kernels.gemm import direct_route_ids
+
+    ids = torch.tensor([[(1 << 32) + 3, -(1 << 40), 5, -1], [8, 100000, 0, 7]], dtype=torch.int64)
+    got = direct_route_ids(ids, 8)
+    assert got.dtype == torch.int32
+    # valid ids unchanged; every other id stays outside [0, 8) (a plain cast maps 2^32 + 3 to expert 3)
+    assert got.tolist() == [[8, -1, 5, -1], [8, 8, 0, 7]]
+
+
+def test_masked_topk_sum_spec_and_arguments():
+    from cuteaot.runtime import moe_topk_sum
+    from cuteaot.runtime.kernels.topk_sum import spec_for_call
+
+    plain, masked = TopKSumSpec("bf16", 4, 512), TopKSumSpec("bf16", 4, 512, "int64")
+    assert "ids_dtype" not in plain.key().facts and masked.key().facts["ids_dtype"] == "int64"
+    assert TopKSumSpec.from_facts(masked.key().facts) == masked
+    assert masked.key() != TopKSumSpec("bf16", 4, 512, "int32").key()
+    assert [p.name for p in masked.SIGNATURE.params] == ["fc2", "out", "tokens", "topk_ids", "num_experts"]
+    assert masked.SIGNATURE.params[:3] == plain.SIGNATURE.params
+    fc2 = torch.empty(3, 4, 512, dtype=torch.bfloat16)
+    assert spec_for_call(fc2, torch.zeros(3, 4, dtype=torch.int32)).ids_dtype.value == "int32"
+    with pytest.raises(BadInputError, match="topk_ids must be int32 or int64"):
+        spec_for_call(fc2, torch.zeros(3, 4, dtype=torch.int16))
+    with pytest.raises(BadInputError, match="topk_ids and num_experts go together"):
+        moe_topk_sum(None, fc2, topk_ids=torch.zeros(3, 4, dtype=torch.int32))
+    with FakeTensorMode():
+        fc2 = torch.empty(7, 4, 384, dtype=torch.float16)
+        out = torch.empty(7, 384, dtype=torch.float16)
+        torch.ops.cuteaot.moe_topk_sum(fc2, out, "b", torch.empty(7, 4, dtype=torch.int64), 16)
+        with pytest.raises(BadInputError, match=r"topk_ids must have shape \(7, 4\)"):
+            torch.ops.cuteaot.moe_topk_sum(fc2, out, "b", torch.empty(7, 3, dtype=torch.int32), 16)

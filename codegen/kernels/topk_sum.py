@@ -6,6 +6,11 @@ token's top_k routed rows in float32 (the route loop is unrolled):
     v = block * THREADS + thread  (< M * H / VECTOR)
     m = v // (H / VECTOR),  col = (v % (H / VECTOR)) * VECTOR
     out[m, col:col+VECTOR] = sum_k fc2[m, k, col:col+VECTOR]
+
+The masked variant (spec.ids_dtype set) sums only routes k with
+0 <= topk_ids[m, k] < num_experts: the other rows were not written by FC2 (dropped
+routes), so they may hold anything, NaN included.  All threads of a token read the
+same ids, so the extra loads are served by one cache line per token.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Int32, Int64
 
+from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.kernels.topk_sum import VECTOR, TopKSumSpec
 
 from .common import cutlass_dtype
@@ -29,13 +35,30 @@ class TopKSumKernel:
         self.hidden = spec.hidden_size
         self.top_k = spec.top_k
         self.vectors_per_row = spec.hidden_size // VECTOR
+        self.masked = spec.ids_dtype is not None
+        self.ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
 
     @cute.jit
     def __call__(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, stream):
         self.kernel(fc2, out, tokens).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
+    @cute.jit
+    def call_masked(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
+                    num_experts: Int32, stream):
+        self.masked_kernel(fc2, out, tokens, topk_ids, num_experts).launch(
+            grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
+
     @cute.kernel
     def kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32):
+        self._sum(fc2, out, tokens, fc2, Int32(0))  # the ids are never read (not masked)
+
+    @cute.kernel
+    def masked_kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
+                      num_experts: Int32):
+        self._sum(fc2, out, tokens, topk_ids, num_experts)
+
+    @cute.jit
+    def _sum(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer, num_experts: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         v = Int64(bidx) * THREADS + Int64(tidx)
@@ -45,18 +68,46 @@ class TopKSumKernel:
             acc = cute.make_rmem_tensor(VECTOR, cutlass.Float32)
             acc.fill(0.0)
             x = cute.make_rmem_tensor(VECTOR, self.elem)
+            keep = [None] * self.top_k
+            if cutlass.const_expr(self.masked):
+                for k in cutlass.range_constexpr(self.top_k):  # all ids first: their loads overlap
+                    expert = cute.make_tensor(topk_ids + (m * self.top_k + k), cute.make_layout(1))[0]
+                    keep[k] = (expert >= self.ids_type(0)) & (expert < self.ids_type(num_experts))
             for k in cutlass.range_constexpr(self.top_k):
+                # The row is loaded even when the route is dropped (it is in bounds, only stale), so the
+                # loads stay as independent as in the plain kernel; a select, not a multiply by 0,
+                # discards it, as a stale row may hold NaN or Inf.
                 src = cute.make_tensor(fc2 + ((m * self.top_k + k) * self.hidden + col), cute.make_layout(VECTOR))
                 x.store(src.load())
                 for i in cutlass.range_constexpr(VECTOR):
-                    acc[i] = acc[i] + x[i].to(cutlass.Float32)
+                    term = x[i].to(cutlass.Float32)
+                    if cutlass.const_expr(self.masked):
+                        term = cutlass.Float32(cutlass.select_(keep[k], term, cutlass.Float32(0.0)))
+                    acc[i] = acc[i] + term
             y = cute.make_rmem_tensor(VECTOR, self.elem)
             y.store(acc.load().to(self.elem))
             dst = cute.make_tensor(out + (m * self.hidden + col), cute.make_layout(VECTOR))
             dst.store(y.load())
 
 
+class _MaskedEntry:
+    """`cute.compile` target of the masked variant: its host function takes the ids too."""
+
+    def __init__(self, kernel: TopKSumKernel):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
+                 num_experts: Int32, stream):
+        self.kernel.call_masked(fc2, out, tokens, topk_ids, num_experts, stream)
+
+
 def build(spec: TopKSumSpec):
     elem = cutlass_dtype(spec.dtype)
     ptr = make_ptr(elem, 16, cute.AddressSpace.gmem, assumed_align=16)
-    return TopKSumKernel(spec), (ptr, ptr, Int32(1), make_fake_stream())
+    kernel = TopKSumKernel(spec)
+    if spec.ids_dtype is None:
+        return kernel, (ptr, ptr, Int32(1), make_fake_stream())
+    ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
+    ids = make_ptr(ids_type, 16, cute.AddressSpace.gmem, assumed_align=ids_type.width // 8)
+    return _MaskedEntry(kernel), (ptr, ptr, Int32(1), ids, Int32(1), make_fake_stream())

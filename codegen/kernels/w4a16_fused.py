@@ -44,9 +44,10 @@ class W4A16FusedMoeKernel:
                  activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
                  w13_gs: cute.Pointer, w2_gs: cute.Pointer, route_indices: cute.Pointer,
                  block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
-                 c_tmp: cute.Pointer, locks: cute.Pointer, amax: cute.Pointer, layer: Int32, tokens: Int32, stream):
+                 c_tmp: cute.Pointer, locks: cute.Pointer, amax: cute.Pointer, layer: Int32, tokens: Int32,
+                 num_experts: Int32, stream):
         self.kernel(a, w13, w2, fc1_out, activated, fc2_out, w13_scales, w2_scales, w13_gs, w2_gs, route_indices,
-                    block_experts, route_count, topk_weights, c_tmp, locks, amax, layer, tokens).launch(
+                    block_experts, route_count, topk_weights, c_tmp, locks, amax, layer, tokens, num_experts).launch(
             grid=(1, 1, 1), block=[self.threads, 1, 1], smem=self.s.shared_bytes,
             min_blocks_per_mp=self.s.blocks_per_sm, stream=stream, preferred_smem_carveout=100,
         )
@@ -56,7 +57,7 @@ class W4A16FusedMoeKernel:
                activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
                w13_gs: cute.Pointer, w2_gs: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
                route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-               amax: cute.Pointer, layer: Int32, tokens: Int32):
+               amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32):
         s = self.s
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -67,7 +68,7 @@ class W4A16FusedMoeKernel:
         routing = dict(
             route_indices=I.gmem_address(route_indices), block_experts=I.gmem_address(block_experts),
             route_count=I.gmem_address(route_count), topk_weights=I.gmem_address(topk_weights),
-            c_tmp=I.gmem_address(c_tmp), locks=barrier + Int64(s.barrier_words * 4),
+            c_tmp=I.gmem_address(c_tmp), locks=barrier + Int64(s.barrier_words * 4), num_experts=num_experts,
         )
         fc1_target = fc1_out if s.gated else activated  # relu2 is FC1's epilogue
         fc1_ops = _Operands(a=I.gmem_address(a), qweight=I.gmem_address(w13), out=I.gmem_address(fc1_target),
@@ -146,7 +147,9 @@ class W4A16FusedMoeKernel:
         b = cta
         while b < blocks:
             expert = I.ld_global_nc_i32(routing["block_experts"] + Int64(b) * Int64(4))
-            if expert >= Int32(0):
+            # route packing only emits experts in [0, E) or -1; the upper bound costs nothing and keeps
+            # the amax table in bounds whatever fills block_experts
+            if expert >= Int32(0) and expert < routing["num_experts"]:
                 in_max = Float32(0.0)
                 act_max = Float32(0.0)
                 for r in cutlass.range(s.moe_block_size):
@@ -197,6 +200,7 @@ def build(spec: FusedSpec):
     i32, f32, u8 = cutlass.Int32, cutlass.Float32, cutlass.Uint8
     args = (
         ptr(elem), ptr(i32), ptr(i32), ptr(elem), ptr(elem), ptr(elem), ptr(u8), ptr(u8), ptr(f32), ptr(f32),
-        ptr(i32), ptr(i32), ptr(i32), ptr(f32), ptr(f32), ptr(i32), ptr(f32), Int32(0), Int32(1), make_fake_stream(),
+        ptr(i32), ptr(i32), ptr(i32), ptr(f32), ptr(f32), ptr(i32), ptr(f32), Int32(0), Int32(1), Int32(1),
+        make_fake_stream(),
     )
     return W4A16FusedMoeKernel(spec), args

@@ -34,7 +34,7 @@ from .w4a16_mainloop import MainloopMixin
 
 
 class _Operands:
-    """64-bit base addresses of the kernel operands (read-only inside the kernel)."""
+    """64-bit base addresses of the kernel operands and the expert count (read-only inside the kernel)."""
 
     def __init__(self, **addresses):
         self.__dict__.update(addresses)
@@ -59,9 +59,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
                  global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
                  route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-                 tokens: Int32, stream):
+                 tokens: Int32, num_experts: Int32, stream):
         self.kernel(a, qweight, out, scales, global_scale, route_indices, block_experts, route_count, topk_weights,
-                    c_tmp, locks, tokens).launch(
+                    c_tmp, locks, tokens, num_experts).launch(
             grid=(1, 1, 1), block=[self.s.threads, 1, 1], smem=self.s.shared_bytes,
             min_blocks_per_mp=self.s.blocks_per_sm, stream=stream,
             # stated so CuTeDSL does not query a GPU; the runtime sets the carveout at load
@@ -72,7 +72,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     def kernel(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
                global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
                route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-               tokens: Int32):
+               tokens: Int32, num_experts: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -82,7 +82,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             scales=I.gmem_address(scales), global_scale=I.gmem_address(global_scale),
             route_indices=I.gmem_address(route_indices), block_experts=I.gmem_address(block_experts),
             route_count=I.gmem_address(route_count), topk_weights=I.gmem_address(topk_weights),
-            c_tmp=I.gmem_address(c_tmp), locks=I.gmem_address(locks),
+            c_tmp=I.gmem_address(c_tmp), locks=I.gmem_address(locks), num_experts=num_experts,
         )
         self._persistent(ops, I.shared_ptr_to_u32(smem_ptr), Int32(tidx), Int32(bidx), Int32(gdim), tokens)
 
@@ -188,7 +188,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     expert = I.ld_global_nc_i32(ops.route_indices + Int64(route_block) * Int64(4))
                 else:
                     expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block) * Int64(4))
-                if expert >= Int32(0):
+                # Direct routes carry raw router ids (-1 for masked routes, anything from a buggy
+                # caller): a route outside [0, E) is dropped, never used to index the weights.  Every
+                # split-K slice of a tile reads the same id, so they all skip it and no lock is touched.
+                if expert >= Int32(0) and expert < ops.num_experts:
                     self._tile(ops, smem, tid, tokens, route_block, expert, n_tile, reduce_k_tile, k_count,
                                slice_count, slice_idx, lock_slot)
 
@@ -303,7 +306,7 @@ def build(spec: GemmSpec):
     args = (
         ptr(elem), ptr(cutlass.Int32), ptr(elem), ptr(cutlass.Uint8), ptr(cutlass.Float32), ptr(cutlass.Int32),
         ptr(cutlass.Int32), ptr(cutlass.Int32), ptr(cutlass.Float32), ptr(cutlass.Float32), ptr(cutlass.Int32),
-        Int32(1), make_fake_stream(),
+        Int32(1), Int32(1), make_fake_stream(),
     )
     return gemm_kernel(spec), args
 

@@ -16,6 +16,11 @@ Buffers (row = route = token * top_k + k; widths are the logical sizes):
     activated (routes, I)        activation output = FC2 input (relu2: FC1 writes it directly)
     fc2_out   (routes, H)        FC2 output rows (packed path; may alias fc1_out), or
               (M, H)             the final output, summed over top-k in the kernel (decode)
+
+Expert ids are bounds-checked on the device against the `num_experts` argument: a
+decode route (raw topk_ids) or a packed block whose expert is outside [0, E) is
+skipped by both GEMMs, so a dropped decode route adds nothing to the output and a
+dropped packed route's FC2 row is left unwritten (the top-k sum skips it by id).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class FusedSpec:
             Param("amax", ParamKind.PTR, "(layers, E, 2) float32 activation maxima (read if collect_amax)"),
             Param("layer", ParamKind.I32, "layer index into amax"),
             Param("tokens", ParamKind.I32, "M"),
+            Param("num_experts", ParamKind.I32, "E, experts in the weights: routes (decode) and blocks whose "
+                  "expert is outside [0, E) are skipped"),
         )
     )
 

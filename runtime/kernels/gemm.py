@@ -3,7 +3,9 @@
     a:        (M, K) token rows (FC1: each token feeds its top_k routes) or
               (M * top_k, K) route rows (FC2: `a_per_route=True`)
     weights:  PackedNvfp4 with N outputs, K inputs, E experts (runtime/weights.py)
-    topk_ids: (M, top_k) int32/int64 expert of each route
+    topk_ids: (M, top_k) int32/int64 expert of each route; a route whose id is outside [0, E)
+              (e.g. -1 for a masked route) is dropped on the device: its row of `out` is not
+              written (stays as it was), nothing else is affected
     out:      (M * top_k, N), row r = route r = token * top_k + k
               out[r] = a[src(r)] @ W[topk_ids[r]]^T  (* topk_weights[r] if mul_topk_weights)
                        (relu(.)**2 if epilogue="relu2")
@@ -117,7 +119,7 @@ def pack_gemm_routes(bundle: Bundle, topk_ids: torch.Tensor, weights: PackedNvfp
 def _routes(bundle: Bundle, plan: GemmPlan, topk_ids: torch.Tensor, num_experts: int,
             workspace: GemmWorkspace) -> GemmRoutes:
     if plan.direct_topk_routes:
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        ids = topk_ids if topk_ids.dtype == torch.int32 else direct_route_ids(topk_ids, num_experts)
         indices = block_experts = count = ids
         block_size = 0
     else:
@@ -130,6 +132,16 @@ def _routes(bundle: Bundle, plan: GemmPlan, topk_ids: torch.Tensor, num_experts:
         block_size = plan.moe_block_size
     return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, block_size, indices, block_experts,
                       count)
+
+
+def direct_route_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ids as the int32 the direct-route kernels read, every out-of-range id kept out of range.
+
+    A plain cast would wrap ids >= 2^31 (e.g. 2^32 + 3 -> 3) into valid experts; clamping to
+    [-1, num_experts] first keeps them dropped.  Two small element-wise launches (that allocate):
+    int32 ids are the fast path.
+    """
+    return topk_ids.clamp(-1, num_experts).to(torch.int32)
 
 
 def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, plan: GemmPlan) -> None:
@@ -293,5 +305,6 @@ def w4a16_moe_gemm(
         weights.global_scale.data_ptr(), routes.route_indices.data_ptr(), routes.block_experts.data_ptr(),
         routes.route_count.data_ptr(),
         tw.data_ptr(), workspace.c_tmp.data_ptr(), workspace.locks.data_ptr(), tokens,
+        weights.num_experts,
     )
     return out

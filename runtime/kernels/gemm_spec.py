@@ -47,7 +47,8 @@ class Routes(str, Enum):
     """How a CTA finds the rows of its M-block."""
 
     PACKED = "packed"  # packed_route_indices / block_expert_ids from pack_routes
-    DIRECT = "direct"  # no packing: route r = its own 8-row block, expert = topk_ids[r] (small M)
+    DIRECT = "direct"  # no packing: route r = its own 8-row block, expert = topk_ids[r] (small M);
+    # the ids are raw router output here, so the kernel bounds-checks them against num_experts
 
 
 class Mainloop(str, Enum):
@@ -85,6 +86,8 @@ class GemmSpec:
             Param("c_tmp", ParamKind.PTR, "float32 split-K partials, lock_slots * 16*m_blocks * tile_n"),
             Param("locks", ParamKind.PTR, "int32[lock_slots] split-K turn counters, zero between launches"),
             Param("tokens", ParamKind.I32, "M, the number of token rows routed (routes = M * top_k)"),
+            Param("num_experts", ParamKind.I32, "E, experts in the weights: a route or block whose expert "
+                  "is outside [0, E) is skipped (masked routes, e.g. -1, never index the weights)"),
         )
     )
 

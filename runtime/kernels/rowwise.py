@@ -1,6 +1,6 @@
 """Launch plan shared by the row-wise element-wise families (activation, top-k sum).
 
-Their kernels take `(src, out, rows)`, read `src` of shape (rows, *in_tail) and
+Their kernels take `(src, out, rows, ...)`, read `src` of shape (rows, *in_tail) and
 write `out` of shape (rows, out_width), VECTOR elements per thread:
 grid = ceil(rows * out_width / VECTOR / threads).
 """
@@ -33,7 +33,8 @@ class RowwisePlan:
         self.threads = self.kernel.block[0]
         self.vectors_per_row = self.out_width // vector
 
-    def __call__(self, src: torch.Tensor, src_shape: torch.Size, out: torch.Tensor) -> None:
+    def __call__(self, src: torch.Tensor, src_shape: torch.Size, out: torch.Tensor, extra: tuple = ()) -> None:
+        """Check and launch; `extra` are the values of parameters after `rows` (checked by the caller)."""
         rows, dtype, dev = src_shape[0], self.dtype, self.device_index
         # One cheap pass on the hot path; the detailed checks only run to explain a failure.
         if not (
@@ -54,7 +55,7 @@ class RowwisePlan:
             self._fail(src, out)
         if rows:
             grid = (rows * self.vectors_per_row + self.threads - 1) // self.threads
-            self.kernel.launch(grid, current_stream_handle(dev), sp, op, rows)
+            self.kernel.launch(grid, current_stream_handle(dev), sp, op, rows, *extra)
 
     def _fail(self, src: torch.Tensor, out: torch.Tensor) -> None:
         self.explain(src, out)

@@ -2,11 +2,18 @@
 
     fc2: (M, top_k, H)  FC2 output per route (router weights already applied), row-major
     out: (M, H)         out[m, :] = sum_k fc2[m, k, :]   (float32 accumulation)
+
+Masked variant (`topk_ids=`, `num_experts=`): only routes whose expert id is in
+[0, num_experts) are summed.  A route the GEMMs dropped (id -1 for a masked route,
+or any out-of-range id) has no FC2 row: its row of `fc2` holds whatever the
+workspace held before, so it must not be read.  The ids are read on the device
+(int32 or int64, compared at their own width): no host sync.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,30 +23,44 @@ from ..errors import BadInputError
 from ..keys import KernelKey
 from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import DType
+from .route_pack import IdsDType
 from .rowwise import RowwisePlan
 
 VECTOR = 8  # elements per thread: one 16-byte load per route
 MAX_TOP_K = 32  # the route loop is unrolled
 
 
+_PLAIN_PARAMS = (
+    Param("fc2", ParamKind.PTR, "(M, top_k, H) dtype, row-major, 16B aligned"),
+    Param("out", ParamKind.PTR, "(M, H) dtype, row-major, 16B aligned"),
+    Param("tokens", ParamKind.I32, "M, 0 <= M < 2^31"),
+)
+_MASK_PARAMS = (
+    Param("topk_ids", ParamKind.PTR, "(M, top_k) int32|int64 (ids_dtype) expert per route, contiguous"),
+    Param("num_experts", ParamKind.I32, "routes with ids outside [0, num_experts) are not summed"),
+)
+
+
 @dataclass(frozen=True)
 class TopKSumSpec:
     FAMILY = "moe_topk_sum"
     VERSION = 1
-    SIGNATURE = Signature(
-        (
-            Param("fc2", ParamKind.PTR, "(M, top_k, H) dtype, row-major, 16B aligned"),
-            Param("out", ParamKind.PTR, "(M, H) dtype, row-major, 16B aligned"),
-            Param("tokens", ParamKind.I32, "M, 0 <= M < 2^31"),
-        )
-    )
+    PLAIN_SIGNATURE = Signature(_PLAIN_PARAMS)
+    MASKED_SIGNATURE = Signature(_PLAIN_PARAMS + _MASK_PARAMS)  # the plain one, then the ids
 
     dtype: DType
     top_k: int
     hidden_size: int
+    ids_dtype: Optional[IdsDType] = None  # masked variant: the dtype of the topk_ids it reads; None = plain
+
+    @property
+    def SIGNATURE(self) -> Signature:  # noqa: N802 -- the name every family's spec exposes
+        return self.PLAIN_SIGNATURE if self.ids_dtype is None else self.MASKED_SIGNATURE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
+        if self.ids_dtype is not None:
+            object.__setattr__(self, "ids_dtype", IdsDType(self.ids_dtype))
         if not isinstance(self.top_k, int) or not 1 <= self.top_k <= MAX_TOP_K:
             raise BadInputError(f"top_k must be an int in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not isinstance(self.hidden_size, int) or self.hidden_size <= 0 or self.hidden_size % VECTOR:
@@ -48,15 +69,14 @@ class TopKSumSpec:
             )
 
     def key(self) -> KernelKey:
-        return KernelKey(
-            self.FAMILY,
-            self.VERSION,
-            {"dtype": self.dtype.value, "top_k": self.top_k, "hidden_size": self.hidden_size, "vector": VECTOR},
-        )
+        facts = {"dtype": self.dtype.value, "top_k": self.top_k, "hidden_size": self.hidden_size, "vector": VECTOR}
+        if self.ids_dtype is not None:  # only the masked variant carries it: the plain keys stay as they were
+            facts["ids_dtype"] = self.ids_dtype.value
+        return KernelKey(self.FAMILY, self.VERSION, facts)
 
     @classmethod
     def from_facts(cls, facts: dict) -> "TopKSumSpec":
-        return cls(DType(facts["dtype"]), facts["top_k"], facts["hidden_size"])
+        return cls(DType(facts["dtype"]), facts["top_k"], facts["hidden_size"], facts.get("ids_dtype"))
 
     def check_shapes(self, fc2: torch.Tensor, out: torch.Tensor) -> int:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
@@ -69,12 +89,13 @@ class TopKSumSpec:
         return tokens
 
 
-def spec_for_call(fc2: torch.Tensor) -> TopKSumSpec:
+def spec_for_call(fc2: torch.Tensor, topk_ids: torch.Tensor | None = None) -> TopKSumSpec:
     check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
     dt = DType.from_torch(fc2.dtype)
     if dt is None:
         raise BadInputError(f"fc2 must be bfloat16 or float16, got {fc2.dtype}")
-    return TopKSumSpec(dt, fc2.shape[1], fc2.shape[2])
+    ids = None if topk_ids is None else IdsDType.from_torch(topk_ids.dtype)
+    return TopKSumSpec(dt, fc2.shape[1], fc2.shape[2], ids)
 
 
 class _TopKSumPlan(RowwisePlan):
@@ -88,34 +109,75 @@ class _TopKSumPlan(RowwisePlan):
         check_tensor(fc2, "fc2", dtype=self.dtype, shape=(tokens, spec.top_k, spec.hidden_size), device=self.device)
         check_tensor(out, "out", dtype=self.dtype, shape=(tokens, spec.hidden_size), device=self.device)
 
+    def masked(self, fc2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
+        """Launch the masked variant: the plain checks, then the ids' (dtype is part of the plan's key)."""
+        shape = fc2.shape
+        if not (
+            isinstance(topk_ids, torch.Tensor)
+            and topk_ids.shape == shape[:2]
+            and topk_ids.get_device() == self.device_index
+            and topk_ids.is_contiguous()
+            and isinstance(num_experts, int)
+            and 0 < num_experts <= INT32_MAX
+        ):
+            self._explain_ids(fc2, topk_ids, num_experts)
+        self(fc2, shape, out, (topk_ids.data_ptr(), num_experts))
 
-def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum the top_k routed rows of each token: (M, top_k, H) -> (M, H); returns `out`."""
+    def _explain_ids(self, fc2: torch.Tensor, topk_ids, num_experts) -> None:
+        check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
+        tokens = fc2.shape[0]
+        check_rank(topk_ids, "topk_ids", 2, f"({tokens}, {self.spec.top_k})")
+        check_tensor(topk_ids, "topk_ids", dtype=topk_ids.dtype, shape=(tokens, self.spec.top_k), device=self.device)
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or not 0 < num_experts <= INT32_MAX:
+            raise BadInputError(f"num_experts must be an int in [1, {INT32_MAX}], got {num_experts!r}")
+        raise BadInputError("topk_ids failed validation")  # unreachable unless the two checks disagree
+
+
+def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = None, *,
+                 topk_ids: torch.Tensor | None = None, num_experts: int | None = None) -> torch.Tensor:
+    """Sum the top_k routed rows of each token: (M, top_k, H) -> (M, H); returns `out`.
+
+    With `topk_ids` (M, top_k) int32/int64 and `num_experts`, a route whose id is outside
+    [0, num_experts) is skipped (its row is never read): pass them when rows of dropped
+    routes were not written, e.g. after a GEMM over packed routes with masked (-1) ids.
+    """
+    if (topk_ids is None) != (num_experts is None):
+        raise BadInputError("topk_ids and num_experts go together (the masked sum); pass both or neither")
     if torch.compiler.is_compiling():
         if out is None:
             out = fc2.new_empty((fc2.shape[0], fc2.shape[2]))
-        torch.ops.cuteaot.moe_topk_sum(fc2, out, bundle.id)
+        torch.ops.cuteaot.moe_topk_sum(fc2, out, bundle.id, topk_ids, 0 if num_experts is None else num_experts)
         return out
     if not isinstance(fc2, torch.Tensor) or fc2.dim() != 3:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
     shape = fc2.shape
-    cache_key = ("moe_topk_sum", fc2.dtype, shape[1], shape[2])
+    ids_dtype = None if topk_ids is None else getattr(topk_ids, "dtype", None)
+    cache_key = ("moe_topk_sum", fc2.dtype, shape[1], shape[2], ids_dtype)
     plan = bundle.plans.get(cache_key)
     if plan is None:
-        plan = bundle.plans[cache_key] = _TopKSumPlan(bundle, spec_for_call(fc2))
+        if topk_ids is not None and not isinstance(topk_ids, torch.Tensor):
+            raise BadInputError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+        plan = bundle.plans[cache_key] = _TopKSumPlan(bundle, spec_for_call(fc2, topk_ids))
     if out is None:
         out = torch.empty((shape[0], shape[2]), dtype=fc2.dtype, device=fc2.device)
-    plan(fc2, shape, out)
+    if topk_ids is None:
+        plan(fc2, shape, out)
+    else:
+        plan.masked(fc2, out, topk_ids, num_experts)
     return out
 
 
 @torch.library.custom_op("cuteaot::moe_topk_sum", mutates_args=("out",))
-def _moe_topk_sum_op(fc2: torch.Tensor, out: torch.Tensor, bundle_id: str) -> None:
-    moe_topk_sum(registered_bundle(bundle_id), fc2, out)
+def _moe_topk_sum_op(fc2: torch.Tensor, out: torch.Tensor, bundle_id: str, topk_ids: Optional[torch.Tensor] = None,
+                     num_experts: int = 0) -> None:
+    moe_topk_sum(registered_bundle(bundle_id), fc2, out, topk_ids=topk_ids,
+                 num_experts=None if topk_ids is None else num_experts)
 
 
 @_moe_topk_sum_op.register_fake
-def _moe_topk_sum_fake(fc2, out, bundle_id) -> None:
-    spec_for_call(fc2).check_shapes(fc2, out)
+def _moe_topk_sum_fake(fc2, out, bundle_id, topk_ids=None, num_experts=0) -> None:
+    spec_for_call(fc2, topk_ids).check_shapes(fc2, out)
     if out.dtype != fc2.dtype:
         raise BadInputError(f"out must have dtype {fc2.dtype}, got {out.dtype}")
+    if topk_ids is not None and tuple(topk_ids.shape) != tuple(fc2.shape[:2]):
+        raise BadInputError(f"topk_ids must have shape {tuple(fc2.shape[:2])}, got {tuple(topk_ids.shape)}")
