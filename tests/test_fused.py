@@ -55,13 +55,30 @@ def test_decode_ends_at_decode_max_m_and_with_expert_map_or_calibration():
 
 def test_packed_plans_grow_the_route_block_with_m():
     blocks = [plan_fused(m, *QWEN3_30B, True, H200).moe_block_size for m in (16, 64, 256, 1024, 4096)]
-    assert blocks == [8, 8, 32, 64, 64]
+    assert blocks == [8, 8, 32, 64, 128]  # 128-row blocks once the average expert fills them (wgmma)
+    assert [plan_fused(m, *QWEN3_30B, True, GB10).moe_block_size for m in (1024, 4096)] == [64, 64]
     small = plan_fused(64, *QWEN3_30B, True, H200)  # packed 8-row blocks: 128-thread tiles, 4 CTAs/SM
     assert small.fc1_tile == small.fc2_tile == TileConfig(64, 128) and small.blocks_per_sm == 4
     assert small.grid_x == 528 and plan_fused(64, *QWEN3_30B, True, GB10).blocks_per_sm == 3
     big = plan_fused(4096, *QWEN3_30B, True, H200)
     assert big.fc1_tile == big.fc2_tile == TileConfig(64, 128)  # 128 threads both
     assert big.grid_x == big.max_grid_x == 132 * big.blocks_per_sm
+
+
+def test_large_m_runs_both_phases_on_the_wgmma_loop_on_sm90_only():
+    for m, block, tile_n in ((1024, 64, 256), (4096, 128, 128), (16384, 128, 128)):
+        plan = plan_fused(m, *QWEN3_30B, True, H200)
+        assert (plan.mainloop, plan.moe_block_size, plan.fc1_tile.tile_n) == ("wgmma", block, tile_n)
+        spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+        assert spec.threads == 128 and spec.fc1_gemm.mainloop.value == spec.fc2_gemm.mainloop.value == "wgmma"
+        assert spec.key().facts["mainloop"] == "wgmma"
+    assert plan_fused(512, *QWEN3_30B, True, H200).mainloop == "mma_sync"  # 48-row blocks: no wgmma form
+    assert plan_fused(4096, *QWEN3_30B, True, GB10).mainloop == "mma_sync"  # the wgmma loop is sm_90a-only
+    for m in (1024, 4096, 16384):  # the layer's preallocated buffers cover every wgmma plan
+        plan = plan_fused(m, *QWEN3_30B, True, H200)
+        bounds = workspace_bounds(16384, 8, 128, H200)
+        assert plan.c_tmp_floats <= bounds["c_tmp_floats"] and plan.lock_words <= bounds["lock_words"]
+        assert plan.max_route_slots <= bounds["route_slots"] and plan.max_route_blocks <= bounds["route_blocks"]
 
 
 def test_gpt_oss_fc2_keeps_128_tiles_when_padded_hidden_is_not_256_wide():
