@@ -10,7 +10,8 @@ For each model and M, on the same weights and routing, CUDA-graph replay (benchm
 
 Each part of the split path is also timed alone, so the table shows where the time goes.  The
 planner's choice between the two paths comes from these numbers (docs/benchmarks.md).
-Bundle: specs/bench-large-m.yaml.
+Bundles: specs/bench-large-m.yaml (the split path's kernels) and specs/moe-models.yaml (the
+fused layer), both built for the h200.
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def inputs(m: int, hidden: int, experts: int, top_k: int):
     return x, weights, ids
 
 
-def run_model(bundle, model: str, ms: list[int], hbm: float, tc: float) -> list[dict]:
+def run_model(bundle, fused_bundle, model: str, ms: list[int], hbm: float, tc: float) -> list[dict]:
     hidden, inter, experts, top_k, activation = MODELS[model]
     w13, w2 = random_packed(experts, 2 * inter, hidden), random_packed(experts, hidden, inter)
-    fused = MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation, max_tokens=max(ms))
+    fused = MoeLayer(fused_bundle, w13, w2, top_k=top_k, activation=activation, max_tokens=max(ms))
     split = SplitLayer(bundle, w13, w2, top_k, activation, max(ms))
     peer = torch_bf16_layer(hidden, inter, experts, top_k, activation)
     rows = []
@@ -129,14 +130,15 @@ def run_model(bundle, model: str, ms: list[int], hbm: float, tc: float) -> list[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", default="generated/bench-large-m")
+    ap.add_argument("--fused-bundle", default="generated/moe-models")
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--m", nargs="*", type=int, default=MS)
     ap.add_argument("--json")
     args = ap.parse_args()
-    bundle = load_bundle(args.bundle)
+    bundle, fused_bundle = load_bundle(args.bundle), load_bundle(args.fused_bundle)
     hbm, tc = hbm_copy_bandwidth(), tensor_core_rate()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s, bf16 mm {tc / 1e12:.0f} TFLOP/s")
-    rows = [r for model in args.models for r in run_model(bundle, model, args.m, hbm, tc)]
+    rows = [r for model in args.models for r in run_model(bundle, fused_bundle, model, args.m, hbm, tc)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hbm_Bps": hbm, "tc_flops": tc, "rows": rows}, f, indent=1)
