@@ -8,23 +8,37 @@ An unchanged key + source fingerprint + toolchain reuses the cached cubin, so an
 unchanged rebuild compiles nothing.  The bundle is assembled in a staging
 directory and renamed into place: an interrupted build never leaves a bundle
 that loads half-written.  `--shard i/N` builds every N-th job; `merge` joins shards.
+
+Robustness (docs/reliability.md):
+* a cache entry's json records the sha256 and size of its cubin; an entry that does not match
+  (flipped bit, half-written file, older format) is rebuilt with a warning, never shipped;
+* compile workers die with the build (PR_SET_PDEATHSIG on Linux, a parent-pid watch elsewhere),
+  and SIGINT / SIGTERM stop a build cleanly: pending jobs cancelled, workers killed, staging
+  removed, the previous bundle left as it was, one line on stderr (BuildError);
+* writers of one bundle serialise on the file lock `<out>/.<bundle>.lock`; cache writes use
+  temporary names unique per process and thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
-
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+
+import filelock
 
 import cuteaot.runtime as runtime_pkg
 from cuteaot.runtime.errors import BuildError
@@ -53,6 +67,9 @@ RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "pl
                    "weights.py")
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cuda-cuobjdump")
 INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than it saves
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_S = 1.0  # how often a worker checks its parent where PR_SET_PDEATHSIG does not exist
+WORKER_STOP_S = 5.0  # how long a stopped worker gets to exit after SIGTERM before SIGKILL
 
 
 def source_fingerprint() -> str:
@@ -89,10 +106,50 @@ def _cache_id(job: Job, fingerprint: str, tools: dict) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Write `path` via a temporary file and os.replace, so readers see the old or the new content.
+
+    Concurrent builds (processes) and threads may write the same cache entry: the temporary
+    name carries both the pid and the thread id, so no two writers ever share one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left when writing or replacing failed
+
+
+def _cache_problem(record, data: bytes) -> str | None:
+    """Why a cache entry (json record + cubin bytes) must not be reused, or None when it is sound."""
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str) or "bytes" not in record:
+        return "records no cubin sha256/size (written by an older cuteaot or damaged)"
+    if len(data) != record["bytes"]:
+        return f"cubin is {len(data)} bytes, the entry says {record['bytes']} (half-written or truncated)"
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != record["sha256"]:
+        return f"cubin sha256 {digest[:16]}... differs from the entry's {record['sha256'][:16]}... (corrupt)"
+    return None
+
+
+def _load_cached(meta: Path, blob: Path, warnings: list[str]) -> tuple[dict, bytes] | None:
+    """The cached (record, cubin), or None when absent or unusable (then it is rebuilt).
+
+    An unusable entry adds a warning naming it (printed to stderr at once, kept in the report).
+    """
+    if not meta.is_file():
+        return None  # never built: not worth a warning
+    try:
+        record, data = json.loads(meta.read_text()), blob.read_bytes()
+    except (OSError, ValueError) as exc:  # missing cubin, invalid JSON or UTF-8
+        problem = f"cannot be read ({type(exc).__name__}: {exc})"
+    else:
+        problem = _cache_problem(record, data)
+    if problem is None:
+        return record, data
+    warnings.append(f"warning: cache entry {meta} {problem}; rebuilding it")
+    print(warnings[-1], file=sys.stderr, flush=True)
+    return None
 
 
 def _compile_job(canonical: str, arch: str) -> tuple[dict, bytes]:
@@ -104,6 +161,109 @@ def _compile_job(canonical: str, arch: str) -> tuple[dict, bytes]:
     return compiled.record, compiled.cubin
 
 
+def _worker_init(parent: int) -> None:
+    """Tie a compile worker's life to the build process `parent` (runs first in every worker).
+
+    Without this a SIGKILLed build leaves its ~500 MB workers (and through their inherited pipe
+    the multiprocessing resource tracker) running forever.  PR_SET_PDEATHSIG makes the kernel
+    SIGKILL the worker when its parent dies; nothing the parent must still do, so it also holds
+    for SIGKILL, unlike a process group (someone alive would have to signal the group).  The
+    death signal follows the parent *thread* that spawned the worker: ProcessPoolExecutor spawns
+    spawn-context workers from `submit`, i.e. the build's own thread, alive until the pool closes.
+    """
+    # Ctrl-C signals the terminal's whole process group: the build decides what stops, not each worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    """Fallback where PR_SET_PDEATHSIG does not exist: exit once re-parented (the build is gone)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM during a build (a BaseException like KeyboardInterrupt: no `except Exception` eats it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _SignalStop:
+    """While entered (main thread only), SIGINT and SIGTERM raise `_Interrupted`; inside `critical()`
+    they are held back until its end, so the rename pair that swaps a bundle is never split.
+
+    One instance per process: signal handlers are process-wide state.
+    """
+
+    def __init__(self):
+        self.depth, self.pending, self.entered, self.previous = 0, None, 0, {}
+
+    def __enter__(self) -> "_SignalStop":
+        # only the main thread may install handlers; elsewhere the signals keep their old meaning
+        if self.entered == 0 and threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.entered -= 1
+        if self.entered == 0:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            self.previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.depth:
+            self.pending = signum
+            return
+        raise _Interrupted(signum)
+
+    @contextlib.contextmanager
+    def critical(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # handlers run in the main thread only: nothing to hold back (and no shared counter to race)
+            return
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise _Interrupted(signum)
+
+
+_signals = _SignalStop()
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Cancel queued jobs and end running workers now: a compile can run for seconds and nothing it
+    would produce is wanted any more (what finished is already cached)."""
+    if hasattr(pool, "terminate_workers"):  # Python >= 3.14
+        pool.terminate_workers()
+        return
+    procs = list((pool._processes or {}).values())  # no public handle to the workers before 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(WORKER_STOP_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 @dataclass
 class BuildReport:
     bundle_dir: Path
@@ -112,12 +272,15 @@ class BuildReport:
     seconds: float = 0.0
     unchanged: bool = False
     spills: list[str] = field(default_factory=list)  # kernels that use local memory / stack
+    warnings: list[str] = field(default_factory=list)  # cache entries rebuilt (already printed to stderr)
 
     def summary(self) -> str:
-        lines = [
-            f"bundle {self.bundle_dir}: {len(self.built)} kernels built, {self.reused} reused, "
-            f"{self.seconds:.1f} s" + (" (bundle unchanged)" if self.unchanged else "")
-        ]
+        counts = f"{len(self.built)} kernels built, {self.reused} reused, {self.seconds:.1f} s"
+        if self.unchanged and not self.built:
+            # a no-op build repeats nothing the build that wrote the bundle already said
+            spills = f"; {len(self.spills)} kernel(s) spill registers (`cuteaot inspect`)" if self.spills else ""
+            return f"bundle {self.bundle_dir} unchanged: {counts}{spills}"
+        lines = [f"bundle {self.bundle_dir}: {counts}" + (" (bundle unchanged)" if self.unchanged else "")]
         slow = sorted(self.built, key=lambda t: -t[1])[:5]
         if slow:
             lines.append("slowest: " + "; ".join(f"{d} {s:.2f} s" for d, s in slow))
@@ -162,16 +325,21 @@ def _compile_all(todo: list[Job], workers: int, progress: bool, on_done=None) ->
             done(job, _compile_job(job.canonical, job.arch))
         return results
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx,
+                               initializer=_worker_init, initargs=(os.getpid(),))
+    try:
         futures = {pool.submit(_compile_job, job.canonical, job.arch): job for job in todo}
         for fut in as_completed(futures):
             job = futures[fut]
             try:
-                done(job, fut.result())
+                result = fut.result()
             except Exception as exc:  # re-raised with the specialization named
-                for other in futures:
-                    other.cancel()
                 raise BuildError(f"compiling {job.key.describe()} for {job.arch} failed: {exc}") from exc
+            done(job, result)
+    except BaseException:  # a failed compile, SIGINT/SIGTERM, a full disk while caching
+        _stop_pool(pool)
+        raise
+    pool.shutdown()
     return results
 
 
@@ -198,25 +366,58 @@ def _manifest(spec: BundleSpec, records: list[dict], fingerprint: str, tools: di
     }
 
 
+@contextlib.contextmanager
+def _bundle_lock(final: Path):
+    """Hold `<out>/.<bundle>.lock` (released by the OS if this process dies): one writer at a time."""
+    lock = filelock.FileLock(final.with_name(f".{final.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        print(f"waiting for another build writing {final} (lock {lock.lock_file})", file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Staging and old directories of writers that were killed (under the lock no live writer owns one)."""
+    for pattern in (f".{final.name}.staging-*", f".{final.name}.old-*"):
+        for path in final.parent.glob(pattern):
+            shutil.rmtree(path)
+
+
 def write_bundle(final: Path, manifest: dict, cubins: dict[str, bytes]) -> bool:
-    """Write `final` atomically (staging dir + rename); False if it already holds this manifest."""
+    """Write `final` atomically (staging dir + rename); False if it already holds this manifest.
+
+    Concurrent writers of one bundle take turns on the bundle's file lock; SIGINT/SIGTERM never
+    split the rename pair, and an interrupted write removes its staging directory.
+    """
     text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-    if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_text() == text:
-        if all((final / rel).is_file() for rel in cubins):
-            return False
-    staging = final.with_name(f".{final.name}.staging-{os.getpid()}")
-    if staging.exists():
-        shutil.rmtree(staging)
-    for rel, data in cubins.items():
-        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        (staging / rel).write_bytes(data)
-    (staging / MANIFEST_NAME).write_text(text)
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old.exists():
-        shutil.rmtree(old)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _bundle_lock(final):
+        if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_text() == text:
+            if all((final / rel).is_file() for rel in cubins):
+                return False
+        _remove_leftovers(final)
+        staging = final.with_name(f".{final.name}.staging-{os.getpid()}")
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        try:
+            for rel, data in cubins.items():
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                (staging / rel).write_bytes(data)
+            (staging / MANIFEST_NAME).write_text(text)
+            with _signals.critical():  # between these renames there is no bundle at `final`
+                if final.exists():
+                    os.replace(final, old)
+                os.replace(staging, final)
+        finally:
+            if old.exists() and not final.exists():  # the swap failed half-way: put the previous bundle back
+                os.replace(old, final)
+            for leftover in (staging, old):  # staging: interrupted or failed before the swap
+                if leftover.exists():
+                    shutil.rmtree(leftover)
     return True
 
 
@@ -229,7 +430,33 @@ def build(
     progress: bool = True,
     targets: list[str] | None = None,
 ) -> BuildReport:
-    """Build a spec's bundle; `targets` restricts it to some of its device profiles (by name)."""
+    """Build a spec's bundle; `targets` restricts it to some of its device profiles (by name).
+
+    SIGINT/SIGTERM raise BuildError (one line for the CLI): workers stopped, staging removed,
+    the previous bundle untouched; kernels that finished compiling stay cached.
+    """
+    with _stoppable(f"build of {spec_path}", out_root):
+        return _build(spec_path, Path(out_root), workers, shard, progress, targets)
+
+
+@contextlib.contextmanager
+def _stoppable(what: str, out_root):
+    """SIGINT/SIGTERM inside become one BuildError (the CLI prints it as one line, no traceback)."""
+    try:
+        with _signals:
+            yield
+    except _Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        raise BuildError(f"{what} interrupted by {name}: workers stopped, {out_root} keeps the bundle it had "
+                         "(kernels that finished compiling stay cached)") from None
+
+
+def _planning_line(text: str) -> None:
+    """Enumeration's report of each planned problem: with large token buckets planning takes minutes."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _build(spec_path, out_root: Path, workers, shard, progress: bool, targets) -> BuildReport:
     start = time.perf_counter()
     spec = load_spec(spec_path)
     if targets:
@@ -237,9 +464,8 @@ def build(
         if unknown:
             raise BuildError(f"--targets {unknown} are not targets of {spec_path} ({[t.name for t in spec.targets]})")
         spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t.name in targets))
-    out_root = Path(out_root)
     fingerprint, tools = source_fingerprint(), toolchain()
-    selected = jobs(spec)
+    selected = jobs(spec, progress=_planning_line if progress else None)
     name = spec.bundle
     if shard is not None:
         index, count = shard
@@ -248,25 +474,27 @@ def build(
         selected = [j for i, j in enumerate(selected) if i % count == index]
         name = f"{spec.bundle}.shard-{index}-of-{count}"
     cache = out_root / ".cache"
-    ids = {job: _cache_id(job, fingerprint, tools) for job in selected}
-    todo = [j for j in selected if not (cache / j.arch / f"{ids[j]}.json").is_file()]
+    paths = {j: (cache / j.arch / f"{_cache_id(j, fingerprint, tools)}.json") for j in selected}
     report = BuildReport(out_root / name)
+    entries = {j: _load_cached(meta, meta.with_suffix(".cubin"), report.warnings) for j, meta in paths.items()}
+    todo = [j for j in selected if entries[j] is None]
 
     def cache_one(job: Job, result: tuple[dict, bytes]) -> None:
         record, cubin = result
-        _atomic_write(cache / job.arch / f"{ids[job]}.cubin", cubin)  # cubin first: the json marks it complete
-        _atomic_write(cache / job.arch / f"{ids[job]}.json", json.dumps(record, sort_keys=True).encode())
+        # the entry records its cubin's checksum: a later build reuses it only if the bytes still match
+        record = dict(record, sha256=hashlib.sha256(cubin).hexdigest(), bytes=len(cubin))
+        _atomic_write(paths[job].with_suffix(".cubin"), cubin)  # cubin first: the json marks it complete
+        _atomic_write(paths[job], json.dumps(record, sort_keys=True).encode())
+        entries[job] = (record, cubin)
         report.built.append((f"{job.arch} {job.key.family} {job.key.digest[:12]}", record["compile_seconds"]))
 
     _compile_all(todo, workers or os.cpu_count() or 1, progress, on_done=cache_one)
     report.reused = len(selected) - len(todo)
     records, cubins = [], {}
     for job in selected:
-        record = json.loads((cache / job.arch / f"{ids[job]}.json").read_text())
-        data = (cache / job.arch / f"{ids[job]}.cubin").read_bytes()
+        record, data = entries[job]
         rel = f"{job.arch}/{job.key.digest}.cubin"
-        record.update(file=rel, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-        records.append(record)
+        records.append(dict(record, file=rel))
         if record["stack_bytes"] or record["local_bytes"]:
             report.spills.append(
                 f"{job.arch} {job.key.family} {job.key.digest[:12]} ({record['registers']} regs, "
@@ -282,6 +510,11 @@ def build(
 
 def merge(shard_dirs: list[str | Path], out_root: str | Path = "generated") -> Path:
     """Join the shards of one build into the full bundle (checks they belong together)."""
+    with _stoppable("merge", out_root):
+        return _merge(shard_dirs, out_root)
+
+
+def _merge(shard_dirs: list[str | Path], out_root: str | Path) -> Path:
     if not shard_dirs:
         raise BuildError("merge needs at least one shard directory")
     manifests = [(Path(d), read_manifest(d)) for d in shard_dirs]

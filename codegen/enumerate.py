@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import route_pack_specs
@@ -41,13 +43,14 @@ def problem_kernels(spec: BundleSpec):
                 yield problem, dtype, fast_math, roles
 
 
-def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
+def gemm_keys(spec: BundleSpec, step: Optional[Callable[[str], None]] = None) -> dict[str, set[KernelKey]]:
     """GEMM kernels per architecture: the plans of every token count 1..max bucket on each target.
 
     Plans depend on the device profile (SM count, shared memory), so a GEMM key
     is compiled only for the architecture of the profiles that plan it.  Only a
     handful of distinct plans exist per shape (route block size and tile change
-    at a few thresholds), so enumerating every M is cheap.
+    at a few thresholds), so enumerating every M is cheap per M, but linear in
+    the largest bucket: `step(label)` is told of each (problem, profile) first.
     """
     by_arch: dict[str, set[KernelKey]] = {}
     for profile in spec.targets:
@@ -55,6 +58,8 @@ def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
         for problem in spec.moe:
             if not problem.gemm:
                 continue
+            if step:
+                step(f"gemm {problem.name} on {profile.name}, 1..{problem.tokens[-1]} tokens")
             for dtype in problem.dtypes:
                 seen_plans = set()
                 for m in range(1, problem.tokens[-1] + 1):
@@ -66,12 +71,14 @@ def gemm_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
     return by_arch
 
 
-def fused_keys(spec: BundleSpec) -> dict[str, set[KernelKey]]:
+def fused_keys(spec: BundleSpec, step: Optional[Callable[[str], None]] = None) -> dict[str, set[KernelKey]]:
     """Fused MoE kernels per architecture: every variant's plans for 1..max bucket tokens on each target."""
     by_arch: dict[str, set[KernelKey]] = {}
     for profile in spec.targets:
         keys = by_arch.setdefault(profile.arch, set())
         for problem in spec.moe:
+            if step and problem.fused:
+                step(f"fused {problem.name} on {profile.name}, 1..{problem.tokens[-1]} tokens")
             for dtype in problem.dtypes:
                 for fast_math in problem.fast_math:
                     if not problem.fused:
@@ -95,11 +102,19 @@ def kernel_keys(spec: BundleSpec) -> list[KernelKey]:
     return sorted(keys, key=lambda k: k.canonical)
 
 
-def jobs(spec: BundleSpec) -> list[Job]:
+def jobs(spec: BundleSpec, progress: Optional[Callable[[str], None]] = None) -> list[Job]:
+    """Every kernel to compile; `progress(line)` hears "planning <bundle>: problem i/n ..." per planned problem."""
     archs = sorted({t.arch for t in spec.targets})
     common = {Job.of(key, arch) for key in kernel_keys(spec) for arch in archs}
-    planned = {Job.of(key, arch) for arch, keys in gemm_keys(spec).items() for key in keys}
-    planned |= {Job.of(key, arch) for arch, keys in fused_keys(spec).items() for key in keys}
+    total = len(spec.targets) * sum(bool(p.gemm) + bool(p.fused) for p in spec.moe)
+    count = itertools.count(1)
+
+    def announce(what: str) -> None:
+        progress(f"planning {spec.bundle}: problem {next(count)}/{total} {what}")
+
+    step = announce if progress else None
+    planned = {Job.of(key, arch) for arch, keys in gemm_keys(spec, step).items() for key in keys}
+    planned |= {Job.of(key, arch) for arch, keys in fused_keys(spec, step).items() for key in keys}
     return sorted(common | planned)
 
 

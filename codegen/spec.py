@@ -16,7 +16,7 @@ name the file, the line, the field and what is allowed.
         swiglu: {limit: 7.0}        # optional; alpha/beta for swigluoai only
         dtype: [bf16, fp16]         # one value or a list to enumerate
         fast_math: true             # one value or a list to enumerate
-        tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending
+        tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending, at most MAX_TOKENS (65,536)
         gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing
         tp: [1, 2]                  # optional: one problem per tensor-parallel degree, named
                                     # <name>-tp<N> with intermediate_size / N (the per-rank shard)
@@ -48,6 +48,16 @@ from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.types import Activation, DType
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+# The largest token bucket a spec may list.  Enumeration plans every token count 1..largest bucket
+# on every target (linear: ~35 s for specs/moe-models.yaml at 16,384 on the 2-core builder), and a
+# layer runs calls above its largest bucket in chunks of it, so larger buckets buy nothing but
+# build time.  65,536 is 4x the largest bucket of any shipped spec.
+MAX_TOKENS = 1 << 16
+# The fused kernel counts the 16-byte vectors of its route-major buffers (routes x hidden / 8) in
+# int32 (codegen/kernels/w4a16_fused.py), so tokens x top_k x width / 8 must stay below 2**31.
+_INT32_MAX = 2**31 - 1
+_VECTOR_ELEMENTS = 8  # bf16/fp16 elements per 16-byte vector
 
 
 @dataclass(frozen=True)
@@ -242,6 +252,12 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
     tokens = tuple(r.integer(t, f"{field}.tokens") for t in tokens_node.value)
     if list(tokens) != sorted(set(tokens)):
         raise r.fail(tokens_node, f"{field}.tokens", f"must be strictly ascending, got {list(tokens)}")
+    for node_t in tokens_node.value:
+        if node_t.value > MAX_TOKENS:
+            raise r.fail(node_t, f"{field}.tokens", (
+                f"token bucket {node_t.value:,} exceeds the limit of {MAX_TOKENS:,} tokens (the build plans every "
+                "count up to the largest bucket; larger calls run in chunks of the largest bucket anyway); "
+                f"list buckets up to {MAX_TOKENS}"))
     num_experts = r.integer(m["num_experts"], f"{field}.num_experts")
     top_k = r.integer(m["top_k"], f"{field}.top_k")
     if top_k > num_experts:
@@ -269,6 +285,8 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         gemm=r.boolean(m["gemm"], f"{field}.gemm") if "gemm" in m else False,
         fused=_fused_variants(r, m["fused"], f"{field}.fused") if "fused" in m else (),
     )
+    if problem.gemm or problem.fused:
+        _check_int32_routes(r, tokens_node, f"{field}.tokens", problem)
     # The kernel families' own validity checks decide what combinations can be built.
     checks = [
         ("intermediate_size", lambda: problem.activation_spec(problem.dtypes[0], True)),
@@ -287,6 +305,17 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         except BadInputError as exc:
             raise r.fail(m.get(name, node), f"{field}.{name}", str(exc)) from None
     return problem
+
+
+def _check_int32_routes(r: _Reader, node: _Node, field: str, problem: MoeProblem) -> None:
+    """The largest bucket's route-major buffers must be countable in int32 16-byte vectors."""
+    per_token = problem.top_k * max(problem.hidden_size, problem.fc1_n) // _VECTOR_ELEMENTS
+    limit = _INT32_MAX // per_token
+    if problem.tokens[-1] > limit:
+        raise r.fail(node, field, (
+            f"largest bucket {problem.tokens[-1]:,} x top_k {problem.top_k} x width "
+            f"{max(problem.hidden_size, problem.fc1_n)} overflows the kernels' int32 vector counts; "
+            f"the largest bucket may be at most {limit:,} for this problem"))
 
 
 def _fused_variants(r: _Reader, node: _Node, field: str) -> tuple[tuple[bool, bool, bool], ...]:

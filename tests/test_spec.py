@@ -101,6 +101,26 @@ def test_tokens_must_ascend(tmp_path):
     assert "strictly ascending" in str(_error(tmp_path, GOOD.replace("[1, 8]", "[8, 1]")))
 
 
+def test_token_bucket_bound_names_file_line_field_and_limit(tmp_path):
+    """`tokens: [1, 1000000000]` used to enumerate for many minutes; now it is a spec error."""
+    from cuteaot.codegen.spec import MAX_TOKENS
+
+    err = _error(tmp_path, GOOD.replace("tokens: [1, 8]", "tokens: [1, 1000000000]"))
+    assert err.line == 11 and err.field == "moe[0].tokens" and str(err).startswith(str(tmp_path))
+    assert "1,000,000,000" in str(err) and f"{MAX_TOKENS:,}" in str(err)
+    block = GOOD.replace("tokens: [1, 8]", f"tokens:\n      - 1\n      - {MAX_TOKENS + 1}")
+    assert _error(tmp_path, block).line == 13  # the offending item's own line
+    assert load_spec(_write(tmp_path, GOOD.replace("[1, 8]", f"[1, {MAX_TOKENS}]"))).moe[0].tokens[-1] == MAX_TOKENS
+
+
+def test_int32_route_vectors_bound_the_largest_bucket(tmp_path):
+    """A wide, high-top_k fused problem whose route buffers overflow int32 vector counts is refused."""
+    wide = GOOD.replace("hidden_size: 256", "hidden_size: 65536").replace("num_experts: 8", "num_experts: 512")
+    wide = wide.replace("top_k: 2", "top_k: 512").replace("tokens: [1, 8]", "tokens: [1, 4096]")
+    err = _error(tmp_path, wide + "    gemm: true\n")
+    assert err.field == "moe[0].tokens" and "int32" in str(err) and "at most 511" in str(err)
+
+
 def test_missing_key(tmp_path):
     err = _error(tmp_path, GOOD.replace("    tokens: [1, 8]\n", ""))
     assert "missing required key(s): tokens" in str(err) and err.line == 4
