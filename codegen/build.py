@@ -41,7 +41,7 @@ from pathlib import Path
 import filelock
 
 import cuteaot.runtime as runtime_pkg
-from cuteaot.runtime.errors import BuildError
+from cuteaot.runtime.errors import BuildError, CuteAotError
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.manifest import (
     MANIFEST_NAME,
@@ -52,7 +52,8 @@ from cuteaot.runtime.manifest import (
     verify_bundle,
 )
 
-from .enumerate import Job, jobs, resolution_table
+from .enumerate import Job, jobs_of
+from .table import PlannedBundle, plan_bundle
 from .spec import BundleSpec, load_spec
 
 CODEGEN_DIR = Path(__file__).parent
@@ -61,10 +62,13 @@ RUNTIME_DIR = Path(runtime_pkg.__file__).parent
 # The sources that decide what a key compiles to (the spec reader, enumeration, this driver and the
 # CLI only decide *which* keys to compile, and the keys say that themselves).
 CODEGEN_SOURCES = ("compile.py", "intrinsics.py", "ptx.py", "resources.py", "kernels")
-# every runtime module a compiled kernel depends on: the specs (kernels/), the shared-memory and
-# tile math they use (planning, fused_planning) and the weight layout the decode follows (weights)
-RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "planning.py", "fused_planning.py",
-                   "weights.py")
+# every runtime module a compiled kernel depends on: the specs and their geometry (kernels/) and the
+# weight layout the decode follows (weights)
+RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "weights.py")
+# What else decides the resolution table (which kernel, grid and buffers serve each M): a bundle
+# whose plan fingerprint and spec are unchanged is up to date without re-planning.
+PLAN_SOURCES = (("codegen", "table.py"), ("codegen", "enumerate.py"), ("codegen", "spec.py"),
+                ("runtime", "resolution.py"))
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cuda-cuobjdump")
 INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than it saves
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -72,22 +76,33 @@ PARENT_POLL_S = 1.0  # how often a worker checks its parent where PR_SET_PDEATHS
 WORKER_STOP_S = 5.0  # how long a stopped worker gets to exit after SIGTERM before SIGKILL
 
 
-def source_fingerprint() -> str:
-    """sha256 of the codegen sources and the runtime modules that decide what is compiled."""
-    files = []
-    for name in CODEGEN_SOURCES:
-        path = CODEGEN_DIR / name
-        found = path.rglob("*.py") if path.is_dir() else [path]
-        files += [("codegen", f.relative_to(CODEGEN_DIR)) for f in found]
-    for name in RUNTIME_SOURCES:
-        path = RUNTIME_DIR / name
-        found = path.rglob("*.py") if path.is_dir() else [path]
-        files += [("runtime", f.relative_to(RUNTIME_DIR)) for f in found]
+def _fingerprint(files: list[tuple[str, Path]]) -> str:
     h = hashlib.sha256()
     for top, rel in sorted(files):
         base = CODEGEN_DIR if top == "codegen" else RUNTIME_DIR
         h.update(f"{top}/{rel}".encode() + b"\0" + (base / rel).read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def _source_files() -> list[tuple[str, Path]]:
+    files = []
+    for top, base, names in (("codegen", CODEGEN_DIR, CODEGEN_SOURCES), ("runtime", RUNTIME_DIR, RUNTIME_SOURCES)):
+        for name in names:
+            path = base / name
+            found = path.rglob("*.py") if path.is_dir() else [path]
+            files += [(top, f.relative_to(base)) for f in found]
+    return files
+
+
+def source_fingerprint() -> str:
+    """sha256 of the codegen sources and the runtime modules that decide what is compiled."""
+    return _fingerprint(_source_files())
+
+
+def plan_fingerprint() -> str:
+    """sha256 of everything that decides the resolution table: the compiled sources (the planners
+    live in codegen/kernels) plus the table builder, enumeration, spec reader and table schema."""
+    return _fingerprint(_source_files() + [(top, Path(name)) for top, name in PLAN_SOURCES])
 
 
 def toolchain() -> dict[str, str]:
@@ -343,12 +358,14 @@ def _compile_all(todo: list[Job], workers: int, progress: bool, on_done=None) ->
     return results
 
 
-def _manifest(spec: BundleSpec, records: list[dict], fingerprint: str, tools: dict, shard) -> dict:
+def _manifest(spec: BundleSpec, planned: PlannedBundle, records: list[dict], fingerprint: str, tools: dict,
+              shard) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "bundle": spec.bundle,
         "toolchain": tools,
         "source_fingerprint": fingerprint,
+        "plan_fingerprint": plan_fingerprint(),
         "spec": {"file": Path(spec.file).name, "sha256": spec.sha256},
         "targets": [
             {
@@ -362,7 +379,7 @@ def _manifest(spec: BundleSpec, records: list[dict], fingerprint: str, tools: di
         ],
         "shard": shard,
         "kernels": sorted(records, key=lambda r: (r["arch"], r["family"], r["key"])),
-        "resolution": resolution_table(spec),
+        "resolution": [entry.to_json() for entry in planned.entries],
     }
 
 
@@ -451,6 +468,24 @@ def _stoppable(what: str, out_root):
                          "(kernels that finished compiling stay cached)") from None
 
 
+def _spill_line(record: dict) -> str:
+    return (f"{record['arch']} {record['family']} {record['key'][:12]} ({record['registers']} regs, "
+            f"{record['stack_bytes']} B stack, {record['local_bytes']} B local)")
+
+
+def _up_to_date(bundle_dir: Path, spec: BundleSpec, plan_print: str, tools: dict) -> bool:
+    """True when bundle_dir was built from this spec text, these sources and this toolchain for the
+    same targets, and every cubin it lists is present and intact: rebuilding would reproduce it."""
+    try:
+        manifest = verify_bundle(bundle_dir)
+    except CuteAotError:
+        return False
+    return (manifest["spec"] == {"file": Path(spec.file).name, "sha256": spec.sha256}
+            and manifest.get("plan_fingerprint") == plan_print and manifest["toolchain"] == tools
+            and [t["name"] for t in manifest["targets"]] == [t.name for t in spec.targets]
+            and manifest.get("shard") is None)
+
+
 def _planning_line(text: str) -> None:
     """Enumeration's report of each planned problem: with large token buckets planning takes minutes."""
     print(text, file=sys.stderr, flush=True)
@@ -465,8 +500,18 @@ def _build(spec_path, out_root: Path, workers, shard, progress: bool, targets) -
             raise BuildError(f"--targets {unknown} are not targets of {spec_path} ({[t.name for t in spec.targets]})")
         spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t.name in targets))
     fingerprint, tools = source_fingerprint(), toolchain()
-    selected = jobs(spec, progress=_planning_line if progress else None)
-    name = spec.bundle
+    name = spec.bundle if shard is None else f"{spec.bundle}.shard-{shard[0]}-of-{shard[1]}"
+    if shard is None and _up_to_date(out_root / name, spec, plan_fingerprint(), tools):
+        # same spec, sources and toolchain as the bundle there: its plan and kernels stand (no re-planning)
+        report = BuildReport(out_root / name, unchanged=True)
+        for record in read_manifest(out_root / name)["kernels"]:
+            report.reused += 1
+            if record["stack_bytes"] or record["local_bytes"]:
+                report.spills.append(_spill_line(record))
+        report.seconds = time.perf_counter() - start
+        return report
+    planned = plan_bundle(spec, progress=_planning_line if progress else None)
+    selected = jobs_of(spec, planned)
     if shard is not None:
         index, count = shard
         if not (count >= 1 and 0 <= index < count):
@@ -496,13 +541,10 @@ def _build(spec_path, out_root: Path, workers, shard, progress: bool, targets) -
         rel = f"{job.arch}/{job.key.digest}.cubin"
         records.append(dict(record, file=rel))
         if record["stack_bytes"] or record["local_bytes"]:
-            report.spills.append(
-                f"{job.arch} {job.key.family} {job.key.digest[:12]} ({record['registers']} regs, "
-                f"{record['stack_bytes']} B stack, {record['local_bytes']} B local)"
-            )
+            report.spills.append(_spill_line(dict(record, key=job.key.digest)))
         cubins[rel] = data
     shard_info = None if shard is None else {"index": shard[0], "count": shard[1]}
-    manifest = _manifest(spec, records, fingerprint, tools, shard_info)
+    manifest = _manifest(spec, planned, records, fingerprint, tools, shard_info)
     report.unchanged = not write_bundle(report.bundle_dir, manifest, cubins)
     report.seconds = time.perf_counter() - start
     return report
@@ -519,7 +561,7 @@ def _merge(shard_dirs: list[str | Path], out_root: str | Path) -> Path:
         raise BuildError("merge needs at least one shard directory")
     manifests = [(Path(d), read_manifest(d)) for d in shard_dirs]
     first = manifests[0][1]
-    same = ("bundle", "toolchain", "source_fingerprint", "spec", "targets", "resolution")
+    same = ("bundle", "toolchain", "source_fingerprint", "plan_fingerprint", "spec", "targets", "resolution")
     for path, m in manifests:
         if m.get("shard") is None:
             raise BuildError(f"{path} is not a shard (built without --shard)")

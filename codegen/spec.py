@@ -31,21 +31,24 @@ name the file, the line, the field and what is allowed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import yaml
 
 from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
-from cuteaot.runtime.fused_planning import DECODE_MAX_M, plan_fused
 from cuteaot.runtime.kernels.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
+from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.types import Activation, DType
+
+from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer
+from .kernels.w4a16.planning import gemm_spec_for, plan_for
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -98,25 +101,26 @@ class MoeProblem:
                                       a_per_route=True, mul_topk_weights=True, epilogue="none"),
         }
 
-    def fused_specs(self, m: int, dtype: DType, fast_math: bool, profile: DeviceProfile) -> dict:
-        """{"fused[...]": FusedSpec} of every fused variant the runtime plans for m tokens on `profile`."""
-        specs = {}
-        for on_input, expert_map, calibration in self.fused:
-            name = "fused" + "".join(f"+{n}" for n, on in (("router_weight_on_input", on_input),
-                                                         ("expert_map", expert_map), ("calibration", calibration)) if on)
-            # MoeLayer(deterministic=True) replaces the decode regime by the packed path (no atomics)
-            modes = (False, True) if m <= DECODE_MAX_M and not (expert_map or calibration) else (False,)
-            for deterministic in modes:
-                plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k,
-                                  self.activation.is_gated, profile, expert_map=expert_map, collect_amax=calibration,
-                                  deterministic=deterministic)
-                specs[name + ("+deterministic" if deterministic else "")] = FusedSpec.for_plan(
-                    plan, dtype, self.hidden_size, self.intermediate_size, self.num_experts, self.top_k,
-                    self.activation, router_weight_on_input=on_input, expert_map=expert_map,
-                    collect_amax=calibration, fast_math=fast_math, swiglu_alpha=self.swiglu_alpha,
-                    swiglu_beta=self.swiglu_beta, swiglu_limit=self.swiglu_limit,
+    def layer_facts(self) -> Iterator[MoeLayerFacts]:
+        """The MoeLayer variants this problem builds: dtype x fast_math x fused variant x deterministic.
+
+        deterministic=True replaces the decode regime (bf16 atomics) by the packed path; expert-map
+        and calibration variants never take the decode regime, so they have no deterministic twin.
+        """
+        for dtype, fast_math, (on_input, expert_map, calibration) in itertools.product(
+                self.dtypes, self.fast_math, self.fused):
+            for deterministic in (False, True) if not (expert_map or calibration) else (False,):
+                yield MoeLayerFacts(
+                    dtype=dtype, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_experts=self.num_experts, top_k=self.top_k, activation=self.activation,
+                    fast_math=fast_math, swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
+                    swiglu_limit=self.swiglu_limit, router_weight_on_input=on_input, expert_map=expert_map,
+                    calibration=calibration, deterministic=deterministic,
                 )
-        return specs
+
+    def fused_specs(self, m: int, profile: DeviceProfile) -> dict[MoeLayerFacts, FusedSpec]:
+        """The fused kernel each layer variant runs for m tokens on `profile`."""
+        return {facts: fused_spec_for(plan_layer(m, facts, profile), facts) for facts in self.layer_facts()}
 
     def activation_spec(self, dtype: DType, fast_math: bool) -> ActivationSpec:
         return ActivationSpec.create(
@@ -297,8 +301,7 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         checks.append(("gemm", lambda: problem.gemm_specs(problem.tokens[-1], problem.dtypes[0], PROFILES["h200"])))
     if problem.fused:
         for m_check in (1, problem.tokens[-1]):
-            checks.append(("fused", lambda m_check=m_check: problem.fused_specs(
-                m_check, problem.dtypes[0], problem.fast_math[0], PROFILES["h200"])))
+            checks.append(("fused", lambda m_check=m_check: problem.fused_specs(m_check, PROFILES["h200"])))
     for name, check in checks:
         try:
             check()

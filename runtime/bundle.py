@@ -24,6 +24,7 @@ from .errors import (
 )
 from .keys import KernelKey
 from .manifest import KernelRecord, kernel_records, read_cubin, read_manifest
+from .resolution import ResolutionTable
 from .workspace import WorkspacePool
 
 _DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
@@ -106,6 +107,7 @@ class Bundle:
         self.id = f"{self.name}@{path.resolve()}#cuda:{device.index}"
         self._kernels: dict[str, LoadedKernel] = {}
         self._libraries: list = []
+        self.resolution = ResolutionTable.from_manifest(manifest, profile.name)  # the build's decisions
         self.plans: dict = {}  # per-call-site launch plans cached by the ops modules
         self.workspaces = WorkspacePool(device)  # MoE layers' scratch memory, reserved before serving
 
@@ -156,6 +158,16 @@ class Bundle:
         found = self._kernels.get(key.digest)
         if found is None:
             raise self._unknown(key)
+        return found
+
+    def kernel_by_digest(self, digest: str) -> LoadedKernel:
+        """The loaded kernel a resolution-table entry names (verify_bundle checked that it exists)."""
+        found = self._kernels.get(digest)
+        if found is None:
+            raise BundleError(
+                f"bundle {self.name!r} ({self.path}): its resolution table names kernel {digest[:12]}, which is not "
+                f"loaded for {self.arch}; the bundle is inconsistent: rebuild it"
+            )
         return found
 
     def has(self, key: KernelKey) -> bool:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .errors import IntegrityError, SchemaMismatchError
 from .keys import KernelKey
+from .resolution import Entry
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the resolution table holds the build's decisions per token range (frozen resolution)
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 # The `arch` and `sha256` patterns of manifest.schema.json.  A record's `file` must be exactly
@@ -45,6 +46,7 @@ _TOP_FIELDS = {
     "bundle": str,
     "toolchain": dict,
     "source_fingerprint": str,
+    "plan_fingerprint": str,
     "spec": dict,
     "targets": list,
     "kernels": list,
@@ -208,12 +210,15 @@ def verify_bundle(bundle_dir: str | Path) -> dict:
         return manifest  # a shard holds part of the kernels; `cuteaot merge` checks the whole
     built = {(r.arch, r.digest) for r in records}
     arch_of = {t["name"]: t["arch"] for t in manifest["targets"]}
-    for row in manifest["resolution"]:
-        arch = arch_of.get(row["profile"])
-        for role, digest in row["kernels"].items():
-            if (arch, digest) not in built:
-                raise IntegrityError(
-                    f"{bundle_dir}: resolution row {row['problem']}/{row['profile']} needs {role} "
-                    f"kernel {digest[:12]} for {arch}, which the bundle does not contain"
-                )
+    for raw in manifest["resolution"]:
+        entry = Entry.from_json(raw)  # launch ranges tile 1..max without gaps
+        arch = arch_of.get(entry.profile)
+        for launch in entry.launches:
+            for variant, digest in launch.kernels.items():
+                if (arch, digest) not in built:
+                    raise IntegrityError(
+                        f"{bundle_dir}: resolution entry {entry.op} {entry.problem}/{entry.profile} needs {variant} "
+                        f"kernel {digest[:12]} for {arch} (M {launch.m_min}..{launch.m_max}), which the bundle "
+                        "does not contain"
+                    )
     return manifest

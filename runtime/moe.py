@@ -24,6 +24,7 @@ layer usable under torch.compile.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -32,11 +33,10 @@ from typing import Iterable, Optional
 import torch
 
 from .bundle import Bundle, current_stream_handle
-from .errors import BadInputError
-from .fused_planning import DECODE_MAX_M, FusedPlan, plan_fused, workspace_bounds
-from .kernels.fused_spec import FusedSpec
-from .kernels.gemm import PersistentLaunch
-from .kernels.route_pack import MAX_EXPERTS, pack_routes, route_pack_workspace_elements
+from .errors import BadInputError, UnknownSpecializationError
+from .kernels.gemm import PersistentLaunch, persistent_launch
+from .kernels.route_pack import MAX_EXPERTS, max_packed_route_slots, pack_routes, route_pack_workspace_elements
+from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.topk_sum import moe_topk_sum
 from .tensors import check_rank, check_tensor
 from .types import Activation
@@ -63,21 +63,20 @@ class MoeWorkspace:
     ids32: torch.Tensor  # ... then narrowed for the direct-route (decode) kernel
 
     @classmethod
-    def allocate(cls, shape: WorkspaceShape, bundle: Bundle) -> "MoeWorkspace":
-        b = workspace_bounds(shape.max_tokens, shape.top_k, shape.route_experts, bundle.profile)
-        routes, dev = shape.routes, bundle.device
-        i32 = dict(dtype=torch.int32, device=dev)
+    def allocate(cls, shape: WorkspaceShape, device: torch.device) -> "MoeWorkspace":
+        routes = shape.routes
+        i32 = dict(dtype=torch.int32, device=device)
         return cls(
             max_tokens=shape.max_tokens,
-            fc13=torch.empty(routes * max(shape.fc1_width, shape.hidden_size), dtype=shape.dtype.torch, device=dev),
-            activated=torch.empty(routes * shape.intermediate_size, dtype=shape.dtype.torch, device=dev),
-            c_tmp=torch.empty(b["c_tmp_floats"], dtype=torch.float32, device=dev),
-            locks=torch.zeros(b["lock_words"], **i32),
-            route_indices=torch.empty(b["route_slots"], **i32),
-            block_experts=torch.empty(b["route_blocks"], **i32),
+            fc13=torch.empty(routes * max(shape.fc1_width, shape.hidden_size), dtype=shape.dtype.torch, device=device),
+            activated=torch.empty(routes * shape.intermediate_size, dtype=shape.dtype.torch, device=device),
+            c_tmp=torch.empty(max(shape.c_tmp_floats, 1), dtype=torch.float32, device=device),
+            locks=torch.zeros(shape.lock_words, **i32),
+            route_indices=torch.empty(shape.route_slots, **i32),
+            block_experts=torch.empty(shape.route_blocks, **i32),
             route_count=torch.zeros(1, **i32),
             route_pack=torch.empty(route_pack_workspace_elements(routes, shape.route_experts), **i32),
-            ids64=torch.empty(routes, dtype=torch.int64, device=dev),
+            ids64=torch.empty(routes, dtype=torch.int64, device=device),
             ids32=torch.empty(routes, **i32),
         )
 
@@ -87,10 +86,22 @@ class MoeWorkspace:
 
 
 @dataclass(frozen=True)
-class _Resolved:
-    plan: FusedPlan
-    spec: FusedSpec
-    launch: PersistentLaunch
+class Resolved:
+    """An m-token call's launch: the resolution table's decision and its checked kernel."""
+
+    launch: Launch  # grid, route handling and kernel the build chose for this M
+    kernel: PersistentLaunch
+
+    @property
+    def decode(self) -> bool:
+        """Direct routes with the top-k sum folded into FC2 (the small-M regime)."""
+        return self.launch.direct
+
+    def describe(self) -> str:
+        f = self.kernel.spec
+        path = "decode" if self.decode else f"packed b{self.launch.route_block}"
+        return (f"{path} {f.mainloop.value} fc1 {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
+                f"grid {self.launch.grid_x}")
 
 
 _LAYERS: "weakref.WeakValueDictionary[str, MoeLayer]" = weakref.WeakValueDictionary()
@@ -144,18 +155,24 @@ class MoeLayer:
             raise BadInputError(f"at most {MAX_EXPERTS} experts are supported, got {self.route_experts}")
         if top_k > self.route_experts:
             raise BadInputError(f"top_k={top_k} exceeds the {self.route_experts} experts")
-        self.options = dict(router_weight_on_input=bool(router_weight_on_input), fast_math=bool(fast_math),
-                            swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
         self.deterministic = bool(deterministic)
-        self.max_tokens = _bundle_max_tokens(bundle) if max_tokens is None else max_tokens
+        self.facts = MoeLayerFacts(
+            dtype=self.dtype, hidden_size=self.hidden_size, intermediate_size=inter, num_experts=self.route_experts,
+            top_k=top_k, activation=self.activation, fast_math=fast_math, swiglu_alpha=swiglu_alpha,
+            swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit, router_weight_on_input=router_weight_on_input,
+            expert_map=expert_map is not None, deterministic=deterministic,
+        )
+        # the build's decisions for this layer: options the bundle cannot serve fail here, naming the nearest
+        self.entry: Entry = bundle.resolution.find(MOE_LAYER, self.facts)
+        self.max_tokens = self.entry.max_tokens if max_tokens is None else max_tokens
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise BadInputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         self.validate_ids = validate_ids
-        self._resolved: dict[tuple[int, bool], _Resolved] = {}
-        for m in _construction_token_counts(bundle, self.max_tokens):
-            self.resolve(m)  # options the bundle cannot serve fail now, not at the first call
-        self.shape = WorkspaceShape(self.hidden_size, inter, self.fc1_width, top_k, self.route_experts,
-                                    self.dtype, self.max_tokens)
+        self._resolved: dict[tuple[int, bool], Resolved] = {}
+        for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
+            if launch.m_min <= self.max_tokens:
+                persistent_launch(bundle, launch.kernel("fused"))
+        self.shape = self._workspace_shape()
         pool = bundle.workspaces
         pool.acquire(self.shape, self._allocate_workspace)
         weakref.finalize(self, pool.release, self.shape)  # the last layer of a shape frees its workspaces
@@ -188,26 +205,37 @@ class MoeLayer:
             raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
                                 f"got range [{lo}, {hi}]")
 
+    def _entry(self, calibration: bool) -> Entry:
+        """The table entry of plain calls, or of calibration calls (activation_amax given)."""
+        if not calibration:
+            return self.entry
+        return self.bundle.resolution.find(MOE_LAYER, dataclasses.replace(self.facts, calibration=True,
+                                                                          deterministic=False))
+
+    def _workspace_shape(self) -> WorkspaceShape:
+        """Buffer sizes for max_tokens tokens: the table's, of calibration calls too where the bundle has them."""
+        sizes = dict(self.entry.workspace(self.max_tokens).sizes)
+        try:
+            calibration = self._entry(True).workspace(self.max_tokens).sizes
+        except UnknownSpecializationError:
+            calibration = {}
+        for name, value in calibration.items():
+            sizes[name] = max(sizes.get(name, 0), value)
+        return WorkspaceShape(self.hidden_size, self.intermediate_size, self.fc1_width, self.top_k,
+                              self.route_experts, self.dtype, self.max_tokens, **sizes)
+
     def _allocate_workspace(self) -> MoeWorkspace:
-        return MoeWorkspace.allocate(self.shape, self.bundle)
+        return MoeWorkspace.allocate(self.shape, self.device)
 
     # ------------------------------------------------------------------ resolution
 
-    def resolve(self, m: int, collect_amax: bool = False) -> _Resolved:
-        """The plan, kernel spec and checked kernel of an m-token call (cached)."""
+    def resolve(self, m: int, collect_amax: bool = False) -> Resolved:
+        """The table's launch of an m-token call and its checked kernel (cached)."""
         r = self._resolved.get((m, collect_amax))
         if r is None:
-            expert_map = self.expert_map is not None
-            plan = plan_fused(m, self.hidden_size, self.intermediate_size, self.route_experts, self.top_k,
-                              self.activation.is_gated, self.bundle.profile, expert_map=expert_map,
-                              collect_amax=collect_amax, deterministic=self.deterministic)
-            spec = FusedSpec.for_plan(plan, self.dtype, self.hidden_size, self.intermediate_size, self.num_experts,
-                                      self.top_k, self.activation, expert_map=expert_map,
-                                      collect_amax=collect_amax, **self.options)
-            key = ("w4a16_fused_kernel", spec)
-            launch = self.bundle.plans.get(key) or PersistentLaunch(self.bundle, spec)
-            self.bundle.plans[key] = launch
-            r = self._resolved[(m, collect_amax)] = _Resolved(plan, spec, launch)
+            launch = self._entry(collect_amax).launch(m)
+            r = self._resolved[(m, collect_amax)] = Resolved(launch, persistent_launch(self.bundle,
+                                                                                       launch.kernel("fused")))
         return r
 
     # ------------------------------------------------------------------ memory
@@ -258,9 +286,8 @@ class MoeLayer:
     def _launch(self, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace) -> None:
         m = x.shape[0]
         r = self.resolve(m, amax is not None)
-        plan = r.plan
         routes = m * self.top_k
-        if plan.decode:
+        if r.decode:
             ids = topk_ids
             if ids.dtype != torch.int32:
                 # narrowed through the workspace (a call never allocates); ids outside [-1, E] become
@@ -272,16 +299,17 @@ class MoeLayer:
                 ids.copy_(wide)
             route_indices = block_experts = route_count = ids
         else:
+            block = r.launch.route_block
+            slots = max_packed_route_slots(routes, block, self.route_experts)  # what this M can fill
             route_indices, block_experts, route_count = pack_routes(
-                self.bundle, topk_ids, self.route_experts, plan.moe_block_size, expert_map=self.expert_map,
-                packed_route_indices=ws.route_indices[: plan.max_route_slots],
-                block_expert_ids=ws.block_experts[: plan.max_route_blocks],
+                self.bundle, topk_ids, self.route_experts, block, expert_map=self.expert_map,
+                packed_route_indices=ws.route_indices[:slots], block_expert_ids=ws.block_experts[: slots // block],
                 packed_route_count=ws.route_count,
                 workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
             )
-        fc2_target = out if plan.decode else ws.fc13
-        r.launch.kernel.launch(
-            plan.grid_x, current_stream_handle(self.device.index),
+        fc2_target = out if r.decode else ws.fc13
+        r.kernel.kernel.launch(
+            r.launch.grid_x, current_stream_handle(self.device.index),
             x.data_ptr(), self.w13.qweight.data_ptr(), self.w2.qweight.data_ptr(), ws.fc13.data_ptr(),
             ws.activated.data_ptr(), fc2_target.data_ptr(), self.w13.scales.data_ptr(), self.w2.scales.data_ptr(),
             self.w13.global_scale.data_ptr(), self.w2.global_scale.data_ptr(), route_indices.data_ptr(),
@@ -289,7 +317,7 @@ class MoeLayer:
             ws.locks.data_ptr(), (amax if amax is not None else ws.c_tmp).data_ptr(),
             0 if layer_idx is None else layer_idx, m, self.num_experts,
         )
-        if not plan.decode:
+        if not r.decode:
             fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
             # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
             moe_topk_sum(self.bundle, fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
@@ -329,22 +357,6 @@ class MoeLayer:
                     f"({'-1 = dropped route, ' if low < 0 else ''}{self.route_experts} experts), got [{lo}, {hi}]"
                 )
         return m
-
-
-def _bundle_max_tokens(bundle: Bundle) -> int:
-    rows = bundle.manifest.get("resolution", [])
-    tokens = [row["tokens"] for row in rows if row.get("profile") == bundle.profile.name]
-    if not tokens:
-        raise BadInputError(f"bundle {bundle.name!r} has no token buckets for {bundle.profile.name}; pass max_tokens=")
-    return max(tokens)
-
-
-def _construction_token_counts(bundle: Bundle, max_tokens: int) -> list[int]:
-    """Token counts a new layer resolves up front: both sides of the decode threshold and every bucket."""
-    rows = bundle.manifest.get("resolution", [])
-    buckets = {row["tokens"] for row in rows if row.get("profile") == bundle.profile.name}
-    counts = {m for m in buckets | set(range(1, DECODE_MAX_M + 2)) if m <= max_tokens}
-    return sorted(counts | {max_tokens})
 
 
 def run_w4a16_moe(bundle: Bundle, hidden_states: torch.Tensor, w13: PackedNvfp4, w2: PackedNvfp4,

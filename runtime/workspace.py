@@ -33,7 +33,11 @@ DEFAULT = "default"  # the stream key of a shape's default workspace
 
 @dataclass(frozen=True)
 class WorkspaceShape:
-    """What sizes a MoE workspace; layers with equal shapes share workspaces."""
+    """What sizes a MoE workspace; layers with equal shapes share workspaces.
+
+    The last four are the resolution table's sizes for max_tokens (split-K scratch, barrier and
+    lock words, packed route slots and blocks): the build recorded them, the runtime allocates them.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -42,6 +46,10 @@ class WorkspaceShape:
     route_experts: int  # experts the routing addresses (the expert map's length under EP)
     dtype: DType
     max_tokens: int
+    c_tmp_floats: int = 0
+    lock_words: int = 0
+    route_slots: int = 0
+    route_blocks: int = 0
 
     @property
     def routes(self) -> int:

@@ -31,10 +31,9 @@ from typing import Optional
 
 from ..abi import Param, ParamKind, Signature
 from ..errors import BadInputError
-from ..fused_planning import BARRIER_WORDS, FusedPlan, fused_gemm_dims
 from ..keys import KernelKey
-from ..planning import TileConfig
-from ..types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT, Activation, DType
+from .w4a16.geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
+from ..types import Activation, DType
 from .activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 
@@ -91,34 +90,6 @@ class FusedSpec:
     whole_tiles_m8: bool = True
     amax_experts: int = 0  # collect_amax: experts in the weights (rows of the amax table); else 0
     mainloop: Mainloop = Mainloop.MMA_SYNC  # both GEMM phases (wgmma: sm_90a, 64/128-row blocks)
-
-    @classmethod
-    def for_plan(cls, plan: FusedPlan, dtype: DType, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, activation: Activation | str, *, router_weight_on_input: bool = False,
-                 expert_map: bool = False, collect_amax: bool = False, fast_math: bool = True,
-                 swiglu_alpha: float | None = None, swiglu_beta: float | None = None,
-                 swiglu_limit: float | None = None) -> "FusedSpec":
-        """The kernel a plan selects; num_experts = experts in the weights (sizes the amax table only)."""
-        act = Activation(activation)
-        if act is Activation.RELU2:
-            fast_math = False  # no transcendental
-        if act is Activation.SWIGLUOAI:
-            swiglu_alpha = SWIGLUOAI_DEFAULT_ALPHA if swiglu_alpha is None else float(swiglu_alpha)
-            swiglu_beta = SWIGLUOAI_DEFAULT_BETA if swiglu_beta is None else float(swiglu_beta)
-            swiglu_limit = SWIGLUOAI_DEFAULT_LIMIT if swiglu_limit is None else float(swiglu_limit)
-        return cls(
-            dtype=DType(dtype), hidden_size=hidden_size, intermediate_size=intermediate_size,
-            top_k=top_k, activation=act, amax_experts=num_experts if collect_amax else 0,
-            fc1_tile_n=plan.fc1_tile.tile_n, fc1_tile_k=plan.fc1_tile.tile_k,
-            fc2_tile_n=plan.fc2_tile.tile_n, fc2_tile_k=plan.fc2_tile.tile_k,
-            moe_block_size=plan.moe_block_size, blocks_per_sm=plan.blocks_per_sm, decode=plan.decode,
-            router_weight_on_input=bool(router_weight_on_input), expert_map=bool(expert_map),
-            collect_amax=bool(collect_amax), fast_math=bool(fast_math),
-            swiglu_alpha=None if swiglu_alpha is None else float(swiglu_alpha),
-            swiglu_beta=None if swiglu_beta is None else float(swiglu_beta),
-            swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
-            whole_tiles_m8=plan.whole_tiles_m8, mainloop=Mainloop(plan.mainloop),
-        )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))

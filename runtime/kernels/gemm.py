@@ -10,11 +10,11 @@
               out[r] = a[src(r)] @ W[topk_ids[r]]^T  (* topk_weights[r] if mul_topk_weights)
                        (relu(.)**2 if epilogue="relu2")
 
-The launch plan (route block size, tile, persistent grid) comes from
-runtime/planning.py for the exact M and the bundle's device profile; it names
-the kernel by key, so the bundle must have been built for this problem.  For
-M <= 6 the routes are used directly (no packing); otherwise `pack_routes`
-groups them by expert first.  A layer whose GEMMs share the routing (FC1 and
+The launch (kernel, persistent grid, route block size) comes from the bundle's
+resolution table: the build planned every M of the spec's problems and recorded the
+decision (runtime/resolution.py), so weights whose shape no problem of the bundle has
+are refused with the nearest built shapes named.  Small M reads the routes directly
+(no packing); otherwise `pack_routes` groups them by expert first.  A layer whose GEMMs share the routing (FC1 and
 FC2) can pack once with `pack_gemm_routes` and pass `routes=` to each GEMM.  The whole persistent grid must be co-resident
 (split-K slices wait on each other): checked with the occupancy API on the
 first use of each kernel.
@@ -29,12 +29,10 @@ from cuda.bindings import driver
 
 from ..bundle import Bundle, LoadedKernel, check_cu, current_stream_handle
 from ..errors import BadInputError, LaunchError
-from ..planning import GemmPlan, plan_gemm
+from ..resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
 from ..tensors import INT32_MAX, check_rank, check_tensor
-from ..types import DType
-from ..weights import PackedNvfp4, stored_dims
-from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
-from .route_pack import pack_routes, route_pack_workspace_elements
+from ..weights import PackedNvfp4
+from .route_pack import max_packed_route_slots, pack_routes, route_pack_workspace_elements
 
 
 @dataclass
@@ -52,28 +50,43 @@ class GemmWorkspace:
     route_pack: torch.Tensor  # int32 scratch of the multi-CTA route packing
 
     @classmethod
-    def allocate(cls, plan: GemmPlan, m: int, top_k: int, num_experts: int, device,
+    def allocate(cls, sizes: dict, routes: int, num_experts: int, device,
                  at_least: "GemmWorkspace | None" = None) -> "GemmWorkspace":
-        """Buffers for `plan` at M = m, each at least as large as in `at_least` (when growing one)."""
+        """Buffers of the given sizes (a resolution launch's or workspace's `sizes`) for `routes` routes,
+        each at least as large as in `at_least` (when growing one)."""
         def size(wanted: int, name: str) -> int:
             return max(wanted, 4, at_least and getattr(at_least, name).numel() or 0)
 
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
-            c_tmp=torch.empty(size(plan.splitk_scratch_floats, "c_tmp"), dtype=torch.float32, device=device),
-            locks=torch.zeros(size(plan.lock_slots, "locks"), **i32),
-            route_indices=torch.empty(size(plan.max_route_slots, "route_indices"), **i32),
-            block_experts=torch.empty(size(plan.max_route_blocks, "block_experts"), **i32),
+            c_tmp=torch.empty(size(sizes["c_tmp_floats"], "c_tmp"), dtype=torch.float32, device=device),
+            locks=torch.zeros(size(sizes["lock_slots"], "locks"), **i32),
+            route_indices=torch.empty(size(sizes["route_slots"], "route_indices"), **i32),
+            block_experts=torch.empty(size(sizes["route_blocks"], "block_experts"), **i32),
             route_count=torch.zeros(1, **i32),
-            route_pack=torch.empty(size(route_pack_workspace_elements(m * top_k, num_experts), "route_pack"), **i32),
+            route_pack=torch.empty(size(route_pack_workspace_elements(routes, num_experts), "route_pack"), **i32),
         )
 
-    def fits(self, plan: GemmPlan, m: int, top_k: int, num_experts: int) -> bool:
+    @classmethod
+    def for_tokens(cls, bundle: Bundle, max_tokens: int, top_k: int, *weights: PackedNvfp4) -> "GemmWorkspace":
+        """One workspace for every GEMM over these weights with up to max_tokens tokens (e.g. FC1 and
+        FC2 of a layer, the largest M a server runs): sizes from the bundle's resolution table."""
+        ws = None
+        for w in weights:
+            entry = gemm_entry(bundle, w, top_k)
+            ws = cls.allocate(entry.workspace(max_tokens).sizes, max_tokens * top_k, w.num_experts, bundle.device,
+                              at_least=ws)
+        if ws is None:
+            raise BadInputError("GemmWorkspace.for_tokens needs at least one PackedNvfp4")
+        return ws
+
+    def fits(self, launch: Launch, m: int, top_k: int, num_experts: int) -> bool:
+        sizes = launch.sizes
         return (
-            self.c_tmp.numel() >= plan.splitk_scratch_floats
-            and self.locks.numel() >= plan.lock_slots
-            and self.route_indices.numel() >= plan.max_route_slots
-            and self.block_experts.numel() >= plan.max_route_blocks
+            self.c_tmp.numel() >= sizes["c_tmp_floats"]
+            and self.locks.numel() >= sizes["lock_slots"]
+            and self.route_indices.numel() >= sizes["route_slots"]
+            and self.block_experts.numel() >= sizes["route_blocks"]
             and self.route_pack.numel() >= route_pack_workspace_elements(m * top_k, num_experts)
         )
 
@@ -108,30 +121,37 @@ def pack_gemm_routes(bundle: Bundle, topk_ids: torch.Tensor, weights: PackedNvfp
     if not isinstance(weights, PackedNvfp4):
         raise BadInputError(f"weights must be a PackedNvfp4 (runtime/weights.py), got {type(weights).__name__}")
     m, top_k = topk_ids.shape
-    plan = plan_for(m, weights.n, weights.k, top_k, weights.num_experts, bundle.profile)
+    launch = gemm_entry(bundle, weights, top_k).launch(m)
     if workspace is None:
-        workspace = GemmWorkspace.allocate(plan, m, top_k, weights.num_experts, bundle.device)
-    elif not workspace.fits(plan, m, top_k, weights.num_experts):
-        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.allocate for the largest M")
-    return _routes(bundle, plan, topk_ids, weights.num_experts, workspace)
+        workspace = GemmWorkspace.allocate(launch.sizes, m * top_k, weights.num_experts, bundle.device)
+    elif not workspace.fits(launch, m, top_k, weights.num_experts):
+        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
+                            "largest M")
+    return _routes(bundle, launch, topk_ids, weights.num_experts, workspace)
 
 
-def _routes(bundle: Bundle, plan: GemmPlan, topk_ids: torch.Tensor, num_experts: int,
+def gemm_entry(bundle: Bundle, weights: PackedNvfp4, top_k: int) -> Entry:
+    """The resolution-table entry of GEMMs over these weights with top_k routes per token."""
+    facts = GemmFacts(dtype=weights.dtype, n=weights.n, k=weights.k, top_k=top_k, num_experts=weights.num_experts,
+                      layout=weights.layout, scale_format=weights.scale_format)
+    return bundle.resolution.find(GEMM, facts)
+
+
+def _routes(bundle: Bundle, launch: Launch, topk_ids: torch.Tensor, num_experts: int,
             workspace: GemmWorkspace) -> GemmRoutes:
-    if plan.direct_topk_routes:
+    if launch.direct:
         ids = topk_ids if topk_ids.dtype == torch.int32 else direct_route_ids(topk_ids, num_experts)
         indices = block_experts = count = ids
-        block_size = 0
     else:
+        block = launch.route_block
+        slots = max_packed_route_slots(topk_ids.numel(), block, num_experts)  # what this M can fill
         indices, block_experts, count = pack_routes(
-            bundle, topk_ids, num_experts, plan.moe_block_size,
-            packed_route_indices=workspace.route_indices[: plan.max_route_slots],
-            block_expert_ids=workspace.block_experts[: plan.max_route_blocks],
+            bundle, topk_ids, num_experts, block,
+            packed_route_indices=workspace.route_indices[:slots], block_expert_ids=workspace.block_experts[: slots // block],
             packed_route_count=workspace.route_count, workspace=workspace.route_pack,
         )
-        block_size = plan.moe_block_size
-    return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, block_size, indices, block_experts,
-                      count)
+    return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, launch.route_block, indices,
+                      block_experts, count)
 
 
 def direct_route_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -144,80 +164,58 @@ def direct_route_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return topk_ids.clamp(-1, num_experts).to(torch.int32)
 
 
-def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, plan: GemmPlan) -> None:
+def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, launch: Launch) -> None:
     if not isinstance(routes, GemmRoutes):
         raise BadInputError(f"routes must come from pack_gemm_routes, got {type(routes).__name__}")
     if routes.ids_ptr != topk_ids.data_ptr() or routes.shape != tuple(topk_ids.shape):
         raise BadInputError(f"routes were packed from another topk_ids (shape {routes.shape}); pack these ids")
     if routes.num_experts != num_experts:
         raise BadInputError(f"routes were packed for {routes.num_experts} experts, the weights have {num_experts}")
-    wanted = 0 if plan.direct_topk_routes else plan.moe_block_size
-    if routes.block_size != wanted:
+    if routes.block_size != launch.route_block:
         raise BadInputError(
-            f"routes were packed with block size {routes.block_size or 'direct'}, this GEMM's plan at "
-            f"M={topk_ids.shape[0]} uses {wanted or 'direct'}: pack them with pack_gemm_routes for these weights"
+            f"routes were packed with block size {routes.block_size or 'direct'}, this GEMM's launch at "
+            f"M={topk_ids.shape[0]} uses {launch.route_block or 'direct'}: pack them with pack_gemm_routes for "
+            "these weights"
         )
 
 
-def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile) -> GemmPlan:
-    """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
-    n_stored, k_stored = stored_dims(n, k)
-    return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16")
-
-
-def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
-                  mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
-                  scale_format: str = "e4m3_k16") -> GemmSpec:
-    """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
-
-    The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.
-    """
-    n_stored, k_stored = stored_dims(n, k)
-    return GemmSpec(
-        dtype=dtype,
-        n=n_stored,
-        k=k_stored,
-        n_out=None if n == n_stored else n,
-        k_in=None if k == k_stored else k,
-        top_k=1 if a_per_route else top_k,
-        tile_n=plan.tile.tile_n,
-        tile_k=plan.tile.tile_k,
-        moe_block_size=plan.moe_block_size,
-        blocks_per_sm=plan.blocks_per_sm,
-        mul_topk_weights=mul_topk_weights,
-        routes=Routes.DIRECT if plan.direct_topk_routes else Routes.PACKED,
-        whole_tiles_m8=plan.whole_tiles_m8,
-        epilogue=Epilogue(epilogue),
-        layout=layout,
-        scale_format=scale_format,
-        mainloop=Mainloop(plan.mainloop),
-    )
-
-
 class PersistentLaunch:
-    """A resolved persistent kernel (GEMM or fused MoE) whose co-residency has been checked.
+    """A kernel of the resolution table (GEMM or fused MoE) whose co-residency has been checked.
 
     Its CTAs wait on each other (split-K turns, grid barriers), so a grid with CTAs that
-    are not resident at once would deadlock: refuse the kernel instead.  Cached per spec.
+    are not resident at once would deadlock: refuse the kernel instead.  Built once per kernel
+    (`persistent_launch` caches it on the bundle).
     """
 
-    def __init__(self, bundle: Bundle, spec):
-        self.spec = spec
-        self.kernel: LoadedKernel = bundle.kernel(spec.key())
-        self.kernel.bind(spec.SIGNATURE)
+    def __init__(self, bundle: Bundle, digest: str):
+        from . import FAMILIES  # the package imports this module
+
+        self.kernel: LoadedKernel = bundle.kernel_by_digest(digest)
+        key = self.kernel.record.key
+        self.spec = FAMILIES[key.family].from_facts(key.facts)
+        self.kernel.bind(self.spec.SIGNATURE)
         resident = check_cu(
             driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 self.kernel.function, self.kernel.block[0], self.kernel.record.dynamic_smem_bytes
             ),
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         )
-        if resident < spec.blocks_per_sm:
+        if resident < self.spec.blocks_per_sm:
             raise LaunchError(
-                f"{spec.key().describe()}: only {resident} CTAs per SM fit on {bundle.profile.name} "
+                f"{key.describe()}: only {resident} CTAs per SM fit on {bundle.profile.name} "
                 f"({self.kernel.record.registers} registers, {self.kernel.record.dynamic_smem_bytes} B shared), "
-                f"the plan needs {spec.blocks_per_sm}; a persistent grid that is not co-resident can deadlock "
+                f"the plan needs {self.spec.blocks_per_sm}; a persistent grid that is not co-resident can deadlock "
                 "in its split-K waits or grid barriers. Rebuild the bundle for this device profile."
             )
+
+
+def persistent_launch(bundle: Bundle, digest: str) -> PersistentLaunch:
+    """The checked launch of a table kernel, built on first use and cached on the bundle."""
+    key = ("persistent_launch", digest)
+    found = bundle.plans.get(key)
+    if found is None:
+        found = bundle.plans[key] = PersistentLaunch(bundle, digest)
+    return found
 
 
 def w4a16_moe_gemm(
@@ -237,7 +235,7 @@ def w4a16_moe_gemm(
     """Grouped W4A16 GEMM of routed rows; returns `out` (M * top_k, N), allocated if None.
 
     Launches on torch's current stream.  CUDA-graph capturable when `out` and a
-    `workspace` that fits (GemmWorkspace.allocate for the largest M) are given and
+    `workspace` that fits (GemmWorkspace.for_tokens for the largest M) are given and
     topk_ids is int32 (int64 ids are converted, which allocates).  `routes` (from
     `pack_gemm_routes` on the same topk_ids) skips the route packing.
     """
@@ -267,16 +265,12 @@ def w4a16_moe_gemm(
 
     cache_key = ("w4a16_moe_gemm", m, top_k, weights.n, weights.k, weights.num_experts, weights.dtype,
                  a_per_route, mul_topk_weights, epilogue)
-    entry = bundle.plans.get(cache_key)
-    if entry is None:
-        plan = plan_for(m, weights.n, weights.k, top_k, weights.num_experts, bundle.profile)
-        spec = gemm_spec_for(plan, weights.dtype, weights.n, weights.k, top_k, a_per_route=a_per_route,
-                             mul_topk_weights=mul_topk_weights, epilogue=epilogue, layout=weights.layout,
-                             scale_format=weights.scale_format)
-        launch = bundle.plans.get(("w4a16_gemm_kernel", spec)) or PersistentLaunch(bundle, spec)
-        bundle.plans[("w4a16_gemm_kernel", spec)] = launch
-        entry = bundle.plans[cache_key] = (plan, launch)
-    plan, launch = entry
+    resolved = bundle.plans.get(cache_key)
+    if resolved is None:  # the table's launch for this M and the kernel of this variant
+        launch = gemm_entry(bundle, weights, top_k).launch(m)
+        digest = launch.kernel(gemm_variant(a_per_route, mul_topk_weights, epilogue))
+        resolved = bundle.plans[cache_key] = (launch, persistent_launch(bundle, digest))
+    launch, kernel = resolved
 
     stream = current_stream_handle(bundle.device_index)
     if workspace is None:
@@ -284,23 +278,25 @@ def w4a16_moe_gemm(
         # can share it, and the locks stay zero between launches.
         ws_key = ("w4a16_gemm_workspace", stream)
         workspace = bundle.plans.get(ws_key)
-        if workspace is None or not workspace.fits(plan, m, top_k, weights.num_experts):
+        if workspace is None or not workspace.fits(launch, m, top_k, weights.num_experts):
             if torch.cuda.is_current_stream_capturing():
-                raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace")
+                raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace "
+                                    "(GemmWorkspace.for_tokens)")
             workspace = bundle.plans[ws_key] = GemmWorkspace.allocate(
-                plan, m, top_k, weights.num_experts, device, at_least=workspace
+                launch.sizes, m * top_k, weights.num_experts, device, at_least=workspace
             )
-    elif not workspace.fits(plan, m, top_k, weights.num_experts):
-        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.allocate for the largest M")
+    elif not workspace.fits(launch, m, top_k, weights.num_experts):
+        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
+                            "largest M")
 
     if routes is None:
-        routes = _routes(bundle, plan, topk_ids, weights.num_experts, workspace)
+        routes = _routes(bundle, launch, topk_ids, weights.num_experts, workspace)
     else:
-        _check_routes(routes, topk_ids, weights.num_experts, plan)
+        _check_routes(routes, topk_ids, weights.num_experts, launch)
     tokens = m * top_k if a_per_route else m
     tw = topk_weights if mul_topk_weights else workspace.c_tmp
-    launch.kernel.launch(
-        plan.grid_x, stream,
+    kernel.kernel.launch(
+        launch.grid_x, stream,
         a.data_ptr(), weights.qweight.data_ptr(), out.data_ptr(), weights.scales.data_ptr(),
         weights.global_scale.data_ptr(), routes.route_indices.data_ptr(), routes.block_experts.data_ptr(),
         routes.route_count.data_ptr(),

@@ -25,7 +25,7 @@ from enum import Enum
 from ..abi import Param, ParamKind, Signature
 from ..errors import BadInputError
 from ..keys import KernelKey
-from ..planning import (
+from .w4a16.geometry import (
     WGMMA_BLOCK_SIZES,
     WGMMA_THREADS,
     wgmma_tiles,

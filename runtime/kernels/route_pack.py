@@ -168,12 +168,19 @@ def route_pack_specs() -> list[RoutePackSpec]:
 # -- planning (host arithmetic only) --------------------------------------------------
 
 
-def _max_packed_route_slots(routes: int, block_size: int, num_experts: int) -> int:
-    """Slots that can hold any packing: each non-empty expert adds at most b - 1 padding.
+def max_packed_route_slots(routes: int, block_size: int, num_experts: int) -> int:
+    """Slots that can hold any packing of `routes` routes into blocks of `block_size`.
 
-    At most min(num_experts, routes) experts are non-empty; the total is rounded up
-    to a whole block.
+    At most min(num_experts, routes) experts are non-empty and each pads by at most
+    block_size - 1, so routes + groups * (block_size - 1) slots, rounded up to a whole
+    block.  (The true maximum is a multiple of block_size below that sum, so rounding up
+    is conservative by at most one block; buffers sized by it suffice.)
     """
+    if not isinstance(routes, int) or routes < 0:
+        raise BadInputError(f"routes must be a non-negative int, got {routes!r}")
+    for name, value in (("block_size", block_size), ("num_experts", num_experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BadInputError(f"{name} must be a positive int, got {value!r}")
     slots = routes + min(num_experts, routes) * (block_size - 1)
     return -(-slots // block_size) * block_size
 
@@ -233,7 +240,7 @@ def _check_problem(topk_ids: torch.Tensor, num_experts: int, block_size: int, ex
         raise BadInputError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {block_size!r}")
     tokens, top_k = topk_ids.shape
     routes = tokens * top_k
-    slots = _max_packed_route_slots(routes, block_size, num_experts)
+    slots = max_packed_route_slots(routes, block_size, num_experts)
     if slots + block_size + RouteChunking.for_routes(routes).chunk_routes > INT32_MAX:
         raise BadInputError(
             f"{tokens} tokens x top_k {top_k} = {routes} routes need {slots} packed slots; "
@@ -271,7 +278,7 @@ def _check_buffer(t, name: str, min_len: int, what: str, exact: bool = False) ->
 
 def _check_outputs(p: _Problem, packed, block_ids, count, workspace) -> None:
     _check_buffer(packed, "packed_route_indices", p.capacity_slots,
-                  f"_max_packed_route_slots({p.routes}, {p.block_size}, {p.num_experts})")
+                  f"max_packed_route_slots({p.routes}, {p.block_size}, {p.num_experts})")
     _check_buffer(block_ids, "block_expert_ids", p.capacity_blocks, f"{p.capacity_slots} slots / {p.block_size}")
     if (block_ids.shape[0] + 1) * p.block_size > INT32_MAX:
         raise BadInputError(
@@ -367,7 +374,7 @@ def pack_routes(
     """Group the routes of `topk_ids` by expert, padded to `block_size`; see the module doc.
 
     Returns (packed_route_indices, block_expert_ids, packed_route_count), allocating the
-    ones not given.  Output lengths: at least `_max_packed_route_slots(M * top_k,
+    ones not given.  Output lengths: at least `max_packed_route_slots(M * top_k,
     block_size, num_experts)` slots and that / block_size blocks; `workspace` (int32) at
     least `route_pack_workspace_elements(M * top_k, num_experts)`.  Launches on torch's
     current stream without any host sync; CUDA-graph capturable when every buffer is given.

@@ -1,7 +1,8 @@
-"""Launch planning for the fused W4A16 MoE kernel (FC1 -> activation -> FC2 in one launch).
+"""Build-time planning of the fused W4A16 MoE kernel (FC1 -> activation -> FC2 in one launch).
 
-Plain Python shared by the build (which fused kernels to compile) and the
-server (grid, buffer capacities).  It builds on runtime/planning.py: both
+Runs only in the build: for every token count it decides the kernel, grid and buffer
+capacities that the manifest's resolution table records and the runtime serves.  It
+builds on planning.py beside it: both
 GEMMs use one route block size (they read the same packed routes), one CTA
 size (one kernel) and one blocks-per-SM count (one persistent grid).
 
@@ -21,36 +22,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .devices import DeviceProfile
-from .errors import BadInputError
-from .planning import (
+from cuteaot.runtime.devices import DeviceProfile
+from cuteaot.runtime.errors import BadInputError
+from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.gemm_spec import Mainloop
+from cuteaot.runtime.resolution import MoeLayerFacts
+from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
+    BARRIER_WORDS,
+    WGMMA_BLOCK_SIZES,
+    WGMMA_TALL_BLOCK,
+    ScaleFormat,
+    TileConfig,
+    cta_m_blocks,
+    fused_gemm_dims,
+    max_packed_route_slots,
+    splitk_scratch_floats,
+    wgmma_tiles,
+)
+
+from .planning import (
     LARGE_BATCH_TILE_CONFIGS,
     PACKED_M8_TILE,
     SMALL_BATCH_TILE_CONFIGS,
-    ScaleFormat,
-    TileConfig,
-    _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
-    _RESIDENT_SHARED_MEMORY_PER_BLOCK,
-    _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
-    WGMMA_BLOCK_SIZES,
     WGMMA_REGISTERS_SM90,
-    WGMMA_TALL_BLOCK,
+    _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
+    _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
     blocks_per_sm,
-    cta_m_blocks,
     estimated_registers,
-    max_packed_route_slots,
     packed_m8_blocks_per_sm,
     select_route_block_size,
     select_tile,
-    shared_memory_footprint,
-    splitk_scratch_floats,
     tile_misfit,
     wgmma_blocks_per_sm,
     wgmma_tile,
-    wgmma_tiles,
 )
-from .weights import stored_dims
 
 # Tokens up to which the decode regime (direct routes, fused top-k sum) is used.  The seed used it
 # up to 8; benchmarks/tune_moe.py on the H200 (docs/benchmarks.md) found it faster than the packed
@@ -58,7 +64,6 @@ from .weights import stored_dims
 # 75.3 us; gpt-oss-120b 208.3 vs 171.1 us): one route per block re-reads shared experts and its
 # whole-tile waves quantise badly.
 DECODE_MAX_M = 2
-BARRIER_WORDS = 4  # int32 words before the split-K lock slots: grid-barrier count, sense, padding
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
 _SCALE = ScaleFormat.E4M3_K16
 
@@ -93,12 +98,6 @@ class FusedPlan:
         """Split-K scratch shared by both GEMMs (FC2 starts after a grid barrier)."""
         return max(splitk_scratch_floats(self.max_grid_x, self.moe_block_size, t.tile_n)
                    for t in (self.fc1_tile, self.fc2_tile))
-
-
-def fused_gemm_dims(hidden_size: int, intermediate_size: int, gated: bool) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Stored (N, K) of FC1 and FC2 (sizes zero-padded to multiples of 128, runtime/weights.py)."""
-    fc1_n = intermediate_size * (2 if gated else 1)
-    return stored_dims(fc1_n, hidden_size), stored_dims(hidden_size, intermediate_size)
 
 
 def plan_fused(
@@ -240,3 +239,30 @@ def workspace_bounds(max_tokens: int, top_k: int, num_experts: int, profile: Dev
         "route_slots": slots,
         "route_blocks": max(routes, max(max_packed_route_slots(routes, b, num_experts) // b for b in blocks)),
     }
+
+
+def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0) -> FusedSpec:
+    """The kernel a plan selects for a layer with these (normalised) facts.
+
+    amax_experts: rows of the calibration table (the weights' expert count) when
+    facts.calibration, else unused.
+    """
+    return FusedSpec(
+        dtype=facts.dtype, hidden_size=facts.hidden_size, intermediate_size=facts.intermediate_size,
+        top_k=facts.top_k, activation=facts.activation,
+        fc1_tile_n=plan.fc1_tile.tile_n, fc1_tile_k=plan.fc1_tile.tile_k,
+        fc2_tile_n=plan.fc2_tile.tile_n, fc2_tile_k=plan.fc2_tile.tile_k,
+        moe_block_size=plan.moe_block_size, blocks_per_sm=plan.blocks_per_sm, decode=plan.decode,
+        router_weight_on_input=facts.router_weight_on_input, expert_map=facts.expert_map,
+        collect_amax=facts.calibration, fast_math=facts.fast_math, swiglu_alpha=facts.swiglu_alpha,
+        swiglu_beta=facts.swiglu_beta, swiglu_limit=facts.swiglu_limit, whole_tiles_m8=plan.whole_tiles_m8,
+        amax_experts=(amax_experts or facts.num_experts) if facts.calibration else 0,
+        mainloop=Mainloop(plan.mainloop),
+    )
+
+
+def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPlan:
+    """plan_fused for a layer described by its facts."""
+    return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
+                      profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
+                      deterministic=facts.deterministic)

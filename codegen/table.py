@@ -1,0 +1,150 @@
+"""The resolution table: plan every token count of a spec once, at build time.
+
+For each device profile and problem of a spec this runs the planners for every M
+from 1 to the largest token bucket, merges consecutive token counts with the same
+decision into one launch range, and records the buffer sizes each token bucket
+needs.  The result is written into the manifest (runtime/resolution.py reads it)
+and names every planned kernel, so enumeration and the table are one pass and can
+never disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+from cuteaot.runtime.devices import DeviceProfile
+from cuteaot.runtime.keys import KernelKey
+from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch, MoeLayerFacts, Workspace, gemm_variant
+from cuteaot.runtime.types import Activation, DType
+
+from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer
+from .kernels.w4a16.planning import gemm_spec_for, plan_for
+from .spec import BundleSpec, MoeProblem
+
+
+@dataclass
+class PlannedBundle:
+    """The table entries of a spec and the kernel keys they name, per architecture."""
+
+    entries: list[Entry] = field(default_factory=list)
+    keys: dict[str, set[KernelKey]] = field(default_factory=dict)
+
+    def add(self, entry: Entry, keys: set[KernelKey], arch: str) -> None:
+        self.entries.append(entry)
+        self.keys.setdefault(arch, set()).update(keys)
+
+
+@dataclass
+class _Ranges:
+    """Consecutive token counts with one decision, and the buffer sizes of each token bucket."""
+
+    buckets: tuple[int, ...]
+    launches: list[Launch] = field(default_factory=list)
+    workspaces: list[Workspace] = field(default_factory=list)
+    _peak: dict[str, int] = field(default_factory=dict)
+
+    def add(self, m: int, decision: tuple, kernels: dict[str, str], sizes: dict[str, int]) -> None:
+        """Record M's decision (grid_x, route_block) and kernels; `sizes` are what M needs."""
+        last = self.launches[-1] if self.launches else None
+        grid_x, route_block = decision
+        if last is not None and (last.grid_x, last.route_block, dict(last.kernels)) == (grid_x, route_block, kernels):
+            self.launches[-1] = Launch(last.m_min, m, grid_x, route_block, kernels, sizes)
+        else:
+            self.launches.append(Launch(m, m, grid_x, route_block, kernels, sizes))
+        for name, value in sizes.items():
+            self._peak[name] = max(self._peak.get(name, 0), value)
+        if m in self.buckets:
+            self.workspaces.append(Workspace(m, dict(self._peak)))
+
+
+def plan_bundle(spec: BundleSpec, progress: Optional[Callable[[str], None]] = None) -> PlannedBundle:
+    """Every entry of the spec's resolution table; `progress(line)` hears one line per planned problem."""
+    planned = PlannedBundle()
+    total = len(spec.targets) * sum(bool(p.gemm) + bool(p.fused) for p in spec.moe)
+    count = itertools.count(1)
+    for profile in spec.targets:
+        for problem in spec.moe:
+            for op, entries in ((GEMM, _gemm_entries), (MOE_LAYER, _moe_layer_entries)):
+                if not (problem.gemm if op == GEMM else problem.fused):
+                    continue
+                if progress:
+                    progress(f"planning {spec.bundle}: problem {next(count)}/{total} {op} {problem.name} on "
+                             f"{profile.name}, 1..{problem.tokens[-1]} tokens")
+                for entry, keys in entries(problem, profile):
+                    planned.add(entry, keys, profile.arch)
+    return planned
+
+
+# ------------------------------------------------------------------------------------- MoE layer
+
+
+def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[tuple[Entry, set[KernelKey]]]:
+    seen = set()
+    for facts in problem.layer_facts():
+        if facts in seen:  # relu2 normalises fast_math away: one entry for both spec values
+            continue
+        seen.add(facts)
+        ranges, keys, specs = _Ranges(problem.tokens), set(), {}
+        for m in range(1, problem.tokens[-1] + 1):
+            plan = plan_layer(m, facts, profile)
+            decided = (plan.decode, plan.moe_block_size, plan.fc1_tile, plan.fc2_tile, plan.blocks_per_sm,
+                       plan.mainloop)
+            key = specs.get(decided)
+            if key is None:
+                key = specs[decided] = fused_spec_for(plan, facts).key()
+                keys.add(key)
+            sizes = {"c_tmp_floats": plan.c_tmp_floats, "lock_words": plan.lock_words,
+                     "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks}
+            ranges.add(m, (plan.grid_x, 0 if plan.decode else plan.moe_block_size), {"fused": key.digest}, sizes)
+        yield _entry(MOE_LAYER, problem, profile, facts, ranges), keys
+
+
+# ------------------------------------------------------------------------------------- GEMM
+
+
+def _gemm_roles(problem: MoeProblem) -> list[tuple[int, int, tuple[bool, bool, str]]]:
+    """(N, K, (a_per_route, mul_topk_weights, epilogue)) of the layer's two GEMMs: FC1 (relu2 in its
+    epilogue) and FC2 (route rows in, router weights applied)."""
+    relu2 = problem.activation is Activation.RELU2
+    return [
+        (problem.fc1_n, problem.hidden_size, (False, False, "relu2" if relu2 else "none")),
+        (problem.hidden_size, problem.intermediate_size, (True, True, "none")),
+    ]
+
+
+def _gemm_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[tuple[Entry, set[KernelKey]]]:
+    by_facts: dict[GemmFacts, list[tuple[bool, bool, str]]] = {}
+    for dtype in problem.dtypes:
+        for n, k, flags in _gemm_roles(problem):
+            facts = GemmFacts(dtype=dtype, n=n, k=k, top_k=problem.top_k, num_experts=problem.num_experts)
+            by_facts.setdefault(facts, []).append(flags)
+    for facts, roles in by_facts.items():
+        ranges, keys, specs = _Ranges(problem.tokens), set(), {}
+        for m in range(1, problem.tokens[-1] + 1):
+            plan = plan_for(m, facts.n, facts.k, facts.top_k, facts.num_experts, profile)
+            decided = (plan.moe_block_size, plan.direct_topk_routes, plan.tile, plan.blocks_per_sm,
+                       plan.whole_tiles_m8, plan.mainloop)
+            kernels = specs.get(decided)
+            if kernels is None:
+                found = {gemm_variant(*flags): _gemm_key(plan, facts, flags) for flags in roles}
+                keys.update(found.values())
+                kernels = specs[decided] = {variant: key.digest for variant, key in found.items()}
+            sizes = {"c_tmp_floats": plan.splitk_scratch_floats, "lock_slots": plan.lock_slots,
+                     "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks}
+            ranges.add(m, (plan.grid_x, 0 if plan.direct_topk_routes else plan.moe_block_size), kernels, sizes)
+        yield _entry(GEMM, problem, profile, facts, ranges), keys
+
+
+def _gemm_key(plan, facts: GemmFacts, flags: tuple[bool, bool, str]) -> KernelKey:
+    a_per_route, mul_topk_weights, epilogue = flags
+    spec = gemm_spec_for(plan, DType(facts.dtype), facts.n, facts.k, facts.top_k, a_per_route=a_per_route,
+                         mul_topk_weights=mul_topk_weights, epilogue=epilogue)
+    return spec.key()
+
+
+def _entry(op: str, problem: MoeProblem, profile: DeviceProfile, facts, ranges: _Ranges) -> Entry:
+    entry = Entry(op, profile.name, problem.name, facts, tuple(ranges.launches), tuple(ranges.workspaces))
+    entry.check()
+    return entry

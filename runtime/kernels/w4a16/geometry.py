@@ -1,0 +1,302 @@
+"""Geometry of the W4A16 kernels: facts the build and the runtime share.
+
+Tile shapes, route-block sizes, pipeline depth, shared-memory footprints, split-K
+scratch and lock sizes, and a pure-Python replay of the persistent kernel's work
+partition.  These describe what a compiled kernel *is* (its spec's derived
+properties and buffer sizes); what to compile for a problem and M is decided by
+the planners in `cuteaot.codegen.kernels.w4a16`, at build time only, and written
+into the manifest's resolution table.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+from ...errors import BadInputError
+from ..route_pack import max_packed_route_slots  # the route-pack kernel's buffer contract
+
+# M rows one route block holds; 8 is the small-M (m16n8k16 with half the rows) path.
+ALLOWED_MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)
+
+STAGES = 4  # cp.async pipeline depth of the kernel's main loop
+
+PACK_FACTOR = 8  # 4-bit weights per 32-bit word
+
+MMA_M = 16  # rows of one m16n8k16 MMA; a CTA's M extent is a whole number of these
+
+class ScaleFormat(str, Enum):
+    """How weight scales are stored; only the K group size matters to planning."""
+
+    E4M3_K16 = "e4m3_k16"  # NVFP4: one e4m3 scale per 16 weights along K
+    E8M0_K32 = "e8m0_k32"  # MXFP4: one e8m0 scale per 32 weights along K
+    E4M3_K32 = "e4m3_k32"  # NF3: one e4m3 scale per 32 weights along K
+
+    @property
+    def group_size(self) -> int:
+        return 16 if self is ScaleFormat.E4M3_K16 else 32
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A CTA's tile of the output (tile_n) and of the reduction (tile_k).
+
+    The kernel derives its thread count as tile_n * tile_k / 64 (each thread owns
+    64 weight elements of a K-tile) and only implements 128 and 256 threads, so
+    the thread count is a property rather than a third, possibly inconsistent field.
+    """
+
+    tile_k: int
+    tile_n: int
+
+    def __post_init__(self):
+        for name in ("tile_k", "tile_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value % MMA_M:
+                raise BadInputError(f"TileConfig.{name} must be a positive multiple of 16, got {value!r}")
+        if self.threads not in (128, 256):
+            raise BadInputError(
+                f"TileConfig(tile_k={self.tile_k}, tile_n={self.tile_n}) gives "
+                f"{self.threads} threads (tile_n * tile_k / 64); the kernel supports 128 or 256"
+            )
+
+    @property
+    def threads(self) -> int:
+        return self.tile_n * self.tile_k // 64
+
+    @property
+    def n_blocks(self) -> int:
+        return self.tile_n // 16
+
+    @property
+    def k_blocks(self) -> int:
+        return self.tile_k // 16
+
+# wgmma tiles, widest first: four (or two) m64 instructions per 16-k row cover 256 (or 128)
+# weight rows; the k-tile is one 128-byte swizzle row of bf16 activations.
+WGMMA_TILES = (TileConfig(64, 256), TileConfig(64, 128))
+
+# 64-row blocks, and 128-row blocks (N = 128 per wgmma: half the weight decode per MAC) once
+# the average expert fills them (routes >= 128 * experts).
+WGMMA_BLOCK_SIZES = (64, 128)
+
+WGMMA_TALL_BLOCK = 128
+
+WGMMA_THREADS = 128
+
+WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
+
+def check_moe_block_size(moe_block_size: int) -> None:
+    sizes = ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK,)
+    if moe_block_size not in sizes:
+        raise BadInputError(f"moe_block_size must be one of {sizes}, got {moe_block_size!r}")
+
+def check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BadInputError(f"{name} must be a positive int, got {value!r}")
+
+@functools.cache
+def cta_m_blocks(moe_block_size: int) -> int:
+    """MMA row blocks (16 rows each) a CTA spans; block size 8 still uses one."""
+    check_moe_block_size(moe_block_size)
+    return -(-moe_block_size // MMA_M)
+
+@functools.cache
+def shared_memory_footprint(moe_block_size: int, tile: TileConfig, scale_format: ScaleFormat) -> int:
+    """Bytes of shared memory the seed budgets for one CTA (its planning estimate).
+
+    A stages of bf16 activations, B stages of packed weights (the split-K reduction
+    buffer and bias reuse B's space once the main loop is done), scale stages, and
+    16 bytes of route metadata per row.
+    """
+    cta_m = cta_m_blocks(moe_block_size) * MMA_M
+    meta = cta_m * 16
+    a_stages = STAGES * cta_m * tile.tile_k * 2
+    b_stages = STAGES * (tile.tile_k * tile.tile_n // PACK_FACTOR) * 4
+    reduction = cta_m * (tile.tile_n + 8) * 2
+    bias = tile.tile_n * 2
+    reused = max(b_stages, reduction, min(b_stages, reduction) + bias)
+    scale_groups = -(-tile.tile_k // scale_format.group_size)
+    scale_stages = scale_groups * tile.tile_n * 2 * STAGES
+    return reused + a_stages + scale_stages + meta
+
+@functools.cache
+def route_metadata_bytes(moe_block_size: int) -> int:
+    """Shared bytes the kernels keep per block for route indices, source rows, router weights, count."""
+    check_moe_block_size(moe_block_size)
+    return 16 * (moe_block_size // 2 + moe_block_size // 2 + 1)
+
+def wgmma_stage_parts(moe_block_size: int, tile: TileConfig) -> tuple[int, int, int]:
+    """Bytes of one wgmma pipeline stage: (bf16 activations, packed weights, e4m3 scales)."""
+    return (moe_block_size * tile.tile_k * 2, tile.tile_n * tile.tile_k // PACK_FACTOR * 4,
+            tile.tile_n * tile.tile_k // ScaleFormat.E4M3_K16.group_size)
+
+def wgmma_stage_bytes(moe_block_size: int, tile: TileConfig) -> int:
+    """One pipeline stage of the wgmma loop."""
+    return sum(wgmma_stage_parts(moe_block_size, tile))
+
+@functools.cache
+def wgmma_shared_memory_footprint(moe_block_size: int, tile: TileConfig, stages: int = STAGES) -> int:
+    """Exact dynamic shared bytes of the wgmma kernel (GemmSpec.shared_bytes uses this)."""
+    return (route_metadata_bytes(moe_block_size) + WGMMA_SMEM_ALIGN
+            + stages * wgmma_stage_bytes(moe_block_size, tile))
+
+@functools.cache
+def wgmma_tiles(moe_block_size: int) -> tuple[TileConfig, ...]:
+    """The wgmma tiles a block size can use, widest first.
+
+    The accumulators are tile_n / 64 * B / 2 floats per thread: 128-row blocks keep them at
+    128 with the 128-wide tile (256 would need 256 registers for them alone).
+    """
+    if moe_block_size == WGMMA_TALL_BLOCK:
+        return WGMMA_TILES[1:]
+    return WGMMA_TILES if moe_block_size in WGMMA_BLOCK_SIZES else ()
+
+def max_route_blocks(routes: int, block_size: int, num_experts: int) -> int:
+    """Worst-case route blocks: :func:`max_packed_route_slots` / block_size."""
+    return max_packed_route_slots(routes, block_size, num_experts) // block_size
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One (route block, N tile) output tile's K range as one CTA processes it.
+
+    A tile split over several CTAs ("split-K") has slice_count > 1: its slices
+    meet in the float32 scratch slot `lock_slot`, taking turns in slice_idx order,
+    and the slice with slice_idx == slice_count - 1 writes the output.  The seed
+    numbers slices from the *highest* K range down (slice 0 is the CTA for which
+    the tile is its first work, so it never waits).  lock_slot is None for an
+    unsplit tile: the kernel then touches no lock and no scratch.
+    """
+
+    cta: int
+    route_block: int
+    n_tile: int
+    k_start: int
+    k_count: int
+    slice_idx: int
+    slice_count: int
+    lock_slot: int | None
+
+class _Partition(NamedTuple):
+    mn_tiles: int  # route_blocks * n_tiles
+    tail_mn_tiles: int  # tiles shared along K by the whole grid
+    full_grid_mn_iters: int  # rounds in which every CTA owns whole tiles
+    iters: int  # K iterations per CTA in the tail
+
+def _partition(route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool) -> _Partition:
+    """The seed's split of the mn tiles into whole-tile rounds and a split-K tail.
+
+    Whole rounds give each CTA one full tile; the remaining tiles' K iterations are
+    cut into grid_x equal contiguous ranges.  A small remainder (at most a third of
+    the grid) is merged with one whole round so the tail is never mostly idle.
+    Block size 8 with no more tiles than CTAs gives one whole tile per CTA instead.
+    """
+    mn_tiles = route_blocks * n_tiles
+    tail, full = mn_tiles, 0
+    if uses_m_block_8 and mn_tiles <= grid_x:
+        tail, full = 0, 1
+    elif mn_tiles > grid_x:
+        tail = mn_tiles % grid_x
+        if tail * 3 <= grid_x:
+            tail += grid_x
+        full = (mn_tiles - tail) // grid_x
+    iters = (k_tiles * tail + grid_x - 1) // grid_x
+    return _Partition(mn_tiles, tail, full, iters)
+
+def _slice_of(tile: int, cta: int, k_tiles: int, iters: int) -> tuple[int, int]:
+    """(slice_count, slice_idx) of tail tile `tile` for `cta`, ported from the seed.
+
+    CTA ranges start at multiples of `iters` in the flattened (tile, k) order;
+    each range start inside the tile opens a new slice.  Slices are numbered from
+    the last K range (0) to the first (slice_count - 1).
+    """
+    tile_start = k_tiles * tile
+    first_boundary = iters * ((tile_start + iters - 1) // iters)
+    if first_boundary > tile_start + k_tiles:
+        return 1, 0
+    offset = first_boundary - tile_start
+    count = (k_tiles - offset + iters - 1) // iters + (1 if offset > 0 else 0)
+    delta = iters * cta - first_boundary
+    if delta < 0 or (offset == 0 and delta == 0):
+        return count, count - 1
+    return count, count - 1 - delta // iters - (1 if offset > 0 else 0)
+
+def _cta_items(cta: int, route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, p: _Partition) -> list[WorkItem]:
+    """The work one CTA does, in order: whole-tile rounds, then its tail K range."""
+    items = []
+    for round_idx in range(p.full_grid_mn_iters):
+        route_block, n_tile = divmod(cta + round_idx * grid_x, n_tiles)
+        if route_block < route_blocks:
+            items.append(WorkItem(cta, route_block, n_tile, 0, k_tiles, 0, 1, None))
+    if p.iters == 0:
+        return items
+    start = p.iters * cta
+    tile, k_start = divmod(start, k_tiles)
+    # The seed's running lock slot: CTA index when the tail is at least a grid
+    # wide (bumped after a split tile whose first slice is here), else the tile.
+    lock = cta if p.tail_mn_tiles >= grid_x else start // k_tiles - 1
+    tail_base = p.mn_tiles - p.tail_mn_tiles
+    while tile < p.tail_mn_tiles:
+        count = min(max(p.iters * (cta + 1) - (k_tiles * tile + k_start), 0), k_tiles - k_start)
+        if count <= 0:
+            break
+        slice_count, slice_idx = _slice_of(tile, cta, k_tiles, p.iters)
+        if p.tail_mn_tiles < grid_x or (slice_count > 1 and slice_idx == slice_count - 1):
+            lock += 1
+        route_block, n_tile = divmod(tail_base + tile, n_tiles)
+        slot = lock if slice_count > 1 else None
+        items.append(WorkItem(cta, route_block, n_tile, k_start, count, slice_idx, slice_count, slot))
+        tile, k_start = tile + 1, 0
+    return items
+
+def simulate_partition(
+    route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool
+) -> list[WorkItem]:
+    """Every work item of the persistent GEMM, CTA by CTA, as the seed's kernel schedules it.
+
+    A pure-Python replay of the kernel's persistent loop, used to prove coverage
+    and lock-slot bounds in tests and to size scratch; nothing here is launched.
+    """
+    check_positive(n_tiles=n_tiles, k_tiles=k_tiles, grid_x=grid_x)
+    if not isinstance(route_blocks, int) or route_blocks < 0:
+        raise BadInputError(f"route_blocks must be a non-negative int, got {route_blocks!r}")
+    p = _partition(route_blocks, n_tiles, k_tiles, grid_x, uses_m_block_8)
+    items = []
+    for cta in range(grid_x):
+        items.extend(_cta_items(cta, route_blocks, n_tiles, k_tiles, grid_x, p))
+    return items
+
+def lock_slots(grid_x: int) -> int:
+    """Lock (and split-K scratch) slots a grid of grid_x CTAs can use: grid_x.
+
+    From the partition: with a tail narrower than the grid each split tile uses its
+    tail index (< grid_x - 1); otherwise a tile split between CTAs c and c + 1 uses
+    slot c + 1 (<= grid_x - 1).  The bound is reached for every grid_x >= 3 and
+    does not depend on the problem size; the tests check it against the simulation.
+    """
+    check_positive(grid_x=grid_x)
+    return grid_x
+
+def splitk_scratch_floats(grid_x: int, moe_block_size: int, tile_n: int) -> int:
+    """float32 elements of split-K scratch: one (16 * cta_m_blocks) x tile_n partial per lock slot.
+
+    The kernel addresses the partial of slot s at s * cta_m * tile_n floats, even for
+    block size 8 (which writes fewer rows), so the stride is the full CTA height.
+    """
+    check_positive(tile_n=tile_n)
+    return lock_slots(grid_x) * MMA_M * cta_m_blocks(moe_block_size) * tile_n
+
+
+# Grid-barrier words at the start of the fused kernel's `locks` (count, sense, padding); the
+# split-K lock slots follow them.
+BARRIER_WORDS = 4
+
+
+def fused_gemm_dims(hidden_size: int, intermediate_size: int, gated: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Stored (N, K) of FC1 and FC2 (sizes zero-padded to multiples of 128, runtime/weights.py)."""
+    from ...weights import stored_dims  # weights imports this module's constants
+
+    fc1_n = intermediate_size * (2 if gated else 1)
+    return stored_dims(fc1_n, hidden_size), stored_dims(hidden_size, intermediate_size)
