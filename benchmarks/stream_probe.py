@@ -134,13 +134,13 @@ def run(directory: str, iters: int) -> None:
     from cuda.bindings import driver as cu
 
     from benchmarks.common import device_us, hbm_copy_bandwidth
-    from cuteaot.runtime.abi import ArgBuffer, Param, ParamKind, Signature
+    from cuteaot.runtime.abi import ArgBuffer, Pointee, Signature, i32, ptr
     from cuteaot.runtime.bundle import check_cu
 
     with open(os.path.join(directory, "index.json")) as f:
         index = json.load(f)
-    signature = Signature((Param("src", ParamKind.PTR, "u8 stream"), Param("sink", ParamKind.PTR, "i32 [ctas]"),
-                           Param("iters", ParamKind.I32, "stages per CTA")))
+    signature = Signature((ptr("src", Pointee.U8, "u8 stream"), ptr("sink", Pointee.I32, "i32 [ctas]"),
+                           i32("iters", "stages per CTA")))
     ctas = CTAS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
     src = torch.randint(0, 255, (ctas * iters * STAGE,), dtype=torch.uint8, device="cuda")
     sink = torch.zeros(ctas, dtype=torch.int32, device="cuda")
@@ -158,7 +158,7 @@ def run(directory: str, iters: int) -> None:
         def launch():
             check_cu(cu.cuLaunchKernel(function, ctas, 1, 1, THREADS, 1, 1, entry["smem"],
                                        torch.cuda.current_stream().cuda_stream,
-                                       args.set(src.data_ptr(), sink.data_ptr(), iters), 0), "cuLaunchKernel")
+                                       args.set(src=src.data_ptr(), sink=sink.data_ptr(), iters=iters), 0), "cuLaunchKernel")
 
         us = device_us(launch, iters=10, reps=9)
         print(f"| {name} | {us:.1f} | {src.numel() / us / 1e3:.0f} | {100 * src.numel() / (us * 1e-6) / hbm:.1f} |")

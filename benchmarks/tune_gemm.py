@@ -103,11 +103,14 @@ def _time_variant(bundle, spec, grid: int, operands: dict, tokens: int, **timing
     out = torch.full(o["out_shape"], float("nan"), device="cuda", dtype=torch.bfloat16)
 
     def call():
-        launch.kernel.launch(grid, torch.cuda.current_stream().cuda_stream, o["a"].data_ptr(),
-                             o["packed"].qweight.data_ptr(), out.data_ptr(), o["packed"].scales.data_ptr(),
-                             o["packed"].global_scale.data_ptr(), o["r_idx"].data_ptr(), o["b_exp"].data_ptr(),
-                             o["r_cnt"].data_ptr(), o["topk_w"].data_ptr(), o["ws"].c_tmp.data_ptr(),
-                             o["ws"].locks.data_ptr(), tokens, o["packed"].num_experts)
+        launch.kernel.launch(
+            grid, torch.cuda.current_stream().cuda_stream,
+            a=o["a"].data_ptr(), qweight=o["packed"].qweight.data_ptr(), out=out.data_ptr(),
+            scales=o["packed"].scales.data_ptr(), global_scale=o["packed"].global_scale.data_ptr(),
+            route_indices=o["r_idx"].data_ptr(), block_experts=o["b_exp"].data_ptr(), route_count=o["r_cnt"].data_ptr(),
+            topk_weights=o["topk_w"].data_ptr(), c_tmp=o["ws"].c_tmp.data_ptr(), locks=o["ws"].locks.data_ptr(),
+            tokens=tokens, num_experts=o["packed"].num_experts,
+        )
 
     call()
     torch.cuda.synchronize()

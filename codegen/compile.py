@@ -3,7 +3,9 @@
 Returns the cubin and the facts the manifest records about it: the kernel
 symbol (read from the compiled object, never predicted), the PTX parameters
 checked against the declared signature, block dims from `.reqntid`, shared
-memory, registers and stack.
+memory, registers and stack.  The kernel's Python parameter names are checked
+against the declaration before compiling (abi.check_parameter_names): the PTX
+names its parameters by position only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from cuteaot.runtime.errors import BuildError
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import FAMILIES
 
+from .abi import check_parameter_names
 from .kernels import activation, probe, route_pack, topk_sum, w4a16_fused, w4a16_gemm
 from .ptx import check_abi, parse_entry
 from .resources import read_resources
@@ -56,6 +59,8 @@ def compile_kernel(key: KernelKey, arch: str) -> CompiledKernel:
     if spec.key() != key:
         raise BuildError(f"{key.describe()} is not a current {key.family} key (version {spec_cls.VERSION})")
     kernel_obj, fake_args = BUILDERS[key.family](spec)
+    what = f"{key.describe()} on {arch}"
+    check_parameter_names(kernel_obj, spec.SIGNATURE, what)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         compiled = cute.compile(
@@ -70,7 +75,7 @@ def compile_kernel(key: KernelKey, arch: str) -> CompiledKernel:
         raise BuildError(f"{key.describe()}: expected exactly one device kernel, CuTeDSL produced {symbols}")
     symbol = symbols[0]
     entry = parse_entry(ptx, symbol)
-    check_abi(entry, spec.SIGNATURE, f"{key.describe()} on {arch}")
+    check_abi(entry, spec.SIGNATURE, what)
     if entry.reqntid is None:
         raise BuildError(f"{symbol}: PTX has no .reqntid; the launch block would be unknown")
     res = read_resources(cubin, symbol)

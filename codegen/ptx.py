@@ -2,7 +2,9 @@
 
 The build compares the parameters with the family's declared signature
 (count, size, alignment) and fails on any difference, because the runtime
-packs arguments from the declaration alone.
+packs arguments from the declaration alone.  PTX parameters are named by
+position (`<symbol>_param_N`), so the names are checked on the Python side
+(abi.check_parameter_names).
 """
 
 from __future__ import annotations

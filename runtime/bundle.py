@@ -70,6 +70,7 @@ class LoadedKernel:
                 f"but this runtime declares {signature.to_json()}; rebuild the bundle"
             )
         self._signature = signature
+        self._getter, self._count = signature.getter, len(signature.params)
 
     def _first_launch_on_thread(self) -> ArgBuffer:
         # A thread that has not touched CUDA yet has no current context (torch binds one
@@ -80,13 +81,24 @@ class LoadedKernel:
         self._tls.buf = ArgBuffer(self._signature)
         return self._tls.buf
 
-    def launch(self, grid_x: int, stream: int, *values: int | float) -> None:
-        """Launch on `stream` with a (grid_x, 1, 1) grid; `values` in signature order (see `bind`)."""
+    def launch(self, grid_x: int, stream: int, /, **values: int | float) -> None:
+        """Launch on `stream` with a (grid_x, 1, 1) grid; `values` by the parameter names of `bind`'s signature.
+
+        Every declared parameter must be passed, by name (LaunchArgumentError otherwise), so
+        an argument cannot land in another parameter's slot.
+        """
+        # Signature.order, inlined: this runs on every launch of a serving step
+        try:
+            ordered = self._getter(values)
+        except KeyError:
+            raise self._signature.mismatch(values) from None
+        if len(values) != self._count:
+            raise self._signature.mismatch(values)
         try:
             buf = self._tls.buf
         except AttributeError:
             buf = self._first_launch_on_thread()
-        buf.pack(*values)
+        buf.pack(*ordered)
         bx, by, bz = self.block
         (err,) = driver.cuLaunchKernel(self.function, grid_x, 1, 1, bx, by, bz, self.smem, stream, buf.address, 0)
         if err:  # CUresult is an int; CUDA_SUCCESS == 0

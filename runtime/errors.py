@@ -65,3 +65,7 @@ class LaunchError(CuteAotError, RuntimeError):
 
 class CaptureError(CuteAotError, RuntimeError):
     """Something that must happen before CUDA-graph capture (allocating a workspace) was asked for during it."""
+
+
+class LaunchArgumentError(CuteAotError, TypeError):
+    """A kernel launch passed argument names other than the kernel's declared parameters."""

@@ -310,12 +310,14 @@ class MoeLayer:
         fc2_target = out if r.decode else ws.fc13
         r.kernel.kernel.launch(
             r.launch.grid_x, current_stream_handle(self.device.index),
-            x.data_ptr(), self.w13.qweight.data_ptr(), self.w2.qweight.data_ptr(), ws.fc13.data_ptr(),
-            ws.activated.data_ptr(), fc2_target.data_ptr(), self.w13.scales.data_ptr(), self.w2.scales.data_ptr(),
-            self.w13.global_scale.data_ptr(), self.w2.global_scale.data_ptr(), route_indices.data_ptr(),
-            block_experts.data_ptr(), route_count.data_ptr(), topk_weights.data_ptr(), ws.c_tmp.data_ptr(),
-            ws.locks.data_ptr(), (amax if amax is not None else ws.c_tmp).data_ptr(),
-            0 if layer_idx is None else layer_idx, m, self.num_experts,
+            a=x.data_ptr(), w13=self.w13.qweight.data_ptr(), w2=self.w2.qweight.data_ptr(),
+            fc1_out=ws.fc13.data_ptr(), activated=ws.activated.data_ptr(), fc2_out=fc2_target.data_ptr(),
+            w13_scales=self.w13.scales.data_ptr(), w2_scales=self.w2.scales.data_ptr(),
+            w13_global_scale=self.w13.global_scale.data_ptr(), w2_global_scale=self.w2.global_scale.data_ptr(),
+            route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
+            route_count=route_count.data_ptr(), topk_weights=topk_weights.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
+            locks=ws.locks.data_ptr(), amax=(amax if amax is not None else ws.c_tmp).data_ptr(),
+            layer=0 if layer_idx is None else layer_idx, tokens=m, num_experts=self.num_experts,
         )
         if not r.decode:
             fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cuteaot.codegen.enumerate import jobs, kernel_keys, resolution_table
 from cuteaot.codegen.spec import load_spec
 from cuteaot.runtime.keys import KernelKey
-from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
+from cuteaot.runtime.errors import BadInputError
+from cuteaot.runtime.kernels import ActivationSpec, FusedSpec, GemmSpec, ProbeSpec, RoutePackSpec, TopKSumSpec
+from cuteaot.runtime.kernels.route_pack import IdsDType, RouteStage
 from tests.conftest import TINY_SPEC
 
 
@@ -26,6 +30,55 @@ def test_key_digest_is_stable_across_releases():
     assert TopKSumSpec("bf16", 8, 2048).key().digest == (
         "d2b71a1e35f06270bdfecb569e62395c7f8e9aea9b60fb1e5998442094fbeff6"
     )
+
+
+# Digests of one key per family, computed before key() was derived from the dataclass fields
+# (when each family typed its facts by hand): deriving them must not orphan any built cubin.
+_PINNED = [
+    (lambda: TopKSumSpec("bf16", 4, 512, "int64"), "6d04ec090d72199171049b5b968b50aa6ffebbf40b26dff9edc36346fd291737"),
+    (lambda: GemmSpec("bf16", 1024, 512, 2, 128, 128, 8, 1, routes="direct"),
+     "a477b972dc5cbb1c47f45884a5ac0a71058a82a5063c02f442e78f2abc1abad2"),
+    (lambda: GemmSpec("bf16", 1024, 512, 2, 128, 128, 16, 1, n_out=1000, k_in=504, epilogue="relu2"),
+     "eb3ed6355fc26997d1579463c473dd2546ed16bbf9170f6bb9e180c99c833196"),
+    (lambda: FusedSpec("bf16", 512, 256, 4, "silu", 128, 128, 128, 128, 8, 1, decode=True),
+     "27dd6518397bc955463801eb0c0a951976b3d291cd04a718ba4fc99884333272"),
+    (lambda: FusedSpec("fp16", 512, 256, 4, "swigluoai", 128, 128, 128, 128, 16, 1, swiglu_alpha=1.702,
+                       swiglu_beta=1.0, swiglu_limit=7.0),
+     "5938b375b0c487fce8464ebc33f2a8734184e1c6f65e9e688b63018e8576883d"),
+    (lambda: RoutePackSpec("scan", None), "e9599b2e5913778506875c8fba2f98b9a3514b40adde38773f21754fd23e8c9d"),
+    (lambda: RoutePackSpec("single", "int32"), "beacfaa4c6640ddbfbe537921319b726310eed789ac0754d246ac4f5cec44fa9"),
+    (lambda: ProbeSpec("e2m1_bf16"), "b219618b14f4302da05d4aa2e6f7d8d666d9d6213807c215417af11bd753118e"),
+]
+
+
+@pytest.mark.parametrize("make, digest", _PINNED)
+def test_derived_keys_keep_the_hand_written_digests(make, digest):
+    spec = make()
+    assert spec.key().digest == digest
+    assert type(spec).from_facts(spec.key().facts) == spec
+
+
+def test_key_facts_are_the_fields_plus_the_family_constants():
+    for spec in (make() for make, _ in _PINNED):
+        names = {f.name for f in dataclasses.fields(spec)}
+        omitted = {n for n in type(spec).KEY_OMITS_NONE if getattr(spec, n) is None}
+        assert set(spec.key().facts) == (names - omitted) | set(type(spec).CONSTANT_FACTS), type(spec).__name__
+    assert "ids_dtype" not in TopKSumSpec("bf16", 4, 512).key().facts  # the plain sum's keys predate the field
+    assert RoutePackSpec("scan", None).key().facts["ids_dtype"] is None  # route packing always carried it
+
+
+def test_from_facts_restores_enums_and_names_bad_facts():
+    spec = RoutePackSpec.from_facts({"stage": "count", "ids_dtype": "int64", "threads": 512, "max_experts": 512})
+    assert spec.stage is RouteStage.COUNT and spec.ids_dtype is IdsDType.INT64
+    facts = dict(GemmSpec("bf16", 1024, 512, 2, 128, 128, 16, 1).key().facts)
+    with pytest.raises(BadInputError, match=r"unknown \['tile_m'\], missing \[\]"):
+        GemmSpec.from_facts({**facts, "tile_m": 64})
+    del facts["tile_n"]
+    with pytest.raises(BadInputError, match=r"unknown \[\], missing \['tile_n'\]"):
+        GemmSpec.from_facts(facts)
+    # a constant that differs is not an error here: the key it gives back is not the one asked for
+    stale = ActivationSpec.create("silu", "bf16", 768).key()
+    assert ActivationSpec.from_facts({**stale.facts, "vector": 4}).key() == stale
 
 
 def test_key_rejects_non_json_facts():

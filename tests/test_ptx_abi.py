@@ -1,13 +1,14 @@
-"""PTX `.entry` parsing and the ABI check against declared signatures."""
+"""The ABI declared once: PTX `.entry` parsing, the build's checks (sizes and names), fake arguments, packing."""
 
 from __future__ import annotations
 
 import pytest
 
 from cuteaot.codegen.ptx import check_abi, parse_entry
-from cuteaot.runtime.abi import ArgBuffer, Param, ParamKind, Signature
-from cuteaot.runtime.errors import AbiMismatchError, BuildError
-from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
+from cuteaot.codegen.abi import check_parameter_names
+from cuteaot.runtime.abi import ArgBuffer, Param, ParamKind, Pointee, Signature, f32, i32, ptr
+from cuteaot.runtime.errors import AbiMismatchError, BuildError, LaunchArgumentError
+from cuteaot.runtime.kernels import ActivationSpec, FusedSpec, GemmSpec, ProbeSpec, RoutePackSpec, TopKSumSpec
 
 PTX = """
 .visible .entry k_0(
@@ -32,7 +33,7 @@ def test_parse_entry():
 
 
 def test_abi_check_accepts_matching_signature():
-    sig = Signature((Param("a", ParamKind.PTR, ""), Param("b", ParamKind.PTR, ""), Param("n", ParamKind.I32, "")))
+    sig = Signature((ptr("a", Pointee.U8, ""), ptr("b", Pointee.U8, ""), i32("n", "")))
     check_abi(parse_entry(PTX, "k_0"), sig, "test")
 
 
@@ -45,21 +46,148 @@ def test_abi_check_accepts_matching_signature():
     ],
 )
 def test_abi_check_fails_on_wrong_declaration(params, message):
-    sig = Signature(tuple(Param(f"p{i}", k, "") for i, k in enumerate(params)))
+    sig = Signature(tuple(Param(f"p{i}", k, "", Pointee.U8 if k is ParamKind.PTR else None) for i, k in enumerate(params)))
     with pytest.raises(AbiMismatchError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_abi(parse_entry(PTX, "k_0"), sig, "test")
 
 
-def test_arg_buffer_layout_follows_alignment():
+def _read_back(address: int) -> tuple:
     import ctypes
 
-    sig = Signature((Param("n", ParamKind.I32, ""), Param("p", ParamKind.PTR, ""), Param("x", ParamKind.F32, "")))
-    buf = ArgBuffer(sig)
-    address = buf.set(7, 0x1234_5678_9ABC, 0.5)
     ptrs = (ctypes.c_void_p * 3).from_address(address)
-    assert ctypes.c_int32.from_address(ptrs[0]).value == 7
-    assert ptrs[1] % 8 == 0 and ctypes.c_uint64.from_address(ptrs[1]).value == 0x1234_5678_9ABC
-    assert ctypes.c_float.from_address(ptrs[2]).value == 0.5
+    assert ptrs[1] % 8 == 0
+    return (ctypes.c_int32.from_address(ptrs[0]).value, ctypes.c_uint64.from_address(ptrs[1]).value,
+            ctypes.c_float.from_address(ptrs[2]).value)
+
+
+def test_arg_buffer_packs_by_name_whatever_the_call_order():
+    sig = Signature((i32("n", ""), ptr("p", Pointee.F32, ""), f32("x", "")))
+    buf = ArgBuffer(sig)
+    assert _read_back(buf.set(n=7, p=0x1234_5678_9ABC, x=0.5)) == (7, 0x1234_5678_9ABC, 0.5)
+    assert _read_back(buf.set(x=0.25, p=0xABC, n=-3)) == (-3, 0xABC, 0.25)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"n": 1, "p": 2}, r"missing \['x'\], not declared \[\]"),
+        ({"n": 1, "p": 2, "x": 0.5, "y": 3}, r"missing \[\], not declared \['y'\]"),
+        ({"n": 1, "q": 2, "x": 0.5}, r"missing \['p'\], not declared \['q'\]"),
+    ],
+)
+def test_arg_buffer_refuses_missing_or_unknown_names(values, message):
+    buf = ArgBuffer(Signature((i32("n", ""), ptr("p", Pointee.F32, ""), f32("x", ""))))
+    with pytest.raises(LaunchArgumentError, match=message):
+        buf.set(**values)
+
+
+def test_declarations_are_well_formed():
+    with pytest.raises(ValueError, match="repeated"):
+        Signature((i32("n", ""), i32("n", "")))
+    with pytest.raises(ValueError, match="pointee"):
+        Param("p", ParamKind.PTR, "")  # a pointer must say what it points to (the fake compile argument)
+    with pytest.raises(ValueError, match="pointee"):
+        Param("n", ParamKind.I32, "", Pointee.I32)
+    with pytest.raises(ValueError, match="power of two"):
+        ptr("p", Pointee.U8, "", align=12)
+
+
+# -- parameter names: the PTX names parameters by position, so swaps are caught on the Python side --
+
+
+class _Entry:
+    """A compile target as the families write them (plain Python: the check reads signatures and source)."""
+
+    def __call__(self, a, w13, w2, tokens, stream):
+        self.kernel(a, w13, w2, tokens).launch(stream=stream)
+
+    def kernel(self, a, w13, w2, tokens):
+        pass
+
+
+class _KernelSwapped(_Entry):
+    def kernel(self, a, w2, w13, tokens):
+        pass
+
+
+class _LaunchSwapped(_Entry):
+    def __call__(self, a, w13, w2, tokens, stream):
+        self.kernel(a, w2, w13, tokens).launch(stream=stream)
+
+
+class _EntrySwapped(_Entry):
+    def __call__(self, a, w2, w13, tokens, stream):
+        self.kernel(a, w13, w2, tokens).launch(stream=stream)
+
+
+_DECLARED = Signature((ptr("a", Pointee.ELEM, ""), ptr("w13", Pointee.I32, ""), ptr("w2", Pointee.I32, ""),
+                       i32("tokens", "")))
+
+
+def test_parameter_names_matching_the_declaration_pass():
+    check_parameter_names(_Entry(), _DECLARED, "test")
+
+
+@pytest.mark.parametrize(
+    "entry, where",
+    [(_KernelSwapped(), "@cute.kernel kernel"), (_LaunchSwapped(), "the launch self.kernel"),
+     (_EntrySwapped(), "@cute.jit __call__")],
+)
+def test_swapped_pointer_pair_fails_naming_both(entry, where):
+    with pytest.raises(AbiMismatchError) as err:
+        check_parameter_names(entry, _DECLARED, "test")
+    text = str(err.value)
+    assert where in text
+    assert "position 1: declared 'w13', takes 'w2'" in text and "position 2: declared 'w2', takes 'w13'" in text
+
+
+def test_declaration_swapped_against_a_real_kernel_fails_the_build(monkeypatch):
+    """compile_kernel refuses a probe whose declaration swaps (src, dst) before compiling anything."""
+    pytest.importorskip("cutlass.cute", reason="needs CuTeDSL (cuteaot[codegen])")
+    from cuteaot.codegen.compile import compile_kernel
+
+    src, dst, items = ProbeSpec.SIGNATURE.params
+    monkeypatch.setattr(ProbeSpec, "SIGNATURE", Signature((dst, src, items)))
+    with pytest.raises(AbiMismatchError, match="position 0: declared 'dst', takes 'src'.*position 1: declared 'src'"):
+        compile_kernel(ProbeSpec("e2m1_bf16").key(), "sm_90a")
+
+
+def _one_spec_per_compile_target():
+    return [
+        ActivationSpec.create("silu", "bf16", 128), TopKSumSpec("bf16", 4, 512), TopKSumSpec("fp16", 4, 512, "int32"),
+        RoutePackSpec("scan", None), RoutePackSpec("count", "int64"), ProbeSpec("mma_bf16"),
+        GemmSpec("fp16", 512, 256, 1, 128, 128, 16, 2), GemmSpec("bf16", 512, 512, 4, 256, 64, 64, 1, mainloop="wgmma"),
+        FusedSpec("bf16", 512, 256, 4, "silu", 128, 128, 128, 128, 8, 1, decode=True),
+    ]
+
+
+def test_every_family_takes_its_declared_parameters_and_gets_derived_fake_arguments():
+    """No compile: the builders' objects pass the name check, and their fake arguments follow the declaration."""
+    pytest.importorskip("cutlass.cute", reason="needs CuTeDSL (cuteaot[codegen])")
+    import cutlass
+
+    from cuteaot.codegen.compile import BUILDERS
+
+    fixed = {"i32": cutlass.Int32, "u32": cutlass.Uint32, "u8": cutlass.Uint8, "f32": cutlass.Float32}
+
+    def element(spec, pointee: str):
+        if pointee == "elem":
+            return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[spec.dtype.value]
+        if pointee == "ids":
+            ids = getattr(spec, "ids_dtype", None)
+            return cutlass.Int64 if ids is not None and ids.value == "int64" else cutlass.Int32
+        return fixed[pointee]
+
+    for spec in _one_spec_per_compile_target():
+        obj, args = BUILDERS[spec.FAMILY](spec)
+        check_parameter_names(obj, spec.SIGNATURE, spec.FAMILY)
+        assert len(args) == len(spec.SIGNATURE.params) + 1  # then the stream
+        for p, arg in zip(spec.SIGNATURE.params, args):
+            if p.kind is ParamKind.PTR:
+                want = element(spec, p.pointee.value)
+                assert arg.dtype is want, (spec.FAMILY, p.name, arg.dtype)
+            else:
+                assert isinstance(arg, {ParamKind.I32: cutlass.Int32, ParamKind.F32: cutlass.Float32}[p.kind])
 
 
 @pytest.mark.build
@@ -77,7 +205,7 @@ def test_real_kernels_match_declarations_and_use_16_byte_access():
         ptx = cute.compile(obj, *args, options="--gpu-arch sm_90a --keep-ptx --dump-dir /tmp").artifacts.PTX
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx
         entry = parse_entry(ptx, compiled.record["symbol"])
-        wrong = Signature(spec.SIGNATURE.params[:2] + (Param("rows", ParamKind.PTR, ""),))
+        wrong = Signature(spec.SIGNATURE.params[:2] + (ptr("rows", Pointee.I32, ""),))
         with pytest.raises(AbiMismatchError):
             check_abi(entry, wrong, "deliberately wrong")
 

@@ -145,3 +145,50 @@ def test_masked_topk_sum_spec_and_arguments():
         torch.ops.cuteaot.moe_topk_sum(fc2, out, "b", torch.empty(7, 4, dtype=torch.int64), 16)
         with pytest.raises(BadInputError, match=r"topk_ids must have shape \(7, 4\)"):
             torch.ops.cuteaot.moe_topk_sum(fc2, out, "b", torch.empty(7, 3, dtype=torch.int32), 16)
+
+
+class _StubDriver:
+    """Stands in for cuda.bindings.driver: records what each cuLaunchKernel would read."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, signature):
+        self.signature = signature
+        self.launches = []
+
+    def cuCtxGetCurrent(self):  # noqa: N802 -- the driver's name
+        return (0, 1)  # a context is current
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):  # noqa: N802
+        import ctypes
+
+        slots = (ctypes.c_void_p * len(self.signature.params)).from_address(params)
+        self.launches.append({p.name: p.kind.ctype.from_address(slots[i]).value
+                              for i, p in enumerate(self.signature.params)})
+        return (0,)
+
+
+def test_launch_packs_arguments_into_their_declared_slots_by_name(monkeypatch):
+    """A launch names its arguments: whatever the call order, each value lands in its parameter's slot."""
+    from types import SimpleNamespace
+
+    from cuteaot.runtime import bundle as bundle_module
+    from cuteaot.runtime.errors import LaunchArgumentError
+    from cuteaot.runtime.kernels import GemmSpec
+
+    sig = GemmSpec.SIGNATURE
+    stub = _StubDriver(sig)
+    monkeypatch.setattr(bundle_module, "driver", stub)
+    record = SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=sig.to_json(), symbol="k", key=None)
+    kernel = bundle_module.LoadedKernel(record, function=object(), context=1)
+    kernel.bind(sig)
+    values = {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1 for i, p in enumerate(sig.params)}
+    kernel.launch(3, 0, **dict(reversed(list(values.items()))))  # names in the opposite order
+    assert stub.launches == [values]
+    swapped = {**values, "qweight": values["scales"], "scales": values["qweight"]}
+    kernel.launch(3, 0, **swapped)
+    assert stub.launches[-1]["qweight"] == values["scales"]  # a swap by name is a swap of values, not of slots
+    with pytest.raises(LaunchArgumentError, match=r"missing \['num_experts'\], not declared \['experts'\]"):
+        kernel.launch(3, 0, **{**{k: v for k, v in values.items() if k != "num_experts"}, "experts": 4})
+    assert len(stub.launches) == 2  # nothing launched with a missing argument

@@ -68,10 +68,11 @@ def test_pool_refuses_to_allocate_under_capture(monkeypatch):
 
 
 class _RecordedKernel:
-    def __init__(self, calls: list):
-        self.calls = calls
+    def __init__(self, calls: list, signature):
+        self.calls, self.signature = calls, signature
 
-    def launch(self, grid_x, stream, *values):
+    def launch(self, grid_x, stream, /, **values):
+        self.signature.order(values)  # the launch names exactly the declared parameters, as LoadedKernel requires
         self.calls.append(("fused", grid_x, values))
 
 
@@ -84,7 +85,7 @@ class _StubLaunch:
     def __init__(self, bundle, spec):
         if self.built is not None and spec.key() not in self.built:
             raise UnknownSpecializationError(f"no kernel {spec.key().describe()}")
-        self.spec, self.kernel = spec, _RecordedKernel(self.calls)
+        self.spec, self.kernel = spec, _RecordedKernel(self.calls, spec.SIGNATURE)
 
 
 def _stub_bundle(max_bucket: int = 64):
@@ -161,7 +162,7 @@ def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
     launches = [c for c in stubbed if c[0] == "fused"]
     assert len(launches) == -(-m // layer.max_tokens)
     if m <= 2:  # decode: routes straight from the ids, narrowed into the workspace when int64
-        ids_ptr = launches[0][2][10]
+        ids_ptr = launches[0][2]["route_indices"]
         ws = layer.workspace()
         assert ids_ptr == (ids.data_ptr() if ids_dtype == torch.int32 else ws.ids32.data_ptr())
         if ids_dtype == torch.int64:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Int32, Int64
 
 from cuteaot.runtime.kernels.activation import VECTOR, ActivationSpec
 from cuteaot.runtime.types import Activation
 
-from .common import cutlass_dtype
+from .common import cutlass_dtype, fake_arguments
 
 THREADS = 256
 
@@ -90,6 +89,4 @@ class ActivationKernel:
         dst.store(y.load())
 
 def build(spec: ActivationSpec):
-    elem = cutlass_dtype(spec.dtype)
-    ptr = make_ptr(elem, 16, cute.AddressSpace.gmem, assumed_align=16)
-    return ActivationKernel(spec), (ptr, ptr, Int32(1), make_fake_stream())
+    return ActivationKernel(spec), fake_arguments(spec)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.probe import (
@@ -27,6 +26,7 @@ from cuteaot.runtime.kernels.probe import (
 )
 
 from .. import intrinsics as I
+from .common import fake_arguments
 
 TILE_ROW_BYTES = 32  # one row of a 16x16 b16 tile in shared memory
 POISON = 0xDEADBEEF  # shared slots before the cp.async probe writes them
@@ -235,5 +235,4 @@ class ProbeKernel:
 
 
 def build(spec: ProbeSpec):
-    ptr = make_ptr(cutlass.Uint32, 16, cute.AddressSpace.gmem, assumed_align=16)
-    return ProbeKernel(spec), (ptr, ptr, Int32(1), make_fake_stream())
+    return ProbeKernel(spec), fake_arguments(spec)

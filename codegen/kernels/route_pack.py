@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import Int32, Int64, T, dsl_user_op
 from cutlass.memory import SmemAllocator
@@ -62,6 +61,8 @@ from cuteaot.runtime.kernels.route_pack import (
     RoutePackSpec,
     RouteStage,
 )
+
+from .common import fake_arguments
 
 __all__ = ["RoutePackKernel", "build", "SMEM_BYTES"]  # SMEM_BYTES: the build records it per kernel
 
@@ -136,23 +137,23 @@ class RoutePackKernel:
         self,
         topk_ids: cute.Pointer,
         expert_map: cute.Pointer,
-        packed: cute.Pointer,
-        block_ids: cute.Pointer,
-        count: cute.Pointer,
+        packed_route_indices: cute.Pointer,
+        block_expert_ids: cute.Pointer,
+        packed_route_count: cute.Pointer,
         workspace: cute.Pointer,
         routes: Int32,
         num_experts: Int32,
-        has_map: Int32,
+        has_expert_map: Int32,
         block_size: Int32,
-        cap_slots: Int32,
-        cap_blocks: Int32,
+        capacity_slots: Int32,
+        capacity_blocks: Int32,
         chunk_routes: Int32,
         num_chunks: Int32,
         stream,
     ):
         self.kernel(
-            topk_ids, expert_map, packed, block_ids, count, workspace,
-            routes, num_experts, has_map, block_size, cap_slots, cap_blocks, chunk_routes, num_chunks,
+            topk_ids, expert_map, packed_route_indices, block_expert_ids, packed_route_count, workspace,
+            routes, num_experts, has_expert_map, block_size, capacity_slots, capacity_blocks, chunk_routes, num_chunks,
         ).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
     # -- walking a warp's segment ---------------------------------------------------------
@@ -359,16 +360,16 @@ class RoutePackKernel:
         self,
         topk_ids: cute.Pointer,
         expert_map: cute.Pointer,
-        packed: cute.Pointer,
-        block_ids: cute.Pointer,
-        count: cute.Pointer,
+        packed_route_indices: cute.Pointer,
+        block_expert_ids: cute.Pointer,
+        packed_route_count: cute.Pointer,
         workspace: cute.Pointer,
         routes: Int32,
         num_experts: Int32,
-        has_map: Int32,
+        has_expert_map: Int32,
         block_size: Int32,
-        cap_slots: Int32,
-        cap_blocks: Int32,
+        capacity_slots: Int32,
+        capacity_blocks: Int32,
         chunk_routes: Int32,
         num_chunks: Int32,
     ):
@@ -377,10 +378,10 @@ class RoutePackKernel:
         cta = Int32(bidx)
         flat = cute.make_layout(1 << 30)  # global arrays: every index is bounds-checked before use
         op = _Operands(
-            topk_ids.toint(), expert_map.toint(), cute.make_tensor(topk_ids, flat), cute.make_tensor(expert_map, flat), cute.make_tensor(packed, flat),
-            cute.make_tensor(block_ids, flat), cute.make_tensor(count, cute.make_layout(1)),
-            cute.make_tensor(workspace, flat),
-            routes, num_experts, has_map, block_size, cap_slots, cap_blocks, chunk_routes, num_chunks,
+            topk_ids.toint(), expert_map.toint(), cute.make_tensor(topk_ids, flat), cute.make_tensor(expert_map, flat),
+            cute.make_tensor(packed_route_indices, flat), cute.make_tensor(block_expert_ids, flat),
+            cute.make_tensor(packed_route_count, cute.make_layout(1)), cute.make_tensor(workspace, flat),
+            routes, num_experts, has_expert_map, block_size, capacity_slots, capacity_blocks, chunk_routes, num_chunks,
         )
         sh = _Shared()
         e = Int32(tid)  # the expert this thread scans
@@ -445,8 +446,4 @@ class RoutePackKernel:
 
 def build(spec: RoutePackSpec):
     """The kernel object and fake arguments for `cute.compile` (pointers are 4/8-byte aligned)."""
-    ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
-    ids = make_ptr(ids_type, 16, cute.AddressSpace.gmem, assumed_align=ids_type.width // 8)
-    i32 = make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
-    one = Int32(1)
-    return RoutePackKernel(spec), (ids, i32, i32, i32, i32, i32) + (one,) * 8 + (make_fake_stream(),)
+    return RoutePackKernel(spec), fake_arguments(spec)

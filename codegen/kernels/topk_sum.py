@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Int32, Int64
 
 from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.kernels.topk_sum import VECTOR, TopKSumSpec
 
-from .common import cutlass_dtype
+from .common import cutlass_dtype, fake_arguments
 
 THREADS = 256
 
@@ -42,20 +41,9 @@ class TopKSumKernel:
     def __call__(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, stream):
         self.kernel(fc2, out, tokens).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
-    @cute.jit
-    def call_masked(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
-                    num_experts: Int32, stream):
-        self.masked_kernel(fc2, out, tokens, topk_ids, num_experts).launch(
-            grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
-
     @cute.kernel
     def kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32):
         self._sum(fc2, out, tokens, fc2, Int32(0))  # the ids are never read (not masked)
-
-    @cute.kernel
-    def masked_kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
-                      num_experts: Int32):
-        self._sum(fc2, out, tokens, topk_ids, num_experts)
 
     @cute.jit
     def _sum(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer, num_experts: Int32):
@@ -90,24 +78,21 @@ class TopKSumKernel:
             dst.store(y.load())
 
 
-class _MaskedEntry:
-    """`cute.compile` target of the masked variant: its host function takes the ids too."""
-
-    def __init__(self, kernel: TopKSumKernel):
-        self.kernel = kernel
+class MaskedTopKSumKernel(TopKSumKernel):
+    """The masked variant (spec.ids_dtype set): its entry and kernel also take the ids and the expert count."""
 
     @cute.jit
     def __call__(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
                  num_experts: Int32, stream):
-        self.kernel.call_masked(fc2, out, tokens, topk_ids, num_experts, stream)
+        self.kernel(fc2, out, tokens, topk_ids, num_experts).launch(
+            grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
+               num_experts: Int32):
+        self._sum(fc2, out, tokens, topk_ids, num_experts)
 
 
 def build(spec: TopKSumSpec):
-    elem = cutlass_dtype(spec.dtype)
-    ptr = make_ptr(elem, 16, cute.AddressSpace.gmem, assumed_align=16)
-    kernel = TopKSumKernel(spec)
-    if spec.ids_dtype is None:
-        return kernel, (ptr, ptr, Int32(1), make_fake_stream())
-    ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
-    ids = make_ptr(ids_type, 16, cute.AddressSpace.gmem, assumed_align=ids_type.width // 8)
-    return _MaskedEntry(kernel), (ptr, ptr, Int32(1), ids, Int32(1), make_fake_stream())
+    kernel = TopKSumKernel(spec) if spec.ids_dtype is None else MaskedTopKSumKernel(spec)
+    return kernel, fake_arguments(spec)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Float32, Int32, Int64
 
 from cuteaot.runtime.kernels.activation import VECTOR
@@ -27,6 +26,7 @@ from cuteaot.runtime.types import DType
 
 from .. import intrinsics as I
 from .activation import ActivationKernel
+from .common import fake_arguments
 from .w4a16_gemm import _Operands, gemm_kernel
 
 
@@ -42,12 +42,13 @@ class W4A16FusedMoeKernel:
     @cute.jit
     def __call__(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
                  activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
-                 w13_gs: cute.Pointer, w2_gs: cute.Pointer, route_indices: cute.Pointer,
+                 w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
                  block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
                  c_tmp: cute.Pointer, locks: cute.Pointer, amax: cute.Pointer, layer: Int32, tokens: Int32,
                  num_experts: Int32, stream):
-        self.kernel(a, w13, w2, fc1_out, activated, fc2_out, w13_scales, w2_scales, w13_gs, w2_gs, route_indices,
-                    block_experts, route_count, topk_weights, c_tmp, locks, amax, layer, tokens, num_experts).launch(
+        self.kernel(a, w13, w2, fc1_out, activated, fc2_out, w13_scales, w2_scales, w13_global_scale,
+                    w2_global_scale, route_indices, block_experts, route_count, topk_weights, c_tmp, locks, amax,
+                    layer, tokens, num_experts).launch(
             grid=(1, 1, 1), block=[self.threads, 1, 1], smem=self.s.shared_bytes,
             min_blocks_per_mp=self.s.blocks_per_sm, stream=stream, preferred_smem_carveout=100,
         )
@@ -55,9 +56,10 @@ class W4A16FusedMoeKernel:
     @cute.kernel
     def kernel(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
                activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
-               w13_gs: cute.Pointer, w2_gs: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
-               route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-               amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32):
+               w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
+               block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
+               c_tmp: cute.Pointer, locks: cute.Pointer, amax: cute.Pointer, layer: Int32, tokens: Int32,
+               num_experts: Int32):
         s = self.s
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -72,9 +74,9 @@ class W4A16FusedMoeKernel:
         )
         fc1_target = fc1_out if s.gated else activated  # relu2 is FC1's epilogue
         fc1_ops = _Operands(a=I.gmem_address(a), qweight=I.gmem_address(w13), out=I.gmem_address(fc1_target),
-                            scales=I.gmem_address(w13_scales), global_scale=I.gmem_address(w13_gs), **routing)
+                            scales=I.gmem_address(w13_scales), global_scale=I.gmem_address(w13_global_scale), **routing)
         fc2_ops = _Operands(a=I.gmem_address(activated), qweight=I.gmem_address(w2), out=I.gmem_address(fc2_out),
-                            scales=I.gmem_address(w2_scales), global_scale=I.gmem_address(w2_gs), **routing)
+                            scales=I.gmem_address(w2_scales), global_scale=I.gmem_address(w2_global_scale), **routing)
         routes = tokens * Int32(s.top_k)
         first = cta * Int32(self.threads) + tid  # this thread's index in grid-strided passes
         stride = grid_x * Int32(self.threads)
@@ -193,14 +195,4 @@ class W4A16FusedMoeKernel:
 
 
 def build(spec: FusedSpec):
-    def ptr(dtype):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
-
-    elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
-    i32, f32, u8 = cutlass.Int32, cutlass.Float32, cutlass.Uint8
-    args = (
-        ptr(elem), ptr(i32), ptr(i32), ptr(elem), ptr(elem), ptr(elem), ptr(u8), ptr(u8), ptr(f32), ptr(f32),
-        ptr(i32), ptr(i32), ptr(i32), ptr(f32), ptr(f32), ptr(i32), ptr(f32), Int32(0), Int32(1), Int32(1),
-        make_fake_stream(),
-    )
-    return W4A16FusedMoeKernel(spec), args
+    return W4A16FusedMoeKernel(spec), fake_arguments(spec)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 from cuteaot.runtime.types import DType
 
 from .. import intrinsics as I
+from .common import fake_arguments
 from .w4a16_epilogue import EpilogueMixin
 from .w4a16_mainloop import MainloopMixin
 
@@ -299,16 +299,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
 
 
 def build(spec: GemmSpec):
-    def ptr(dtype):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
-
-    elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
-    args = (
-        ptr(elem), ptr(cutlass.Int32), ptr(elem), ptr(cutlass.Uint8), ptr(cutlass.Float32), ptr(cutlass.Int32),
-        ptr(cutlass.Int32), ptr(cutlass.Int32), ptr(cutlass.Float32), ptr(cutlass.Float32), ptr(cutlass.Int32),
-        Int32(1), Int32(1), make_fake_stream(),
-    )
-    return gemm_kernel(spec), args
+    return gemm_kernel(spec), fake_arguments(spec)
 
 
 def gemm_kernel(spec: GemmSpec) -> W4A16GemmKernel:

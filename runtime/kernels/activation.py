@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from ..abi import Param, ParamKind, Signature
+from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, registered_bundle
 from ..errors import BadInputError
-from ..keys import KernelKey
+from ..keys import SpecKey
 from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import (
     SWIGLUOAI_DEFAULT_ALPHA,
@@ -39,18 +39,19 @@ VECTOR = 8  # elements per thread: one 16-byte load per operand
 
 
 @dataclass(frozen=True)
-class ActivationSpec:
+class ActivationSpec(SpecKey):
     """Compile-time facts of one activation kernel; one validity check for every caller."""
 
     FAMILY = "moe_activation"
     VERSION = 1
     SIGNATURE = Signature(
         (
-            Param("fc1", ParamKind.PTR, "(rows, 2I) gated / (rows, I) relu2, dtype, row-major, 16B aligned"),
-            Param("out", ParamKind.PTR, "(rows, I) dtype, row-major, 16B aligned"),
-            Param("rows", ParamKind.I32, "number of rows to process, 0 <= rows < 2^31"),
+            ptr("fc1", Pointee.ELEM, "(rows, 2I) gated / (rows, I) relu2, dtype, row-major, 16B aligned"),
+            ptr("out", Pointee.ELEM, "(rows, I) dtype, row-major, 16B aligned"),
+            i32("rows", "number of rows to process, 0 <= rows < 2^31"),
         )
     )
+    CONSTANT_FACTS = {"vector": VECTOR}
 
     activation: Activation
     dtype: DType
@@ -119,34 +120,6 @@ class ActivationSpec:
     def input_width(self) -> int:
         return self.intermediate_size * (2 if self.activation.is_gated else 1)
 
-    def key(self) -> KernelKey:
-        return KernelKey(
-            self.FAMILY,
-            self.VERSION,
-            {
-                "activation": self.activation.value,
-                "dtype": self.dtype.value,
-                "intermediate_size": self.intermediate_size,
-                "fast_math": self.fast_math,
-                "swiglu_alpha": self.swiglu_alpha,
-                "swiglu_beta": self.swiglu_beta,
-                "swiglu_limit": self.swiglu_limit,
-                "vector": VECTOR,
-            },
-        )
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> "ActivationSpec":
-        return cls(
-            Activation(facts["activation"]),
-            DType(facts["dtype"]),
-            facts["intermediate_size"],
-            facts["fast_math"],
-            facts["swiglu_alpha"],
-            facts["swiglu_beta"],
-            facts["swiglu_limit"],
-        )
-
     def check_shapes(self, x: torch.Tensor, out: torch.Tensor) -> int:
         """Shape-only checks (also used by the fake op); returns rows."""
         check_rank(x, "fc1", 2, f"(rows, {self.input_width})")
@@ -165,6 +138,9 @@ class _ActivationPlan(RowwisePlan):
     def __init__(self, bundle: Bundle, spec: ActivationSpec):
         self.in_tail, self.out_width = (spec.input_width,), spec.intermediate_size
         super().__init__(bundle, spec, VECTOR)
+
+    def _launch(self, grid: int, stream: int, src: int, out: int, rows: int, extra: dict) -> None:
+        self.kernel.launch(grid, stream, fc1=src, out=out, rows=rows)
 
     def explain(self, x: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec

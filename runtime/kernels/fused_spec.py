@@ -29,42 +29,43 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..abi import Param, ParamKind, Signature
+from ..abi import Pointee, Signature, i32, ptr
 from ..errors import BadInputError
-from ..keys import KernelKey
-from .w4a16.geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
+from ..keys import SpecKey
 from ..types import Activation, DType
+from .w4a16.geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
 from .activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 
 
 @dataclass(frozen=True)
-class FusedSpec:
+class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 1
+    # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
-            Param("a", ParamKind.PTR, "(M, H) dtype hidden states"),
-            Param("w13", ParamKind.PTR, "(E, H/16, 2*N1) int32 packed FC1 weights"),
-            Param("w2", ParamKind.PTR, "(E, I/16, 2*H) int32 packed FC2 weights"),
-            Param("fc1_out", ParamKind.PTR, "(routes, fc1 width) dtype FC1 output"),
-            Param("activated", ParamKind.PTR, "(routes, I) dtype activation output"),
-            Param("fc2_out", ParamKind.PTR, "(routes, H) dtype FC2 rows, or (M, H) output when decode"),
-            Param("w13_scales", ParamKind.PTR, "FC1 uint8 S0E5M3 block scales, permuted"),
-            Param("w2_scales", ParamKind.PTR, "FC2 uint8 S0E5M3 block scales, permuted"),
-            Param("w13_global_scale", ParamKind.PTR, "(E,) float32"),
-            Param("w2_global_scale", ParamKind.PTR, "(E,) float32"),
-            Param("route_indices", ParamKind.PTR, "int32 packed route slots, or flat topk_ids (decode)"),
-            Param("block_experts", ParamKind.PTR, "int32 expert per packed block (-1 = none/remote)"),
-            Param("route_count", ParamKind.PTR, "int32[1] packed slot count"),
-            Param("topk_weights", ParamKind.PTR, "(M, top_k) float32 router weights"),
-            Param("c_tmp", ParamKind.PTR, "float32 split-K partials (shared by FC1 and FC2)"),
-            Param("locks", ParamKind.PTR, "int32: barrier words then split-K lock slots; zero between launches"),
-            Param("amax", ParamKind.PTR, "(layers, E, 2) float32 activation maxima (read if collect_amax)"),
-            Param("layer", ParamKind.I32, "layer index into amax"),
-            Param("tokens", ParamKind.I32, "M"),
-            Param("num_experts", ParamKind.I32, "E, experts in the weights: routes (decode) and blocks whose "
-                  "expert is outside [0, E) are skipped"),
+            ptr("a", Pointee.ELEM, "(M, H) dtype hidden states"),
+            ptr("w13", Pointee.I32, "(E, H/16, 2*N1) int32 packed FC1 weights"),
+            ptr("w2", Pointee.I32, "(E, I/16, 2*H) int32 packed FC2 weights"),
+            ptr("fc1_out", Pointee.ELEM, "(routes, fc1 width) dtype FC1 output"),
+            ptr("activated", Pointee.ELEM, "(routes, I) dtype activation output"),
+            ptr("fc2_out", Pointee.ELEM, "(routes, H) dtype FC2 rows, or (M, H) output when decode"),
+            ptr("w13_scales", Pointee.U8, "FC1 uint8 S0E5M3 block scales, permuted"),
+            ptr("w2_scales", Pointee.U8, "FC2 uint8 S0E5M3 block scales, permuted"),
+            ptr("w13_global_scale", Pointee.F32, "(E,) float32"),
+            ptr("w2_global_scale", Pointee.F32, "(E,) float32"),
+            ptr("route_indices", Pointee.I32, "int32 packed route slots, or flat topk_ids (decode)"),
+            ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = none/remote)"),
+            ptr("route_count", Pointee.I32, "int32[1] packed slot count"),
+            ptr("topk_weights", Pointee.F32, "(M, top_k) float32 router weights"),
+            ptr("c_tmp", Pointee.F32, "float32 split-K partials (shared by FC1 and FC2)"),
+            ptr("locks", Pointee.I32, "int32: barrier words then split-K lock slots; zero between launches"),
+            ptr("amax", Pointee.F32, "(layers, E, 2) float32 activation maxima (read if collect_amax)"),
+            i32("layer", "layer index into amax"),
+            i32("tokens", "M"),
+            i32("num_experts", "E, experts in the weights: routes (decode) and blocks whose "
+                "expert is outside [0, E) are skipped"),
         )
     )
 
@@ -166,36 +167,3 @@ class FusedSpec:
     @property
     def barrier_words(self) -> int:
         return BARRIER_WORDS
-
-    # --------------------------------------------------------------- key
-
-    def key(self) -> KernelKey:
-        facts = {
-            "dtype": self.dtype.value,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "amax_experts": self.amax_experts,
-            "top_k": self.top_k,
-            "activation": self.activation.value,
-            "fc1_tile_n": self.fc1_tile_n,
-            "fc1_tile_k": self.fc1_tile_k,
-            "fc2_tile_n": self.fc2_tile_n,
-            "fc2_tile_k": self.fc2_tile_k,
-            "moe_block_size": self.moe_block_size,
-            "blocks_per_sm": self.blocks_per_sm,
-            "decode": self.decode,
-            "router_weight_on_input": self.router_weight_on_input,
-            "expert_map": self.expert_map,
-            "collect_amax": self.collect_amax,
-            "fast_math": self.fast_math,
-            "swiglu_alpha": self.swiglu_alpha,
-            "swiglu_beta": self.swiglu_beta,
-            "swiglu_limit": self.swiglu_limit,
-            "whole_tiles_m8": self.whole_tiles_m8,
-            "mainloop": self.mainloop.value,
-        }
-        return KernelKey(self.FAMILY, self.VERSION, facts)
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> "FusedSpec":
-        return cls(**facts)

@@ -297,10 +297,10 @@ def w4a16_moe_gemm(
     tw = topk_weights if mul_topk_weights else workspace.c_tmp
     kernel.kernel.launch(
         launch.grid_x, stream,
-        a.data_ptr(), weights.qweight.data_ptr(), out.data_ptr(), weights.scales.data_ptr(),
-        weights.global_scale.data_ptr(), routes.route_indices.data_ptr(), routes.block_experts.data_ptr(),
-        routes.route_count.data_ptr(),
-        tw.data_ptr(), workspace.c_tmp.data_ptr(), workspace.locks.data_ptr(), tokens,
-        weights.num_experts,
+        a=a.data_ptr(), qweight=weights.qweight.data_ptr(), out=out.data_ptr(), scales=weights.scales.data_ptr(),
+        global_scale=weights.global_scale.data_ptr(), route_indices=routes.route_indices.data_ptr(),
+        block_experts=routes.block_experts.data_ptr(), route_count=routes.route_count.data_ptr(),
+        topk_weights=tw.data_ptr(), c_tmp=workspace.c_tmp.data_ptr(), locks=workspace.locks.data_ptr(),
+        tokens=tokens, num_experts=weights.num_experts,
     )
     return out

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..abi import Param, ParamKind, Signature
+from ..abi import Pointee, Signature, i32, ptr
 from ..errors import BadInputError
-from ..keys import KernelKey
+from ..keys import SpecKey
 from .w4a16.geometry import (
     WGMMA_BLOCK_SIZES,
     WGMMA_THREADS,
@@ -69,25 +69,26 @@ class Epilogue(str, Enum):
 
 
 @dataclass(frozen=True)
-class GemmSpec:
+class GemmSpec(SpecKey):
     FAMILY = "w4a16_moe_gemm"
     VERSION = 1
+    # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
-            Param("a", ParamKind.PTR, "(rows, K) dtype row-major activations, 16B aligned"),
-            Param("qweight", ParamKind.PTR, "(E, K/16, 2N) int32 packed FP4 weights (docs/layouts.md)"),
-            Param("out", ParamKind.PTR, "(routes, N) dtype row-major output, row = route index"),
-            Param("scales", ParamKind.PTR, "(E, K/16, N) uint8 S0E5M3 block scales, permuted"),
-            Param("global_scale", ParamKind.PTR, "(E,) float32, decode compensation folded in"),
-            Param("route_indices", ParamKind.PTR, "int32 packed route indices, or flat topk_ids (direct)"),
-            Param("block_experts", ParamKind.PTR, "int32 expert per packed block (-1 = empty)"),
-            Param("route_count", ParamKind.PTR, "int32[1] packed slot count"),
-            Param("topk_weights", ParamKind.PTR, "(routes,) float32 router weights (read if mul_topk_weights)"),
-            Param("c_tmp", ParamKind.PTR, "float32 split-K partials, lock_slots * 16*m_blocks * tile_n"),
-            Param("locks", ParamKind.PTR, "int32[lock_slots] split-K turn counters, zero between launches"),
-            Param("tokens", ParamKind.I32, "M, the number of token rows routed (routes = M * top_k)"),
-            Param("num_experts", ParamKind.I32, "E, experts in the weights: a route or block whose expert "
-                  "is outside [0, E) is skipped (masked routes, e.g. -1, never index the weights)"),
+            ptr("a", Pointee.ELEM, "(rows, K) dtype row-major activations"),
+            ptr("qweight", Pointee.I32, "(E, K/16, 2N) int32 packed FP4 weights (docs/layouts.md)"),
+            ptr("out", Pointee.ELEM, "(routes, N) dtype row-major output, row = route index"),
+            ptr("scales", Pointee.U8, "(E, K/16, N) uint8 S0E5M3 block scales, permuted"),
+            ptr("global_scale", Pointee.F32, "(E,) float32, decode compensation folded in"),
+            ptr("route_indices", Pointee.I32, "int32 packed route indices, or flat topk_ids (direct)"),
+            ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = empty)"),
+            ptr("route_count", Pointee.I32, "int32[1] packed slot count"),
+            ptr("topk_weights", Pointee.F32, "(routes,) float32 router weights (read if mul_topk_weights)"),
+            ptr("c_tmp", Pointee.F32, "float32 split-K partials, lock_slots * 16*m_blocks * tile_n"),
+            ptr("locks", Pointee.I32, "int32[lock_slots] split-K turn counters, zero between launches"),
+            i32("tokens", "M, the number of token rows routed (routes = M * top_k)"),
+            i32("num_experts", "E, experts in the weights: a route or block whose expert "
+                "is outside [0, E) is skipped (masked routes, e.g. -1, never index the weights)"),
         )
     )
 
@@ -165,39 +166,6 @@ class GemmSpec:
                     f"for {self.moe_block_size}-row blocks, packed routes, no sum_topk; got tile "
                     f"{self.tile_n}x{self.tile_k}, routes {self.routes.value}, sum_topk {self.sum_topk}"
                 )
-
-    # --------------------------------------------------------------- key
-
-    def key(self) -> KernelKey:
-        return KernelKey(
-            self.FAMILY,
-            self.VERSION,
-            {
-                "dtype": self.dtype.value,
-                "n": self.n,
-                "k": self.k,
-                "top_k": self.top_k,
-                "tile_n": self.tile_n,
-                "tile_k": self.tile_k,
-                "moe_block_size": self.moe_block_size,
-                "blocks_per_sm": self.blocks_per_sm,
-                "mul_topk_weights": self.mul_topk_weights,
-                "routes": self.routes.value,
-                "epilogue": self.epilogue.value,
-                "layout": self.layout,
-                "scale_format": self.scale_format,
-                "stages": self.stages,
-                "whole_tiles_m8": self.whole_tiles_m8,
-                "n_out": self.n_out,
-                "k_in": self.k_in,
-                "sum_topk": self.sum_topk,
-                "mainloop": self.mainloop.value,
-            },
-        )
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> "GemmSpec":
-        return cls(**facts)
 
     # --------------------------------------------------------------- geometry
 

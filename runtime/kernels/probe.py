@@ -25,10 +25,10 @@ from enum import Enum
 
 import torch
 
-from ..abi import Param, ParamKind, Signature
+from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, current_stream_handle
 from ..errors import BadInputError, BundleError
-from ..keys import KernelKey
+from ..keys import SpecKey
 from ..tensors import check_tensor
 
 THREAD_BLOCK = 128  # threads per CTA of a THREAD probe
@@ -154,14 +154,14 @@ LAYOUTS: dict[Probe, ProbeLayout] = {
 
 
 @dataclass(frozen=True)
-class ProbeSpec:
+class ProbeSpec(SpecKey):
     FAMILY = "intrinsic_probe"
     VERSION = 1
     SIGNATURE = Signature(
         (
-            Param("src", ParamKind.PTR, "(items * src_words,) u32 words, 16B aligned"),
-            Param("dst", ParamKind.PTR, "(dst_prefix + items * dst_words,) u32 words, 16B aligned"),
-            Param("items", ParamKind.I32, "items to run, 1 <= items; grid from the probe's unit"),
+            ptr("src", Pointee.U32, "(items * src_words,) u32 words, 16B aligned"),
+            ptr("dst", Pointee.U32, "(dst_prefix + items * dst_words,) u32 words, 16B aligned"),
+            i32("items", "items to run, 1 <= items; grid from the probe's unit"),
         )
     )
 
@@ -180,13 +180,6 @@ class ProbeSpec:
     @property
     def dynamic_smem_bytes(self) -> int:
         return self.layout.smem_bytes
-
-    def key(self) -> KernelKey:
-        return KernelKey(self.FAMILY, self.VERSION, {"probe": self.probe.value})
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> "ProbeSpec":
-        return cls(Probe(facts["probe"]))
 
 
 def probe_specs() -> list[ProbeSpec]:
@@ -227,4 +220,4 @@ def run_probe(bundle: Bundle, probe: Probe | str, src: torch.Tensor, dst: torch.
         raise BundleError(f"{spec.probe.value}: built with block {kernel.block}, this runtime launches "
                           f"{lay.threads} threads; rebuild the bundle")
     grid = items if lay.unit is ProbeUnit.WARP else (items + THREAD_BLOCK - 1) // THREAD_BLOCK
-    kernel.launch(grid, current_stream_handle(bundle.device_index), src.data_ptr(), dst.data_ptr(), items)
+    kernel.launch(grid, current_stream_handle(bundle.device_index), src=src.data_ptr(), dst=dst.data_ptr(), items=items)

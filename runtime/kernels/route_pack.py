@@ -51,10 +51,10 @@ from typing import Optional
 
 import torch
 
-from ..abi import Param, ParamKind, Signature
+from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, LoadedKernel, current_stream_handle, registered_bundle
 from ..errors import BadInputError, BundleError
-from ..keys import KernelKey
+from ..keys import SpecKey
 from ..tensors import INT32_MAX, check_rank
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 48, 64, 128)  # the GEMM's route block sizes (128: wgmma only)
@@ -97,34 +97,37 @@ class IdsDType(str, Enum):
 
 
 @dataclass(frozen=True)
-class RoutePackSpec:
+class RoutePackSpec(SpecKey):
     """One route-pack kernel: its stage and, for stages that read topk_ids, their dtype.
 
     Every stage takes the same parameters (a stage ignores those it does not use),
-    so the signature is declared once for the family.
+    so the signature is declared once for the family.  Pointers are only element-aligned:
+    the buffers may be slices of a larger workspace.
     """
 
     FAMILY = "moe_route_pack"
     VERSION = 1
     SIGNATURE = Signature(
         (
-            Param("topk_ids", ParamKind.PTR, "(routes,) int32|int64 expert per route (flattened (M, top_k))"),
-            Param("expert_map", ParamKind.PTR, "(num_experts,) int32 global -> local expert, -1 = not here; "
-                  "any valid pointer when has_expert_map = 0"),
-            Param("packed_route_indices", ParamKind.PTR, "(capacity_slots,) int32 out"),
-            Param("block_expert_ids", ParamKind.PTR, "(capacity_blocks,) int32 out"),
-            Param("packed_route_count", ParamKind.PTR, "(1,) int32 out"),
-            Param("workspace", ParamKind.PTR, "(num_chunks + 2, num_experts) int32 scratch (multi-CTA stages)"),
-            Param("routes", ParamKind.I32, "M * top_k; also the sentinel"),
-            Param("num_experts", ParamKind.I32, "1 <= num_experts <= max_experts"),
-            Param("has_expert_map", ParamKind.I32, "0 or 1"),
-            Param("block_size", ParamKind.I32, "one of ALLOWED_BLOCK_SIZES"),
-            Param("capacity_slots", ParamKind.I32, "length of packed_route_indices"),
-            Param("capacity_blocks", ParamKind.I32, "length of block_expert_ids"),
-            Param("chunk_routes", ParamKind.I32, "routes per CTA (the single stage: routes)"),
-            Param("num_chunks", ParamKind.I32, "CTAs of the count / scatter grids (1 for single)"),
+            ptr("topk_ids", Pointee.IDS, "(routes,) int32|int64 expert per route (flattened (M, top_k))", align=None),
+            ptr("expert_map", Pointee.I32, "(num_experts,) int32 global -> local expert, -1 = not here; "
+                "any valid pointer when has_expert_map = 0", align=None),
+            ptr("packed_route_indices", Pointee.I32, "(capacity_slots,) int32 out", align=None),
+            ptr("block_expert_ids", Pointee.I32, "(capacity_blocks,) int32 out", align=None),
+            ptr("packed_route_count", Pointee.I32, "(1,) int32 out", align=None),
+            ptr("workspace", Pointee.I32, "(num_chunks + 2, num_experts) int32 scratch (multi-CTA stages)",
+                align=None),
+            i32("routes", "M * top_k; also the sentinel"),
+            i32("num_experts", "1 <= num_experts <= max_experts"),
+            i32("has_expert_map", "0 or 1"),
+            i32("block_size", "one of ALLOWED_BLOCK_SIZES"),
+            i32("capacity_slots", "length of packed_route_indices"),
+            i32("capacity_blocks", "length of block_expert_ids"),
+            i32("chunk_routes", "routes per CTA (the single stage: routes)"),
+            i32("num_chunks", "CTAs of the count / scatter grids (1 for single)"),
         )
     )
+    CONSTANT_FACTS = {"threads": THREADS, "max_experts": MAX_EXPERTS}
 
     stage: RouteStage
     ids_dtype: Optional[IdsDType]  # None for the scan, which never reads topk_ids
@@ -138,23 +141,6 @@ class RoutePackSpec:
             if self.ids_dtype is None:
                 raise BadInputError(f"the {self.stage.value} stage needs ids_dtype (int32 or int64)")
             object.__setattr__(self, "ids_dtype", IdsDType(self.ids_dtype))
-
-    def key(self) -> KernelKey:
-        return KernelKey(
-            self.FAMILY,
-            self.VERSION,
-            {
-                "stage": self.stage.value,
-                "ids_dtype": None if self.ids_dtype is None else self.ids_dtype.value,
-                "threads": THREADS,
-                "max_experts": MAX_EXPERTS,
-            },
-        )
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> "RoutePackSpec":
-        ids = facts["ids_dtype"]
-        return cls(RouteStage(facts["stage"]), None if ids is None else IdsDType(ids))
 
 
 def route_pack_specs() -> list[RoutePackSpec]:
@@ -324,29 +310,29 @@ class _RoutePackPlan:
     def __call__(self, p: _Problem, ids, expert_map, packed, block_ids, count, workspace) -> None:
         chunking = RouteChunking.for_routes(p.routes)
         ids_ptr = ids.data_ptr()
-        args = (
-            ids_ptr,
-            ids_ptr if expert_map is None else expert_map.data_ptr(),
-            packed.data_ptr(),
-            block_ids.data_ptr(),
-            count.data_ptr(),
-            ids_ptr if chunking.single else workspace.data_ptr(),
-            p.routes,
-            p.num_experts,
-            0 if expert_map is None else 1,
-            p.block_size,
-            packed.shape[0],
-            block_ids.shape[0],
-            chunking.chunk_routes,
-            chunking.num_chunks,
+        args = dict(  # every stage takes the same parameters (RoutePackSpec.SIGNATURE)
+            topk_ids=ids_ptr,
+            expert_map=ids_ptr if expert_map is None else expert_map.data_ptr(),
+            packed_route_indices=packed.data_ptr(),
+            block_expert_ids=block_ids.data_ptr(),
+            packed_route_count=count.data_ptr(),
+            workspace=ids_ptr if chunking.single else workspace.data_ptr(),
+            routes=p.routes,
+            num_experts=p.num_experts,
+            has_expert_map=0 if expert_map is None else 1,
+            block_size=p.block_size,
+            capacity_slots=packed.shape[0],
+            capacity_blocks=block_ids.shape[0],
+            chunk_routes=chunking.chunk_routes,
+            num_chunks=chunking.num_chunks,
         )
         stream = current_stream_handle(self.bundle.device_index)
         if chunking.single:
-            self.kernel(RouteStage.SINGLE).launch(1, stream, *args)
+            self.kernel(RouteStage.SINGLE).launch(1, stream, **args)
             return
-        self.kernel(RouteStage.COUNT).launch(chunking.num_chunks, stream, *args)
-        self.kernel(RouteStage.SCAN).launch(1, stream, *args)
-        self.kernel(RouteStage.SCATTER).launch(chunking.num_chunks, stream, *args)
+        self.kernel(RouteStage.COUNT).launch(chunking.num_chunks, stream, **args)
+        self.kernel(RouteStage.SCAN).launch(1, stream, **args)
+        self.kernel(RouteStage.SCATTER).launch(chunking.num_chunks, stream, **args)
 
 
 def _new_outputs(p: _Problem, device: torch.device, packed, block_ids, count, workspace):

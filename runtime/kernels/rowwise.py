@@ -1,8 +1,8 @@
 """Launch plan shared by the row-wise element-wise families (activation, top-k sum).
 
-Their kernels take `(src, out, rows, ...)`, read `src` of shape (rows, *in_tail) and
-write `out` of shape (rows, out_width), VECTOR elements per thread:
-grid = ceil(rows * out_width / VECTOR / threads).
+Their kernels read a source of shape (rows, *in_tail) and write `out` of shape
+(rows, out_width), VECTOR elements per thread: grid = ceil(rows * out_width / VECTOR / threads).
+Each family's `_launch` passes the values by its own parameter names.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from ..tensors import INT32_MAX
 class RowwisePlan:
     """A resolved kernel plus what a launch needs; built once per (bundle, spec).
 
-    Subclasses set `in_tail` / `out_width` and implement `explain`, which runs the
-    detailed checks (with messages) only when the one-pass check failed.
+    Subclasses set `in_tail` / `out_width` and implement `_launch` (the kernel's
+    parameters by name) and `explain`, which runs the detailed checks (with messages)
+    only when the one-pass check failed.
     """
 
     in_tail: tuple[int, ...]
@@ -33,8 +34,8 @@ class RowwisePlan:
         self.threads = self.kernel.block[0]
         self.vectors_per_row = self.out_width // vector
 
-    def __call__(self, src: torch.Tensor, src_shape: torch.Size, out: torch.Tensor, extra: tuple = ()) -> None:
-        """Check and launch; `extra` are the values of parameters after `rows` (checked by the caller)."""
+    def __call__(self, src: torch.Tensor, src_shape: torch.Size, out: torch.Tensor, **extra: int) -> None:
+        """Check and launch; `extra` are the family's further parameters by name (checked by the caller)."""
         rows, dtype, dev = src_shape[0], self.dtype, self.device_index
         # One cheap pass on the hot path; the detailed checks only run to explain a failure.
         if not (
@@ -55,7 +56,11 @@ class RowwisePlan:
             self._fail(src, out)
         if rows:
             grid = (rows * self.vectors_per_row + self.threads - 1) // self.threads
-            self.kernel.launch(grid, current_stream_handle(dev), sp, op, rows, *extra)
+            self._launch(grid, current_stream_handle(dev), sp, op, rows, extra)
+
+    def _launch(self, grid: int, stream: int, src: int, out: int, rows: int, extra: dict) -> None:
+        """Launch the kernel with these addresses and row count, by the family's parameter names."""
+        raise NotImplementedError
 
     def _fail(self, src: torch.Tensor, out: torch.Tensor) -> None:
         self.explain(src, out)

@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from ..abi import Param, ParamKind, Signature
+from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, registered_bundle
 from ..errors import BadInputError
-from ..keys import KernelKey
+from ..keys import SpecKey
 from ..tensors import INT32_MAX, check_rank, check_tensor
 from ..types import DType
 from .route_pack import IdsDType
@@ -31,22 +31,24 @@ MAX_TOP_K = 32  # the route loop is unrolled
 
 
 _PLAIN_PARAMS = (
-    Param("fc2", ParamKind.PTR, "(M, top_k, H) dtype, row-major, 16B aligned"),
-    Param("out", ParamKind.PTR, "(M, H) dtype, row-major, 16B aligned"),
-    Param("tokens", ParamKind.I32, "M, 0 <= M < 2^31"),
+    ptr("fc2", Pointee.ELEM, "(M, top_k, H) dtype, row-major, 16B aligned"),
+    ptr("out", Pointee.ELEM, "(M, H) dtype, row-major, 16B aligned"),
+    i32("tokens", "M, 0 <= M < 2^31"),
 )
 _MASK_PARAMS = (
-    Param("topk_ids", ParamKind.PTR, "(M, top_k) int32|int64 (ids_dtype) expert per route, contiguous"),
-    Param("num_experts", ParamKind.I32, "routes with ids outside [0, num_experts) are not summed"),
+    ptr("topk_ids", Pointee.IDS, "(M, top_k) int32|int64 (ids_dtype) expert per route, contiguous", align=None),
+    i32("num_experts", "routes with ids outside [0, num_experts) are not summed"),
 )
 
 
 @dataclass(frozen=True)
-class TopKSumSpec:
+class TopKSumSpec(SpecKey):
     FAMILY = "moe_topk_sum"
     VERSION = 1
     PLAIN_SIGNATURE = Signature(_PLAIN_PARAMS)
     MASKED_SIGNATURE = Signature(_PLAIN_PARAMS + _MASK_PARAMS)  # the plain one, then the ids
+    CONSTANT_FACTS = {"vector": VECTOR}
+    KEY_OMITS_NONE = frozenset({"ids_dtype"})  # only the masked variant carries it: the plain keys stay as they were
 
     dtype: DType
     top_k: int
@@ -67,16 +69,6 @@ class TopKSumSpec:
             raise BadInputError(
                 f"hidden_size must be a positive multiple of {VECTOR} (16-byte vectors), got {self.hidden_size!r}"
             )
-
-    def key(self) -> KernelKey:
-        facts = {"dtype": self.dtype.value, "top_k": self.top_k, "hidden_size": self.hidden_size, "vector": VECTOR}
-        if self.ids_dtype is not None:  # only the masked variant carries it: the plain keys stay as they were
-            facts["ids_dtype"] = self.ids_dtype.value
-        return KernelKey(self.FAMILY, self.VERSION, facts)
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> "TopKSumSpec":
-        return cls(DType(facts["dtype"]), facts["top_k"], facts["hidden_size"], facts.get("ids_dtype"))
 
     def check_shapes(self, fc2: torch.Tensor, out: torch.Tensor) -> int:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
@@ -103,6 +95,9 @@ class _TopKSumPlan(RowwisePlan):
         self.in_tail, self.out_width = (spec.top_k, spec.hidden_size), spec.hidden_size
         super().__init__(bundle, spec, VECTOR)
 
+    def _launch(self, grid: int, stream: int, src: int, out: int, rows: int, extra: dict) -> None:
+        self.kernel.launch(grid, stream, fc2=src, out=out, tokens=rows, **extra)  # extra: the masked variant's ids
+
     def explain(self, fc2: torch.Tensor, out: torch.Tensor) -> None:
         spec = self.spec
         tokens = spec.check_shapes(fc2, out)
@@ -121,7 +116,7 @@ class _TopKSumPlan(RowwisePlan):
             and 0 < num_experts <= INT32_MAX
         ):
             self._explain_ids(fc2, topk_ids, num_experts)
-        self(fc2, shape, out, (topk_ids.data_ptr(), num_experts))
+        self(fc2, shape, out, topk_ids=topk_ids.data_ptr(), num_experts=num_experts)
 
     def _explain_ids(self, fc2: torch.Tensor, topk_ids, num_experts) -> None:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")

@@ -45,6 +45,7 @@ def inputs(m: int, seed: int):
 
 
 def settled_bytes() -> int:
+    """torch's allocated bytes once garbage (layers, graphs) is collected."""
     gc.collect()
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
@@ -86,32 +87,48 @@ def test_functional_layers_die_with_their_weights(bundle):
     assert settled_bytes() == before
 
 
-def test_calls_allocate_nothing_and_capture_needs_no_reservation(bundle):
+def allocations() -> int:
+    """Allocations torch's caching allocator has handed out so far (any size, any pool)."""
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+
+def test_calls_allocate_nothing(bundle):
+    w13, w2, _, _ = weights(4)
+    layer = MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    for m in (1, 2, 3, 37, 1000):
+        for ids_dtype in (torch.int32, torch.int64):
+            x, w, ids = inputs(m, m)
+            ids = ids.to(ids_dtype)
+            out = torch.empty(m, H, dtype=torch.bfloat16, device="cuda")
+            layer(x, w, ids, out=out)  # first call of each M: resolution is cached host state only
+            before = allocations()
+            for _ in range(3):
+                layer(x, w, ids, out=out)
+            assert allocations() == before, f"M={m} {ids_dtype}: a call allocated device memory"
+
+
+def test_capture_needs_no_reservation(bundle):
     w13, w2, q13, q2 = weights(4)
     layer = MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    w13_f, w2_f = dequantize_modelopt(*q13).cuda(), dequantize_modelopt(*q2).cuda()
     for m in (1, 2, 3, 37, 1000):
         x, w, ids = inputs(m, m)
         out = torch.full((m, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        ids64 = ids.long()
-        layer(x, w, ids64, out=out)  # first call of each M: resolution is cached host state only
-        before = settled_bytes()
-        for _ in range(3):
-            layer(x, w, ids64, out=out)
-        assert settled_bytes() == before, f"M={m}: a call allocated device memory"
         stream = torch.cuda.Stream()  # never seen, never reserved: uses the shape's default workspace
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            layer(x, w, ids64, out=out)
+            layer(x, w, ids.long(), out=out)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, _, _ = moe_reference(x, dequantize_modelopt(*q13).cuda(), dequantize_modelopt(*q2).cuda(), w, ids, "silu")
+        ref, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
         err = float((out.float() - ref).norm() / ref.norm())
         assert err <= 1e-2, f"M={m}: replay rel err {err:.2e}"
-        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
-            with pytest.raises(CaptureError, match="before capturing"):
-                layer.reserve([torch.cuda.Stream()])
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream()):
+        with pytest.raises(CaptureError, match="before capturing"):
+            layer.reserve([torch.cuda.Stream()])
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])
