@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.common import device_us, hbm_copy_bandwidth
 from cuteaot.runtime import GemmWorkspace, load_bundle, pack_gemm_routes, pack_nvfp4, w4a16_moe_gemm
-from cuteaot.runtime.kernels.gemm import plan_for
+from cuteaot.runtime.kernels.gemm import gemm_entry
 from tests.reference.nvfp4 import quantize_nvfp4
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k)
@@ -75,17 +75,26 @@ class Problem:
         return hit * (self.n * self.k // 2 + self.n * self.k // 16 + 4)
 
     def gemm(self, bundle) -> "GemmRun":
-        """Our GEMM on these operands: plan, workspace and output for this bundle's device."""
-        plan = plan_for(self.m, self.n, self.k, self.top_k, self.experts, bundle.profile)
-        return GemmRun(self, bundle, plan, GemmWorkspace.allocate(plan, self.m, self.top_k, self.experts, "cuda"),
+        """Our GEMM on these operands: the bundle's launch for this M, a workspace and an output."""
+        launch = gemm_entry(bundle, self.packed, self.top_k).launch(self.m)
+        workspace = GemmWorkspace.allocate(launch.sizes, self.m * self.top_k, self.experts, "cuda")
+        return GemmRun(self, bundle, launch, workspace,
                        torch.empty(self.m * self.top_k, self.n, device="cuda", dtype=torch.bfloat16))
 
 
 class GemmRun:
     """A Problem bound to a bundle: `run(routes=None)` launches the GEMM into `out`."""
 
-    def __init__(self, p: Problem, bundle, plan, workspace, out):
-        self.p, self.bundle, self.plan, self.workspace, self.out = p, bundle, plan, workspace, out
+    def __init__(self, p: Problem, bundle, launch, workspace, out):
+        self.p, self.bundle, self.launch, self.workspace, self.out = p, bundle, launch, workspace, out
+
+    def describe(self) -> str:
+        """The launch the table chose: route handling, main loop, tile and CTAs per SM (kernel facts)."""
+        kernel = self.bundle.kernel_by_digest(next(iter(self.launch.kernels.values())))
+        f = kernel.record.key.facts
+        route = " direct" if self.launch.direct else ""
+        wg = " wgmma" if f.get("mainloop") == "wgmma" else ""
+        return f"b{f['moe_block_size']}{route}{wg} {f['tile_n']}x{f['tile_k']} {f['blocks_per_sm']}/SM"
 
     def run(self, routes=None):
         p = self.p
@@ -100,7 +109,6 @@ def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict
     p = Problem(model, which, m)
     experts, top_k, n, k, ids = p.experts, p.top_k, p.n, p.k, p.ids
     g = p.gemm(bundle)
-    plan = g.plan
     with_packing = device_us(g.run)
     routes = g.pack_routes()
     ours = device_us(lambda: g.run(routes))
@@ -122,9 +130,7 @@ def bench(bundle, model: str, which: str, m: int, hbm: float, tc: float) -> dict
     peer_bytes = hit * n * k * 2
     return {
         "model": model, "gemm": which, "M": m, "N": n, "K": k, "experts_hit": hit,
-        "plan": f"b{plan.moe_block_size}{' direct' if plan.direct_topk_routes else ''}"
-                f"{' wgmma' if plan.mainloop == 'wgmma' else ''} "
-                f"{plan.tile.tile_n}x{plan.tile.tile_k} {plan.blocks_per_sm}/SM",
+        "plan": g.describe(),
         "us": ours, "route_pack_us": packing, "with_packing_us": with_packing, "GB/s": weight_bytes / ours / 1e3, "TFLOP/s": flops / ours / 1e6,
         "pct_hbm": 100 * weight_bytes / hbm / (ours * 1e-6),
         "roofline_us": max(weight_bytes / hbm, flops / tc) * 1e6,

@@ -27,7 +27,7 @@ from benchmarks.moe import torch_bf16_layer
 from cuteaot.runtime import (
     GemmWorkspace, load_bundle, moe_activation, moe_topk_sum, pack_gemm_routes, w4a16_moe_gemm,
 )
-from cuteaot.runtime.kernels.gemm import plan_for
+from cuteaot.runtime.kernels.gemm import gemm_entry
 from cuteaot.runtime.moe import MoeLayer
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k, activation)
@@ -44,13 +44,8 @@ class SplitLayer:
     def __init__(self, bundle, w13, w2, top_k: int, activation: str, max_tokens: int):
         self.bundle, self.w13, self.w2, self.top_k, self.activation = bundle, w13, w2, top_k, activation
         routes = max_tokens * top_k
-        plan1 = plan_for(max_tokens, w13.n, w13.k, top_k, w13.num_experts, bundle.profile)
-        plan2 = plan_for(max_tokens, w2.n, w2.k, top_k, w2.num_experts, bundle.profile)
-        self.ws1 = GemmWorkspace.allocate(plan1, max_tokens, top_k, w13.num_experts, bundle.device)
-        self.ws2 = GemmWorkspace.allocate(plan2, max_tokens, top_k, w2.num_experts, bundle.device,
-                                          at_least=self.ws1)
-        self.ws3 = GemmWorkspace.allocate(plan2, max_tokens, top_k, w2.num_experts, bundle.device,
-                                          at_least=self.ws1)
+        # routes packed for FC1 (and FC2 when its launch uses the same block), FC2's own, and the GEMMs' scratch
+        self.ws1, self.ws2, self.ws3 = (GemmWorkspace.for_tokens(bundle, max_tokens, top_k, w13, w2) for _ in range(3))
         inter = w2.k
         self.fc1 = torch.empty(routes, w13.n, dtype=torch.bfloat16, device="cuda")
         self.act = torch.empty(routes, inter, dtype=torch.bfloat16, device="cuda")
@@ -61,11 +56,10 @@ class SplitLayer:
         m, routes = x.shape[0], x.shape[0] * self.top_k
         fc1, act, fc2 = self.fc1[:routes], self.act[:routes], self.fc2[:routes]
         box = {}
-        profile, e = self.bundle.profile, self.w13.num_experts
-        same = (plan_for(m, self.w13.n, self.w13.k, self.top_k, e, profile).moe_block_size
-                == plan_for(m, self.w2.n, self.w2.k, self.top_k, e, profile).moe_block_size)
+        same = (gemm_entry(self.bundle, self.w13, self.top_k).launch(m).route_block
+                == gemm_entry(self.bundle, self.w2, self.top_k).launch(m).route_block)
 
-        def pack():  # once when both GEMMs' plans use one route block, else once per GEMM
+        def pack():  # once when both GEMMs' launches use one route block, else once per GEMM
             box["r"] = pack_gemm_routes(self.bundle, ids, self.w13, workspace=self.ws1)
             box["r2"] = box["r"] if same else pack_gemm_routes(self.bundle, ids, self.w2, workspace=self.ws3)
 

@@ -75,7 +75,7 @@ def bench(bundle, model: str, m: int, layer: MoeLayer, det: MoeLayer, peer, hbm:
     out = torch.empty(m, hidden, device="cuda", dtype=torch.bfloat16)
     ours = device_us(lambda: layer(x, weights, ids, out=out))
     # deterministic=True differs only where the default takes the decode path (bf16 atomics)
-    det_us = device_us(lambda: det(x, weights, ids, out=out)) if layer.resolve(m).plan.decode else ours
+    det_us = device_us(lambda: det(x, weights, ids, out=out)) if layer.resolve(m).decode else ours
     out_peer = torch.empty_like(out)
     try:
         theirs = device_us(lambda: peer(x, weights, ids, out_peer))
@@ -88,11 +88,8 @@ def bench(bundle, model: str, m: int, layer: MoeLayer, det: MoeLayer, peer, hbm:
     act_bytes = 2 * m * hidden * 2
     flops = 2 * m * top_k * (n1 * hidden + hidden * inter)
     roof = max((weight_bytes + act_bytes) / hbm, flops / tc) * 1e6
-    r = layer.resolve(m).plan
     return {
-        "model": model, "M": m, "experts_hit": hit,
-        "plan": f"{'decode' if r.decode else 'packed'} b{r.moe_block_size} fc1 {r.fc1_tile.tile_n}x{r.fc1_tile.tile_k} "
-                f"fc2 {r.fc2_tile.tile_n}x{r.fc2_tile.tile_k} grid {r.grid_x}",
+        "model": model, "M": m, "experts_hit": hit, "plan": layer.resolve(m).describe(),
         "us": ours, "roofline_us": roof, "pct_roofline": 100 * roof / ours,
         "GB/s": weight_bytes / ours / 1e3, "torch_bf16_us": theirs, "deterministic_us": det_us,
     }

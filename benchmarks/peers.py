@@ -241,10 +241,7 @@ class Cuteaot:
 
     def bind(self, r: Routing) -> Bound:
         out = torch.empty_like(r.x)
-        plan = self.layer.resolve(r.x.shape[0]).plan
-        extra = {"plan": f"{'decode' if plan.decode else 'packed'} b{plan.moe_block_size} "
-                         f"fc1 {plan.fc1_tile.tile_n}x{plan.fc1_tile.tile_k} fc2 {plan.fc2_tile.tile_n}x"
-                         f"{plan.fc2_tile.tile_k} grid {plan.grid_x}"}
+        extra = {"plan": self.layer.resolve(r.x.shape[0]).describe()}
         return Bound(lambda: self.layer(r.x, r.topk_weights, r.topk_ids, out=out), out, extra)
 
 

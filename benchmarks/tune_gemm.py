@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
 SHAPES = {  # name: (n, k, top_k, experts, a_per_route)
     "qwen3-30b fc1": (1536, 2048, 8, 128, False),
@@ -123,9 +122,9 @@ def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
     from benchmarks.common import hbm_copy_bandwidth
     from benchmarks.gemm import random_packed, routed_inputs
     from cuteaot.runtime import load_bundle, pack_routes
+    from cuteaot.codegen.kernels.w4a16.planning import plan_for
     from cuteaot.runtime.kernels.gemm import GemmWorkspace
     from cuteaot.runtime.kernels.gemm_spec import Routes
-    from cuteaot.runtime.kernels.gemm import plan_for
 
     bundle = load_bundle(bundle_path)
     hbm = hbm_copy_bandwidth()
@@ -137,8 +136,9 @@ def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
         for m in MS:
             ids, topk_w, a = routed_inputs(m, k, top_k, experts, per_route)
             plan = plan_for(m, n, k, top_k, experts, bundle.profile)
-            big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 16 * 256)
-            ws = GemmWorkspace.allocate(big, m, top_k, experts, "cuda")
+            ws = GemmWorkspace.allocate({"lock_slots": 8 * sms, "c_tmp_floats": 8 * sms * 16 * 256,
+                                             "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks},
+                                            m * top_k, experts, "cuda")  # room for every variant's grid
             routes = "direct" if plan.direct_topk_routes else "packed"
             if routes == "direct":
                 r_idx = b_exp = r_cnt = ids
@@ -178,7 +178,8 @@ def run_large(bundle, hbm) -> list[dict]:
     """Large-M variants: the planner's route block size, each variant's tile, grid and depth."""
     from benchmarks.gemm import random_packed, routed_inputs
     from cuteaot.runtime import pack_routes
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace, plan_for
+    from cuteaot.codegen.kernels.w4a16.planning import plan_for
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace
 
     sms = bundle.profile.sm_count
     rows = []
@@ -188,8 +189,9 @@ def run_large(bundle, hbm) -> list[dict]:
             plan = plan_for(m, n, k, top_k, experts, bundle.profile)
             specs = large_specs(plan.moe_block_size)
             ids, topk_w, a = routed_inputs(m, k, top_k, experts, per_route)
-            big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 64 * 256)
-            ws = GemmWorkspace.allocate(big, m, top_k, experts, "cuda")
+            ws = GemmWorkspace.allocate({"lock_slots": 8 * sms, "c_tmp_floats": 8 * sms * 64 * 256,
+                                             "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks},
+                                            m * top_k, experts, "cuda")  # room for every variant's grid
             r_idx, b_exp, r_cnt = pack_routes(bundle, ids, experts, plan.moe_block_size,
                                               packed_route_indices=ws.route_indices,
                                               block_expert_ids=ws.block_experts,

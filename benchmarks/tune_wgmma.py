@@ -11,7 +11,6 @@ on its own grid; the planner picks 128-row blocks once routes >= 128 * experts
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 from benchmarks.tune_gemm import SHAPES
 
@@ -36,7 +35,8 @@ def run(bundle_path: str) -> None:
     from benchmarks.gemm import random_packed, routed_inputs
     from benchmarks.tune_gemm import _time_variant
     from cuteaot.runtime import load_bundle, pack_routes
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace, plan_for
+    from cuteaot.codegen.kernels.w4a16.planning import plan_for
+    from cuteaot.runtime.kernels.gemm import GemmWorkspace
 
     bundle = load_bundle(bundle_path)
     sms = bundle.profile.sm_count
@@ -44,8 +44,9 @@ def run(bundle_path: str) -> None:
         packed = random_packed(experts, n, k)
         ids, topk_w, a = routed_inputs(M, k, top_k, experts, per_route)
         plan = plan_for(M, n, k, top_k, experts, bundle.profile)  # split-K scratch for any variant's tail
-        big = replace(plan, lock_slots=8 * sms, splitk_scratch_floats=8 * sms * 128 * 256)
-        ws = GemmWorkspace.allocate(big, M, top_k, experts, "cuda")
+        ws = GemmWorkspace.allocate({"lock_slots": 8 * sms, "c_tmp_floats": 8 * sms * 128 * 256,
+                                         "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks},
+                                        M * top_k, experts, "cuda")  # room for every variant's grid
         for name, (block, tile_n, bps) in VARIANTS.items():
             if n % tile_n:
                 continue

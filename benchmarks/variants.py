@@ -1,4 +1,4 @@
-"""Build a bundle of hand-picked kernel keys for the tuning tools (tune_gemm, tune_moe).
+"""Build a bundle of hand-picked kernel keys for the tuning tools (tune_gemm, tune_wgmma).
 
 The planner-driven `cuteaot build` compiles what a spec resolves to; a tuning tool needs
 kernels the planner would *not* pick, so it names the keys itself and this writes them as an

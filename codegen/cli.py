@@ -161,7 +161,7 @@ def cmd_verify(args) -> int:
 
     m = verify_bundle(args.bundle)
     print(f"{args.bundle}: OK — schema {m['schema_version']}, {len(m['kernels'])} cubins match their sha256, "
-          f"{len(m['resolution'])} resolution rows resolve")
+          f"{len(m['resolution'])} resolution entries resolve")
     return 0
 
 

@@ -70,7 +70,8 @@ def plan_bundle(spec: BundleSpec, progress: Optional[Callable[[str], None]] = No
                 if not (problem.gemm if op == GEMM else problem.fused):
                     continue
                 if progress:
-                    progress(f"planning {spec.bundle}: problem {next(count)}/{total} {op} {problem.name} on "
+                    kind = "fused" if op == MOE_LAYER else "gemm"
+                    progress(f"planning {spec.bundle}: problem {next(count)}/{total} {kind} {problem.name} on "
                              f"{profile.name}, 1..{problem.tokens[-1]} tokens")
                 for entry, keys in entries(problem, profile):
                     planned.add(entry, keys, profile.arch)

@@ -20,12 +20,11 @@ docs/manifest.md documents the JSON; this module is the only reader.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping, Optional
 
 from .errors import BadInputError, SchemaMismatchError, UnknownSpecializationError
-from .types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT, Activation, DType
+from .types import Activation, DType
 
 MOE_LAYER = "moe_layer"
 GEMM = "gemm"
@@ -61,19 +60,15 @@ class MoeLayerFacts:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise BadInputError(f"{name} must be a positive int, got {value!r}")
-        if act is Activation.RELU2:
-            object.__setattr__(self, "fast_math", False)  # no transcendental to approximate
-        defaults = (SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT)
-        for name, default in zip(("swiglu_alpha", "swiglu_beta", "swiglu_limit"), defaults):
-            value = getattr(self, name)
-            if act is Activation.SWIGLUOAI and value is None:
-                value = default
-            if value is not None:
-                value = float(value)
-                if not math.isfinite(value):
-                    raise BadInputError(f"{name} must be finite, got {value}")
-            object.__setattr__(self, name, value)
-        for name in ("fast_math", "router_weight_on_input", "expert_map", "calibration", "deterministic"):
+        # the activation's own spec validates its parameters and fills the swigluoai defaults
+        from .kernels.activation import ActivationSpec  # lazily: the kernels import the bundle, which imports us
+
+        spec = ActivationSpec.create(act, self.dtype, self.intermediate_size, fast_math=bool(self.fast_math),
+                                     swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
+                                     swiglu_limit=self.swiglu_limit)
+        for name in ("fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit"):  # relu2 drops fast_math
+            object.__setattr__(self, name, getattr(spec, name))
+        for name in ("router_weight_on_input", "expert_map", "calibration", "deterministic"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         if self.deterministic and (self.expert_map or self.calibration):
             object.__setattr__(self, "deterministic", False)  # those variants never take the atomic path

@@ -53,19 +53,18 @@ def write_bundle(bundle_dir: Path, archs=("sm_100a", "sm_90a", "sm_120a"), per_a
             (bundle_dir / arch).mkdir(parents=True, exist_ok=True)
             (bundle_dir / record["file"]).write_bytes(data)
             kernels.append(record)
-    first_h200 = next(k["key"] for k in kernels if k["arch"] == "sm_90a")
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "bundle": "handmade",
         "toolchain": {"python": "3.11.7", "nvidia-cutlass-dsl": "4.8.1", "nvidia-cutlass-dsl-libs-base": "4.8.1",
                       "nvidia-cuda-cuobjdump": "13.0"},
         "source_fingerprint": "0" * 64,
+        "plan_fingerprint": "2" * 64,
         "spec": {"file": "handmade.yaml", "sha256": "1" * 64},
         "targets": [t for t in TARGETS if t["arch"] in archs],
         "shard": None,
         "kernels": kernels,
-        "resolution": [{"profile": "h200", "problem": "p", "dtype": "bf16", "fast_math": False, "tokens": 1,
-                        "kernels": {"activation": first_h200}}],
+        "resolution": [],  # element-wise kernels only: nothing is planned per token count
     }
     write_manifest(bundle_dir, manifest)
     return bundle_dir

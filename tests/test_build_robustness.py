@@ -137,6 +137,13 @@ def _reap(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _mark_stale(bundle_dir: Path) -> None:
+    """Make an intact bundle look planned by other sources, so a rebuild does not take it as up to date."""
+    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    manifest["plan_fingerprint"] = "0" * 64
+    (bundle_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(build_mod, "_compile_job", fake_compile)
@@ -198,9 +205,10 @@ def test_sigkill_of_the_build_takes_its_workers_and_tracker_with_it(tmp_path):
 def test_signal_stops_the_build_cleanly_and_keeps_the_previous_bundle(fake, tmp_path, how):
     out = tmp_path / "gen"
     build(TINY_SPEC, out, workers=1, progress=False)
+    _mark_stale(out / "tiny")  # a bundle of other planner sources: the next build must redo it ...
     before = (out / "tiny" / "manifest.json").read_bytes()
     for entry in _cache_entries(out):
-        entry.unlink()  # so that the next build must compile
+        entry.unlink()  # ... and compile
     proc, children = _slow_build(tmp_path, new_session=True)
     try:
         if how == "SIGTERM":

@@ -43,7 +43,7 @@ def bundle(tmp_path):
 def test_verify_and_inspect_run_without_yaml_and_cutlass(bundle):
     proc = _serving("verify", str(bundle))
     assert proc.returncode == 0, proc.stderr
-    assert "OK — schema 1, 6 cubins match their sha256, 1 resolution rows resolve" in proc.stdout
+    assert "OK — schema 2, 6 cubins match their sha256, 0 resolution entries resolve" in proc.stdout
     proc = _serving("inspect", str(bundle))
     assert proc.returncode == 0, proc.stderr
     assert "sm_90a: 2 kernels" in proc.stdout

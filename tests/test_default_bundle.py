@@ -2,12 +2,13 @@
 
 Every fused kernel the runtime can resolve for 1..16384 tokens is compiled, its PTX entry
 checked against the declared signature (the build fails otherwise), and the manifest must
-resolve every bucket of the MoE layer to kernels it contains, with launch facts the runtime
+resolve every token count of the MoE layer to kernels it contains, with launch facts the runtime
 relies on (block = the kernel's threads, dynamic shared memory, no spills).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ import pytest
 pytest.importorskip("cutlass", reason="the build needs CuTeDSL (cuteaot[codegen])")
 
 from cuteaot.codegen.build import build
+from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer
 from cuteaot.runtime.devices import PROFILES
-from cuteaot.runtime.fused_planning import plan_fused
 from cuteaot.runtime.kernels.fused_spec import FusedSpec
 from cuteaot.runtime.manifest import verify_bundle
+from cuteaot.runtime.resolution import MOE_LAYER, MoeLayerFacts, ResolutionTable
 
 pytestmark = pytest.mark.build
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "qwen3-30b-a3b.yaml"
@@ -31,21 +33,33 @@ def bundle_dir(tmp_path_factory):
     return root / "qwen3-30b-a3b"
 
 
-def test_default_bundle_resolves_every_bucket_on_h200(bundle_dir):
-    manifest = verify_bundle(bundle_dir)
+FACTS = MoeLayerFacts(dtype="bf16", hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
+                      activation="silu")
+
+
+def test_default_bundle_resolves_every_token_count_on_h200(bundle_dir):
+    manifest = verify_bundle(bundle_dir)  # every kernel the table names is in the bundle
     assert [t["name"] for t in manifest["targets"]] == ["h200"]
-    rows = manifest["resolution"]
-    assert sorted(r["tokens"] for r in rows) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    assert all({"fused", "activation", "topk_sum"} <= set(r["kernels"]) for r in rows)
+    table = ResolutionTable.from_manifest(manifest, "h200")
+    for deterministic in (False, True):
+        entry = table.find(MOE_LAYER, dataclasses.replace(FACTS, deterministic=deterministic))
+        assert entry.max_tokens == 16384 and entry.launch(1).m_min == 1
+        assert [w.max_tokens for w in entry.workspaces] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                                             4096, 8192, 16384]
+        assert entry.launch(1).direct != deterministic  # deterministic: no decode (atomic top-k sum) path
 
 
-def test_fused_kernels_match_what_the_runtime_plans(bundle_dir):
+def test_fused_kernels_match_what_the_planner_chose(bundle_dir):
     manifest = verify_bundle(bundle_dir)
     fused = {k["key"]: k for k in manifest["kernels"] if k["family"] == "w4a16_fused_moe"}
+    entry = ResolutionTable.from_manifest(manifest, "h200").find(MOE_LAYER, FACTS)
     for m in (1, 2, 8, 9, 64, 300, 5000, 16384):
-        plan = plan_fused(m, 2048, 768, 128, 8, True, PROFILES["h200"])
-        spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+        plan = plan_layer(m, FACTS, PROFILES["h200"])
+        spec = fused_spec_for(plan, FACTS)
+        launch = entry.launch(m)
+        assert launch.kernels["fused"] == spec.key().digest and launch.grid_x == plan.grid_x
         record = fused[spec.key().digest]
+        assert FusedSpec.from_facts(record["facts"]) == spec
         assert record["block"] == [spec.threads, 1, 1]
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
         assert record["min_blocks_per_sm"] == spec.blocks_per_sm

@@ -9,22 +9,31 @@ import types
 import pytest
 import torch
 
-from cuteaot.codegen.enumerate import fused_keys, jobs, resolution_table
+from cuteaot.codegen.enumerate import jobs
+from cuteaot.codegen.kernels.w4a16.fused_planning import DECODE_MAX_M, fused_spec_for, plan_fused
 from cuteaot.codegen.spec import load_spec
+from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import BadInputError, SpecError
-from cuteaot.runtime.fused_planning import BARRIER_WORDS, DECODE_MAX_M, plan_fused, workspace_bounds
 from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS, TileConfig
 import cuteaot.runtime.moe as moe_module
 from cuteaot.runtime.moe import MoeLayer
-from cuteaot.runtime.planning import TileConfig
+from cuteaot.runtime.resolution import MOE_LAYER, MoeLayerFacts
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
-from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import quantize_nvfp4
+from tests.stub_bundle import RecordedLaunch, stub_bundle
 
 H200, GB10 = PROFILES["h200"], PROFILES["gb10"]
 QWEN3_30B = (2048, 768, 128, 8)  # H, I, E, top_k
 GPT_OSS = (2880, 2880, 128, 4)
+
+
+def spec_of(plan, hidden, inter, experts, top_k, activation, **options) -> FusedSpec:
+    """The fused kernel a plan selects for a bf16 layer of this shape and options."""
+    facts = MoeLayerFacts(dtype="bf16", hidden_size=hidden, intermediate_size=inter, num_experts=experts,
+                          top_k=top_k, activation=activation, **options)
+    return fused_spec_for(plan, facts)
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -69,16 +78,11 @@ def test_large_m_runs_both_phases_on_the_wgmma_loop_on_sm90_only():
     for m, block, tile_n in ((1024, 64, 256), (4096, 128, 128), (16384, 128, 128)):
         plan = plan_fused(m, *QWEN3_30B, True, H200)
         assert (plan.mainloop, plan.moe_block_size, plan.fc1_tile.tile_n) == ("wgmma", block, tile_n)
-        spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+        spec = spec_of(plan, 2048, 768, 128, 8, "silu")
         assert spec.threads == 128 and spec.fc1_gemm.mainloop.value == spec.fc2_gemm.mainloop.value == "wgmma"
         assert spec.key().facts["mainloop"] == "wgmma"
     assert plan_fused(512, *QWEN3_30B, True, H200).mainloop == "mma_sync"  # 48-row blocks: no wgmma form
     assert plan_fused(4096, *QWEN3_30B, True, GB10).mainloop == "mma_sync"  # the wgmma loop is sm_90a-only
-    for m in (1024, 4096, 16384):  # the layer's preallocated buffers cover every wgmma plan
-        plan = plan_fused(m, *QWEN3_30B, True, H200)
-        bounds = workspace_bounds(16384, 8, 128, H200)
-        assert plan.c_tmp_floats <= bounds["c_tmp_floats"] and plan.lock_words <= bounds["lock_words"]
-        assert plan.max_route_slots <= bounds["route_slots"] and plan.max_route_blocks <= bounds["route_blocks"]
 
 
 def test_gpt_oss_fc2_keeps_128_tiles_when_padded_hidden_is_not_256_wide():
@@ -90,20 +94,23 @@ def test_small_gpu_profile_plans_within_its_shared_memory():
     for m in (1, 8, 64, 4096):
         p = plan_fused(m, *QWEN3_30B, True, GB10)
         assert p.grid_x <= p.max_grid_x == 48 * p.blocks_per_sm
-        spec = FusedSpec.for_plan(p, "bf16", 2048, 768, 128, 8, "silu")
+        spec = spec_of(p, 2048, 768, 128, 8, "silu")
         assert spec.shared_bytes <= GB10.max_shared_memory_per_block_optin
 
 
-@pytest.mark.parametrize("profile", [H200, GB10], ids=lambda p: p.name)
-def test_workspace_bounds_cover_every_plan(profile):
-    bounds = workspace_bounds(600, 8, 128, profile)
-    for m in range(1, 601):
-        for kw in ({}, {"expert_map": True}):
-            p = plan_fused(m, *QWEN3_30B, True, profile, **kw)
-            assert p.c_tmp_floats <= bounds["c_tmp_floats"]
-            assert p.lock_words <= bounds["lock_words"]
-            assert p.max_route_slots <= bounds["route_slots"]
-            assert p.max_route_blocks <= bounds["route_blocks"]
+@pytest.mark.parametrize("profile", ["h200", "gb10"])
+def test_table_workspaces_cover_every_launch_up_to_their_capacity(tmp_path, profile):
+    spec = _spec(tmp_path, "{expert_map: [false, true]}", tokens="[1, 8, 64, 600]", targets=f"[{profile}]")
+    for entry in plan_bundle(spec).entries:
+        for ws in entry.workspaces:
+            for launch in entry.launches:
+                if launch.m_min <= ws.max_tokens:
+                    m = min(launch.m_max, ws.max_tokens)
+                    plan = plan_fused(m, 512, 256, 16, 4, True, PROFILES[profile], expert_map=entry.facts.expert_map)
+                    assert plan.c_tmp_floats <= ws.sizes["c_tmp_floats"]
+                    assert plan.lock_words <= ws.sizes["lock_words"]
+                    assert plan.max_route_slots <= ws.sizes["route_slots"]
+                    assert plan.max_route_blocks <= ws.sizes["route_blocks"]
     assert BARRIER_WORDS >= 2
 
 
@@ -111,7 +118,7 @@ def test_workspace_bounds_cover_every_plan(profile):
 
 
 def test_fused_spec_derives_both_gemms():
-    spec = FusedSpec.for_plan(plan_fused(1, *GPT_OSS, True, H200), "bf16", 2880, 2880, 128, 4, "swigluoai")
+    spec = spec_of(plan_fused(1, *GPT_OSS, True, H200), 2880, 2880, 128, 4, "swigluoai")
     fc1, fc2 = spec.fc1_gemm, spec.fc2_gemm
     assert (fc1.n, fc1.k, fc1.n_out, fc1.k_in) == (5760, 2944, None, 2880)
     assert (fc2.n, fc2.k, fc2.n_out, fc2.k_in) == (2944, 2944, 2880, 2880)
@@ -122,14 +129,14 @@ def test_fused_spec_derives_both_gemms():
 
 def test_fused_spec_relu2_and_router_weight_on_input():
     plan = plan_fused(64, 2688, 1856, 128, 6, False, H200)
-    spec = FusedSpec.for_plan(plan, "bf16", 2688, 1856, 128, 6, "relu2", router_weight_on_input=True)
+    spec = spec_of(plan, 2688, 1856, 128, 6, "relu2", router_weight_on_input=True)
     assert spec.fc1_gemm.epilogue.value == "relu2" and spec.fc1_gemm.mul_topk_weights
     assert not spec.fc2_gemm.mul_topk_weights and spec.fc2_gemm.sum_topk == 0
 
 
 def test_fused_spec_rejects_impossible_combinations():
     plan = plan_fused(1, *QWEN3_30B, True, H200)
-    spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+    spec = spec_of(plan, 2048, 768, 128, 8, "silu")
     facts = dict(spec.key().facts)
     with pytest.raises(BadInputError, match="decode"):
         FusedSpec.from_facts({**facts, "expert_map": True})
@@ -142,10 +149,10 @@ def test_fused_spec_rejects_impossible_combinations():
 # ---- specs and enumeration -----------------------------------------------------------------------
 
 
-def _spec(tmp_path, fused: str, tokens="[1, 8, 64]"):
+def _spec(tmp_path, fused: str, tokens="[1, 8, 64]", targets="[h200]"):
     path = tmp_path / "s.yaml"
     path.write_text(
-        "bundle: t\ntargets: [h200]\nmoe:\n  - name: p\n    hidden_size: 512\n    intermediate_size: 256\n"
+        f"bundle: t\ntargets: {targets}\nmoe:\n  - name: p\n    hidden_size: 512\n    intermediate_size: 256\n"
         f"    num_experts: 16\n    top_k: 4\n    activation: silu\n    dtype: bf16\n    tokens: {tokens}\n"
         f"    fused: {fused}\n"
     )
@@ -154,13 +161,16 @@ def _spec(tmp_path, fused: str, tokens="[1, 8, 64]"):
 
 def test_spec_fused_true_builds_decode_and_packed_kernels(tmp_path):
     spec = _spec(tmp_path, "true")
-    keys = fused_keys(spec)["sm_90a"]
+    planned = plan_bundle(spec)
+    keys = planned.keys["sm_90a"]
     decode = {k for k in keys if k.facts["decode"]}
     assert decode and keys - decode
     families = {j.key.family for j in jobs(spec)}
     assert {"w4a16_fused_moe", "moe_route_pack", "moe_topk_sum"} <= families
-    rows = resolution_table(spec)
-    assert all("fused" in row["kernels"] for row in rows)
+    assert all(entry.op == MOE_LAYER for entry in planned.entries)
+    plain = [e for e in planned.entries if not e.facts.deterministic]
+    assert len(plain) == 1 and plain[0].launch(1).direct and not plain[0].launch(64).direct
+    assert plain[0].max_tokens == 64 and [w.max_tokens for w in plain[0].workspaces] == [1, 8, 64]
 
 
 def test_spec_fused_builds_the_masked_topk_sums_the_layer_launches(tmp_path):
@@ -173,15 +183,16 @@ def test_spec_fused_builds_the_masked_topk_sums_the_layer_launches(tmp_path):
     fc2 = torch.empty(8, 4, 512, dtype=torch.bfloat16)  # (M, top_k, H) of the problem
     for ids_dtype in (torch.int32, torch.int64):
         assert spec_for_call(fc2, torch.empty(8, 4, dtype=ids_dtype)).key() in keys
-    assert {"topk_sum+masked_int32", "topk_sum+masked_int64"} <= set(resolution_table(spec)[0]["kernels"])
 
 
 def test_spec_fused_variants_enumerate_the_cross_product(tmp_path):
     spec = _spec(tmp_path, "{router_weight_on_input: [false, true], expert_map: [false, true]}")
     assert len(spec.moe[0].fused) == 4
-    roles = set(resolution_table(spec)[0]["kernels"])
-    assert {"fused", "fused+router_weight_on_input", "fused+expert_map",
-            "fused+router_weight_on_input+expert_map"} <= roles
+    variants = {(e.facts.router_weight_on_input, e.facts.expert_map, e.facts.deterministic)
+                for e in plan_bundle(spec).entries}
+    # every variant, and a deterministic twin of those without an expert map
+    assert variants == {(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                        (False, False, True), (True, False, True)}
 
 
 def test_spec_fused_unknown_variant_is_an_error(tmp_path):
@@ -192,24 +203,14 @@ def test_spec_fused_unknown_variant_is_an_error(tmp_path):
 # ---- serving-layer validation (stand-in bundle on the CPU) ---------------------------------------
 
 
-class _ResolvedOnly:
-    """PersistentLaunch without a driver: construction resolves kernels, these tests never launch."""
-
-    def __init__(self, bundle, spec):
-        self.spec = spec
-
-
 @pytest.fixture(scope="module")
 def layer():
     g = torch.Generator().manual_seed(1)
     w13 = prepare_w13(*quantize_nvfp4(torch.randn(16, 512, 512, generator=g) * 0.05), "bf16")
     w2 = prepare_w2(*quantize_nvfp4(torch.randn(16, 512, 256, generator=g) * 0.05), "bf16")
-    bundle = types.SimpleNamespace(device=torch.device("cpu"), profile=H200, plans={}, name="stand-in",
-                                   manifest={"resolution": [{"profile": "h200", "tokens": 64}]},
-                                   workspaces=WorkspacePool(torch.device("cpu")))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(moe_module, "PersistentLaunch", _ResolvedOnly)
-        return MoeLayer(bundle, w13, w2, top_k=4, activation="silu", validate_ids=True)
+    with pytest.MonkeyPatch.context() as patch:  # construction resolves kernels; these tests never launch
+        patch.setattr(moe_module, "persistent_launch", RecordedLaunch)
+        return MoeLayer(stub_bundle(), w13, w2, top_k=4, activation="silu", validate_ids=True)
 
 
 def _inputs(m=4, top_k=4, e=16):
@@ -219,7 +220,7 @@ def _inputs(m=4, top_k=4, e=16):
 
 
 def test_layer_takes_its_capacity_from_the_bundle(layer):
-    assert layer.max_tokens == 64 and layer.intermediate_size == 256 and layer.fc1_width == 512
+    assert layer.max_tokens == 4096 and layer.intermediate_size == 256 and layer.fc1_width == 512  # tiny-fused's
 
 
 @pytest.mark.parametrize(
@@ -270,12 +271,12 @@ def test_layer_construction_checks_weights_and_options(layer):
 
 
 def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer, monkeypatch):
-    em = torch.full((32,), -1, dtype=torch.int32)
-    em[:16] = torch.arange(16, dtype=torch.int32)
-    monkeypatch.setattr(moe_module, "PersistentLaunch", _ResolvedOnly)
+    em = torch.full((16,), -1, dtype=torch.int32)  # 16 global experts (the spec's), 8 of them here
+    em[:8] = torch.arange(8, dtype=torch.int32)
+    monkeypatch.setattr(moe_module, "persistent_launch", RecordedLaunch)
     ep = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, expert_map=em, validate_ids=True)
-    x, w, ids = _inputs(e=32)
-    with pytest.raises(BadInputError, match=r"topk_ids must be in \[-1, 32\)"):
+    x, w, ids = _inputs(e=16)
+    with pytest.raises(BadInputError, match=r"topk_ids must be in \[-1, 16\)"):
         ep(x, w, ids.masked_fill(ids == 3, -2))
 
 
@@ -298,11 +299,12 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
     from cuteaot.runtime.kernels import gemm
 
     plan = plan_fused(64, *QWEN3_30B, True, H200)
-    spec = FusedSpec.for_plan(plan, "bf16", 2048, 768, 128, 8, "silu")
+    spec = spec_of(plan, 2048, 768, 128, 8, "silu")
     kernel = types.SimpleNamespace(function=object(), block=(spec.threads, 1, 1), bind=lambda sig: None,
-                                   record=types.SimpleNamespace(registers=168, dynamic_smem_bytes=spec.shared_bytes))
-    bundle = types.SimpleNamespace(kernel=lambda key: kernel, profile=H200)
+                                   record=types.SimpleNamespace(registers=168, dynamic_smem_bytes=spec.shared_bytes,
+                                                                key=spec.key()))
+    bundle = types.SimpleNamespace(kernel_by_digest=lambda digest: kernel, profile=H200)
     monkeypatch.setattr(gemm.driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
                         lambda fn, threads, smem: (driver.CUresult.CUDA_SUCCESS, 1))
     with pytest.raises(LaunchError, match="only 1 CTAs per SM fit on h200.*needs 4.*deadlock"):
-        gemm.PersistentLaunch(bundle, spec)
+        gemm.PersistentLaunch(bundle, spec.key().digest)

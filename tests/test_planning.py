@@ -13,18 +13,20 @@ from collections import defaultdict
 
 import pytest
 from cuteaot.runtime import PROFILES, BadInputError
-from cuteaot.runtime.planning import (
+from cuteaot.codegen.kernels.w4a16.planning import (
     LARGE_BATCH_TILE_CONFIGS,
     REGISTER_ESTIMATES_SM121,
     SMALL_BATCH_TILE_CONFIGS,
+    estimated_registers,
+    plan_gemm,
+    select_route_block_size,
+)
+from cuteaot.runtime.kernels.w4a16.geometry import (
     ScaleFormat,
     TileConfig,
-    estimated_registers,
     lock_slots,
     max_packed_route_slots,
     max_route_blocks,
-    plan_gemm,
-    select_route_block_size,
     shared_memory_footprint,
     simulate_partition,
     splitk_scratch_floats,
@@ -279,7 +281,8 @@ def test_qwen3_plans(shape, profile_name, m):
 
 
 def test_wgmma_is_planned_only_where_it_runs():
-    from cuteaot.runtime.planning import WGMMA_TILES, wgmma_shared_memory_footprint, wgmma_tile
+    from cuteaot.codegen.kernels.w4a16.planning import wgmma_tile
+    from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_TILES, wgmma_shared_memory_footprint
 
     wide, narrow = WGMMA_TILES
     assert wgmma_tile(1536, 2048, 64, K16, H200) == (wide, None)

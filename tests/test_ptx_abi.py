@@ -223,15 +223,17 @@ def test_bounds_checked_kernels_take_and_read_the_expert_count():
 
     from cuteaot.codegen.compile import BUILDERS
     from cuteaot.runtime.devices import PROFILES
-    from cuteaot.runtime.fused_planning import plan_fused
-    from cuteaot.runtime.kernels.fused_spec import FusedSpec
-    from cuteaot.runtime.kernels.gemm import gemm_spec_for, plan_for
+    from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer
+    from cuteaot.codegen.kernels.w4a16.planning import gemm_spec_for, plan_for
     from cuteaot.runtime.kernels.gemm_spec import Routes
+    from cuteaot.runtime.resolution import MoeLayerFacts
 
     h200 = PROFILES["h200"]
     gemm = gemm_spec_for(plan_for(1, 1024, 512, 2, 8, h200), "bf16", 1024, 512, 2, a_per_route=False,
                          mul_topk_weights=False, epilogue="none")
-    fused = FusedSpec.for_plan(plan_fused(1, 512, 256, 16, 4, True, h200), "bf16", 512, 256, 16, 4, "silu")
+    facts = MoeLayerFacts(dtype="bf16", hidden_size=512, intermediate_size=256, num_experts=16, top_k=4,
+                          activation="silu")
+    fused = fused_spec_for(plan_layer(1, facts, h200), facts)
     assert gemm.routes is Routes.DIRECT and fused.decode
     for spec in (gemm, fused, TopKSumSpec("bf16", 4, 512, "int64")):
         assert spec.SIGNATURE.params[-1].name == "num_experts"

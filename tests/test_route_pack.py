@@ -19,7 +19,7 @@ from cuteaot.runtime.kernels.route_pack import (
     RouteChunking,
     RoutePackSpec,
     RouteStage,
-    _max_packed_route_slots,
+    max_packed_route_slots,
     route_pack_specs,
     route_pack_workspace_elements,
 )
@@ -122,7 +122,7 @@ def test_reference_random_routing_keeps_the_contract(b):
 @pytest.mark.parametrize("b", ALLOWED_BLOCK_SIZES)
 def test_capacity_formula(routes, b):
     for experts in (1, 8, 128, 512):
-        slots = _max_packed_route_slots(routes, b, experts)
+        slots = max_packed_route_slots(routes, b, experts)
         assert slots == capacity_slots_reference(routes, b, experts) and slots % b == 0
         # a bad case: min(experts, routes) - 1 experts with one route each, the rest on one expert
         used = min(experts, routes)
@@ -198,7 +198,7 @@ def test_fake_op_checks_shapes():
 
     with FakeTensorMode():
         ids = torch.empty(5, 4, dtype=torch.int64)
-        slots = _max_packed_route_slots(20, 16, 32)
+        slots = max_packed_route_slots(20, 16, 32)
         outs = [torch.empty(n, dtype=torch.int32) for n in (slots, slots // 16, 1, 0)]
         torch.ops.cuteaot.pack_routes(ids, 32, 16, None, *outs, "no-bundle")
         outs[0] = torch.empty(slots - 1, dtype=torch.int32)

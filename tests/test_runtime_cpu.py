@@ -11,7 +11,8 @@ from cuteaot.runtime import PROFILES, BadInputError
 from cuteaot.runtime.devices import match_profile
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
 from cuteaot.runtime.kernels.activation import spec_for_call
-from cuteaot.runtime.kernels.gemm import GemmRoutes, _check_routes, plan_for
+from cuteaot.runtime.kernels.gemm import GemmRoutes, _check_routes
+from cuteaot.runtime.resolution import Launch
 from cuteaot.runtime.tensors import check_tensor
 
 
@@ -87,15 +88,15 @@ def test_profile_matching():
     assert match_profile(targets, name="NVIDIA B200", capability=(10, 0), sm_count=148) is None
 
 
-def test_gemm_routes_are_checked_against_the_gemm_plan():
-    """routes= must come from pack_gemm_routes on these ids, for these experts and this plan's block."""
+def test_gemm_routes_are_checked_against_the_gemm_launch():
+    """routes= must come from pack_gemm_routes on these ids, for these experts and this launch's block."""
     ids = torch.zeros(64, 8, dtype=torch.int32)
-    plan = plan_for(64, 1536, 2048, 8, 128, PROFILES["h200"])
-    assert not plan.direct_topk_routes
+    plan = Launch(m_min=33, m_max=100, grid_x=264, route_block=32, kernels={"x": "0" * 64})
+    assert not plan.direct
     empty = torch.empty(0, dtype=torch.int32)
 
     def routes(**kw):
-        fields = dict(ids_ptr=ids.data_ptr(), shape=(64, 8), num_experts=128, block_size=plan.moe_block_size,
+        fields = dict(ids_ptr=ids.data_ptr(), shape=(64, 8), num_experts=128, block_size=plan.route_block,
                       route_indices=empty, block_experts=empty, route_count=empty)
         return GemmRoutes(**{**fields, **kw})
 
@@ -106,7 +107,7 @@ def test_gemm_routes_are_checked_against_the_gemm_plan():
         _check_routes(routes(), ids.clone(), 128, plan)
     with pytest.raises(BadInputError, match="packed for 64 experts, the weights have 128"):
         _check_routes(routes(num_experts=64), ids, 128, plan)
-    with pytest.raises(BadInputError, match=f"block size direct, this GEMM's plan at M=64 uses {plan.moe_block_size}"):
+    with pytest.raises(BadInputError, match=f"block size direct, this GEMM's launch at M=64 uses {plan.route_block}"):
         _check_routes(routes(block_size=0), ids, 128, plan)
 
 

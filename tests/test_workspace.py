@@ -10,7 +10,6 @@ safe under CUDA-graph capture and torch.compile's "reduce-overhead" pools.
 from __future__ import annotations
 
 import gc
-import types
 
 import pytest
 import torch
@@ -18,14 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cuteaot.runtime.moe as moe
 from cuteaot.runtime import workspace as workspace_mod
-from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import CaptureError, UnknownSpecializationError
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
+from cuteaot.runtime.kernels.fused_spec import FusedSpec
 from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import random_nvfp4
+from tests.stub_bundle import stub_bundle
 
 H, I, E, TOP_K = 512, 256, 16, 4  # the tiny-fused-silu problem
-BUCKETS = (1, 2, 3, 4, 8, 16, 37, 64)
 
 
 # ------------------------------------------------------------------------------ the pool
@@ -68,39 +67,28 @@ def test_pool_refuses_to_allocate_under_capture(monkeypatch):
 
 
 class _RecordedKernel:
-    def __init__(self, calls: list, signature):
-        self.calls, self.signature = calls, signature
+    def __init__(self, calls: list):
+        self.calls = calls
 
     def launch(self, grid_x, stream, /, **values):
-        self.signature.order(values)  # the launch names exactly the declared parameters, as LoadedKernel requires
+        FusedSpec.SIGNATURE.order(values)  # the launch names exactly the declared parameters, as LoadedKernel requires
         self.calls.append(("fused", grid_x, values))
 
 
 class _StubLaunch:
-    """PersistentLaunch without a driver: the bundle 'has' exactly the keys in `built` (None = all)."""
+    """PersistentLaunch without a driver: records launches in `calls`."""
 
-    built: set | None = None
     calls: list = []
 
-    def __init__(self, bundle, spec):
-        if self.built is not None and spec.key() not in self.built:
-            raise UnknownSpecializationError(f"no kernel {spec.key().describe()}")
-        self.spec, self.kernel = spec, _RecordedKernel(self.calls, spec.SIGNATURE)
-
-
-def _stub_bundle(max_bucket: int = 64):
-    rows = [{"profile": "h200", "tokens": t} for t in BUCKETS if t <= max_bucket]
-    cpu = torch.device("cpu")
-    return types.SimpleNamespace(device=cpu, profile=PROFILES["h200"], manifest={"resolution": rows}, plans={},
-                                 workspaces=WorkspacePool(cpu), name="stub", id="stub")
+    def __init__(self, bundle, digest: str):
+        self.digest, self.kernel = digest, _RecordedKernel(self.calls)
 
 
 @pytest.fixture()
 def stubbed(monkeypatch):
     calls: list = []
     monkeypatch.setattr(_StubLaunch, "calls", calls)
-    monkeypatch.setattr(_StubLaunch, "built", None)
-    monkeypatch.setattr(moe, "PersistentLaunch", _StubLaunch)
+    monkeypatch.setattr(moe, "persistent_launch", _StubLaunch)
     monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
 
     def pack_routes(bundle, topk_ids, num_experts, block_size, **buffers):
@@ -148,9 +136,9 @@ def _inputs(m: int, ids_dtype: torch.dtype, seed: int = 1):
 @pytest.mark.parametrize("m, ids_dtype", [(1, torch.int32), (1, torch.int64), (2, torch.int64), (5, torch.int32),
                                           (37, torch.int64), (150, torch.int32)])
 def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
-    bundle = _stub_bundle()
+    bundle = stub_bundle()
     w13, w2 = _weights()
-    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, activation="silu")  # max_tokens 64: M=150 runs in chunks
+    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, activation="silu", max_tokens=64)  # M=150: in chunks
     x, w, ids = _inputs(m, ids_dtype)
     out = torch.empty(m, H, dtype=torch.bfloat16)
     allocations = bundle.workspaces.allocations
@@ -170,7 +158,7 @@ def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
 
 
 def test_int64_ids_out_of_int32_range_stay_dropped(stubbed):
-    bundle = _stub_bundle()
+    bundle = stub_bundle()
     layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K)
     x, w, ids = _inputs(1, torch.int64)
     ids[0, 0], ids[0, 1] = 2**32 + 3, -(2**40)  # would wrap to the valid ids 3 and 0 if narrowed blindly
@@ -180,7 +168,7 @@ def test_int64_ids_out_of_int32_range_stay_dropped(stubbed):
 
 
 def test_layers_of_one_shape_share_and_release_their_workspace(stubbed):
-    bundle = _stub_bundle()
+    bundle = stub_bundle()
     w13, w2 = _weights()
     layers = [moe.MoeLayer(bundle, w13, w2, top_k=TOP_K) for _ in range(5)]
     assert bundle.workspaces.allocations == 1
@@ -193,7 +181,7 @@ def test_layers_of_one_shape_share_and_release_their_workspace(stubbed):
 
 
 def test_functional_layers_live_and_die_with_their_weights(stubbed):
-    bundle = _stub_bundle()
+    bundle = stub_bundle()
     w13, w2 = _weights()
     x, w, ids = _inputs(5, torch.int32)
     for _ in range(3):
@@ -205,18 +193,15 @@ def test_functional_layers_live_and_die_with_their_weights(stubbed):
 
 
 def test_deterministic_layers_never_take_the_decode_path(stubbed):
-    bundle = _stub_bundle()
+    bundle = stub_bundle()
     layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K, deterministic=True)
-    assert not any(layer.resolve(m).plan.decode for m in (1, 2))
-    assert moe.MoeLayer(bundle, *_weights(), top_k=TOP_K).resolve(1).plan.decode
+    assert not any(layer.resolve(m).decode for m in (1, 2))
+    assert moe.MoeLayer(bundle, *_weights(), top_k=TOP_K).resolve(1).decode
 
 
-def test_options_the_bundle_cannot_serve_fail_at_construction(stubbed, monkeypatch):
-    bundle = _stub_bundle()
+def test_options_the_bundle_cannot_serve_fail_at_construction(stubbed):
+    bundle = stub_bundle()
     w13, w2 = _weights()
-    default = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)
-    built = {default.resolve(m).spec.key() for m in range(1, 65)}
-    monkeypatch.setattr(_StubLaunch, "built", built)
-    moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)  # the same options resolve
-    with pytest.raises(UnknownSpecializationError):
-        moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, router_weight_on_input=True)
+    moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, router_weight_on_input=True)  # tiny-fused builds this variant
+    with pytest.raises(UnknownSpecializationError, match=r"(?s)swiglu_limit=5.0.*differs in \{'swiglu_limit': None\}"):
+        moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, swiglu_limit=5.0)  # a valid option the bundle has no kernel for

@@ -148,7 +148,7 @@ def test_decode_path_drops_bad_ids(fused_bundle):
     model = Model(seed=101)
     layer = model.layer(fused_bundle)
     for m in (1, 2):
-        assert layer.resolve(m).plan.decode
+        assert layer.resolve(m).decode
         for wide in (False, True):
             for shift in range(len(bad_values(model.e, wide))):
                 run_and_check(layer, model, m, wide=wide, shift=shift, what="decode")
@@ -159,7 +159,7 @@ def test_packed_path_drops_bad_ids(fused_bundle):
     model = Model(seed=103)
     layer = model.layer(fused_bundle)
     for m in (3, 40):
-        assert not layer.resolve(m).plan.decode
+        assert not layer.resolve(m).decode
         for wide in (False, True):
             run_and_check(layer, model, m, wide=wide, what="packed")
     assert_clean(layer.workspace())
@@ -168,7 +168,7 @@ def test_packed_path_drops_bad_ids(fused_bundle):
 def test_chunked_calls_drop_bad_ids(fused_bundle):
     model = Model(seed=107)
     layer = model.layer(fused_bundle, max_tokens=16)
-    assert layer.resolve(1).plan.decode and not layer.resolve(16).plan.decode
+    assert layer.resolve(1).decode and not layer.resolve(16).decode
     for wide in (False, True):
         run_and_check(layer, model, 33, wide=wide, what="chunks 16 + 16 + 1 (decode)")
     assert_clean(layer.workspace())

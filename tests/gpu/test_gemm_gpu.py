@@ -12,8 +12,8 @@ import torch
 
 from cuteaot.runtime import GemmWorkspace, load_bundle, pack_gemm_routes, pack_nvfp4, w4a16_moe_gemm
 from cuteaot.runtime.errors import BadInputError
-from cuteaot.runtime.kernels.gemm import plan_for
-from cuteaot.runtime.planning import simulate_partition
+from cuteaot.codegen.kernels.w4a16.planning import plan_for  # the build's planner: what the table recorded
+from cuteaot.runtime.kernels.w4a16.geometry import simulate_partition
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -131,8 +131,7 @@ def test_graph_replay_equals_eager_and_locks_stay_clean(bundle):
     n, k = 2 * INTER, HIDDEN
     packed, _ = _weights(n, k, "bf16", seed=4)
     m = 1000
-    plan = plan_for(4096, n, k, TOP_K, EXPERTS, bundle.profile)
-    ws = GemmWorkspace.allocate(plan, 4096, TOP_K, EXPERTS, "cuda")
+    ws = GemmWorkspace.for_tokens(bundle, 4096, TOP_K, packed)
     ids, _ = _routing(m, TOP_K, False, seed=7)
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     eager = w4a16_moe_gemm(bundle, a, packed, ids, workspace=ws)

@@ -100,7 +100,7 @@ def test_fused_layer_matches_reference(bundle, check, name):
         x, w, ids = model.inputs(m)
         out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
         ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, **model.ref_kw)
-        check(out, ref, f"{name} M={m} ({'decode' if layer.resolve(m).plan.decode else 'packed'})", name)
+        check(out, ref, f"{name} M={m} ({'decode' if layer.resolve(m).decode else 'packed'})", name)
     assert_clean(layer.workspace())
 
 
@@ -136,7 +136,7 @@ def test_decode_and_packed_paths_agree(bundle, worst_errors):
     decode = model.layer(bundle)
     packed = model.layer(bundle, expert_map=torch.arange(16, dtype=torch.int32, device="cuda"))
     for m in (1, 2):
-        assert decode.resolve(m).plan.decode and not packed.resolve(m).plan.decode
+        assert decode.resolve(m).decode and not packed.resolve(m).decode
         x, w, ids = model.inputs(m)
         a = decode(x, w, ids)
         b = packed(x, w, ids)
@@ -186,7 +186,7 @@ def test_graph_replay_equals_eager(bundle):
             out.fill_(float("nan"))
             graph.replay()
         torch.cuda.synchronize()
-        if layer.resolve(m).plan.decode:
+        if layer.resolve(m).decode:
             # the decode path sums the top-k rows with bf16 atomics: the order (and the last bit) may vary
             assert rel_err(out, eager.float()) <= 5e-3
         else:

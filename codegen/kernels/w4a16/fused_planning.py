@@ -59,7 +59,9 @@ from .planning import (
 )
 
 # Tokens up to which the decode regime (direct routes, fused top-k sum) is used.  The seed used it
-# up to 8; benchmarks/tune_moe.py on the H200 (docs/benchmarks.md) found it faster than the packed
+# up to 8; a decode-vs-packed sweep on the H200 (docs/benchmarks.md, "Decode or packed at small M";
+# the tool, benchmarks/tune_moe.py, patched this constant at serve time and went with frozen
+# resolution; deterministic=True layers now time the packed path at M <= 2) found it faster than the packed
 # path only at M <= 2 (Qwen3-30B M = 1: 22.7 vs 36.2 us) and slower from M = 3 (M = 8: 81.0 vs
 # 75.3 us; gpt-oss-120b 208.3 vs 171.1 us): one route per block re-reads shared experts and its
 # whole-tile waves quantise badly.
