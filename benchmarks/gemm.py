@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.common import device_us, hbm_copy_bandwidth
 from cuteaot.runtime import GemmWorkspace, load_bundle, pack_gemm_routes, pack_nvfp4, w4a16_moe_gemm
-from cuteaot.runtime.kernels.gemm import gemm_entry
+from cuteaot.runtime.kernels.w4a16.gemm import gemm_entry
 from tests.reference.nvfp4 import quantize_nvfp4
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k)

@@ -27,7 +27,7 @@ from benchmarks.moe import torch_bf16_layer
 from cuteaot.runtime import (
     GemmWorkspace, load_bundle, moe_activation, moe_topk_sum, pack_gemm_routes, w4a16_moe_gemm,
 )
-from cuteaot.runtime.kernels.gemm import gemm_entry
+from cuteaot.runtime.kernels.w4a16.gemm import gemm_entry
 from cuteaot.runtime.moe import MoeLayer
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k, activation)

@@ -50,7 +50,7 @@ LARGE_VARIANTS = {
 
 
 def large_specs(block: int):
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     specs = []
     for n, k, top_k, _, per_route in SHAPES.values():
@@ -63,7 +63,7 @@ def large_specs(block: int):
 
 
 def variant_specs():
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     specs = []
     for n, k, top_k, _, per_route in SHAPES.values():
@@ -91,7 +91,7 @@ def _time_variant(bundle, spec, grid: int, operands: dict, tokens: int, **timing
 
     from benchmarks.common import device_us
     from cuteaot.runtime import LaunchError
-    from cuteaot.runtime.kernels.gemm import PersistentLaunch
+    from cuteaot.runtime.kernels.w4a16.gemm import PersistentLaunch
 
     try:
         launch = PersistentLaunch(bundle, spec)
@@ -123,8 +123,8 @@ def run(bundle_path: str, json_path: str | None, small_only: bool) -> None:
     from benchmarks.gemm import random_packed, routed_inputs
     from cuteaot.runtime import load_bundle, pack_routes
     from cuteaot.codegen.kernels.w4a16.planning import plan_for
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace
-    from cuteaot.runtime.kernels.gemm_spec import Routes
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmWorkspace
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import Routes
 
     bundle = load_bundle(bundle_path)
     hbm = hbm_copy_bandwidth()
@@ -179,7 +179,7 @@ def run_large(bundle, hbm) -> list[dict]:
     from benchmarks.gemm import random_packed, routed_inputs
     from cuteaot.runtime import pack_routes
     from cuteaot.codegen.kernels.w4a16.planning import plan_for
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmWorkspace
 
     sms = bundle.profile.sm_count
     rows = []

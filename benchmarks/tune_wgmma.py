@@ -22,7 +22,7 @@ VARIANTS = {  # name: (moe_block_size, tile_n, blocks_per_sm)
 
 
 def specs():
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     return {(shape, name): GemmSpec(dtype="bf16", n=n, k=k, top_k=1 if per_route else top_k, tile_n=tile_n, tile_k=64,
                                     moe_block_size=block, blocks_per_sm=bps, mul_topk_weights=per_route,
@@ -36,7 +36,7 @@ def run(bundle_path: str) -> None:
     from benchmarks.tune_gemm import _time_variant
     from cuteaot.runtime import load_bundle, pack_routes
     from cuteaot.codegen.kernels.w4a16.planning import plan_for
-    from cuteaot.runtime.kernels.gemm import GemmWorkspace
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmWorkspace
 
     bundle = load_bundle(bundle_path)
     sms = bundle.profile.sm_count

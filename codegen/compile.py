@@ -22,7 +22,8 @@ from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels import FAMILIES
 
 from .abi import check_parameter_names
-from .kernels import activation, probe, route_pack, topk_sum, w4a16_fused, w4a16_gemm
+from .kernels import activation, probe, route_pack, topk_sum
+from .kernels.w4a16.device import build_fused, build_gemm
 from .ptx import check_abi, parse_entry
 from .resources import read_resources
 
@@ -31,8 +32,8 @@ BUILDERS = {
     "moe_activation": activation.build,
     "moe_topk_sum": topk_sum.build,
     "moe_route_pack": route_pack.build,
-    "w4a16_moe_gemm": w4a16_gemm.build,
-    "w4a16_fused_moe": w4a16_fused.build,
+    "w4a16_moe_gemm": build_gemm,
+    "w4a16_fused_moe": build_fused,
     "intrinsic_probe": probe.build,
 }
 # Dynamic shared memory per family (bytes) where it is a constant; a spec with a

@@ -42,7 +42,7 @@ import yaml
 from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
-from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.types import Activation, DType
@@ -58,7 +58,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # build time.  65,536 is 4x the largest bucket of any shipped spec.
 MAX_TOKENS = 1 << 16
 # The fused kernel counts the 16-byte vectors of its route-major buffers (routes x hidden / 8) in
-# int32 (codegen/kernels/w4a16_fused.py), so tokens x top_k x width / 8 must stay below 2**31.
+# int32 (codegen/kernels/w4a16/fused.py), so tokens x top_k x width / 8 must stay below 2**31.
 _INT32_MAX = 2**31 - 1
 _VECTOR_ELEMENTS = 8  # bf16/fp16 elements per 16-byte vector
 
@@ -83,7 +83,7 @@ class MoeProblem:
 
     @property
     def fc1_n(self) -> int:
-        return self.intermediate_size * (2 if self.activation.is_gated else 1)
+        return self.activation.fc1_width(self.intermediate_size)
 
     def gemm_specs(self, m: int, dtype: DType, profile: DeviceProfile) -> dict:
         """{"fc1_gemm": GemmSpec, "fc2_gemm": GemmSpec} the runtime plans for m tokens on `profile`.

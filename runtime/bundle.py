@@ -24,6 +24,7 @@ from .errors import (
 )
 from .keys import KernelKey
 from .manifest import KernelRecord, kernel_records, read_cubin, read_manifest
+from .plans import BundlePlans
 from .resolution import ResolutionTable
 from .workspace import WorkspacePool
 
@@ -120,7 +121,8 @@ class Bundle:
         self._kernels: dict[str, LoadedKernel] = {}
         self._libraries: list = []
         self.resolution = ResolutionTable.from_manifest(manifest, profile.name)  # the build's decisions
-        self.plans: dict = {}  # per-call-site launch plans cached by the ops modules
+        self.plans = BundlePlans()  # launch plans resolved once (host state only)
+        self.gemm_workspaces: dict[int, object] = {}  # w4a16_moe_gemm's own scratch, per raw stream
         self.workspaces = WorkspacePool(device)  # MoE layers' scratch memory, reserved before serving
 
     # -- loading ----------------------------------------------------------------

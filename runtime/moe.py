@@ -34,7 +34,7 @@ import torch
 
 from .bundle import Bundle, current_stream_handle
 from .errors import BadInputError, UnknownSpecializationError
-from .kernels.gemm import PersistentLaunch, persistent_launch
+from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.route_pack import MAX_EXPERTS, max_packed_route_slots, pack_routes, route_pack_workspace_elements
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.topk_sum import moe_topk_sum
@@ -189,11 +189,10 @@ class MoeLayer:
             raise BadInputError(f"w13 was prepared for {w13.dtype.value}, w2 for {w2.dtype.value}")
         if w13.num_experts != w2.num_experts:
             raise BadInputError(f"w13 has {w13.num_experts} experts, w2 {w2.num_experts}")
-        gated = self.activation.is_gated
-        if w13.n != w2.k * (2 if gated else 1) or w13.k != w2.n:
+        if w13.n != self.activation.fc1_width(w2.k) or w13.k != w2.n:
             raise BadInputError(
                 f"w13 is {w13.n}x{w13.k} and w2 {w2.n}x{w2.k} (N x K); {self.activation.value} needs "
-                f"w13 = {'2I' if gated else 'I'} x H and w2 = H x I"
+                f"w13 = {'2I' if self.activation.is_gated else 'I'} x H and w2 = H x I"
             )
 
     def _check_expert_map(self, expert_map: torch.Tensor) -> None:

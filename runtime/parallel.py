@@ -27,9 +27,8 @@ from .bundle import Bundle
 from .errors import BadInputError
 from .moe import MoeLayer
 from .types import Activation
-from .weights import PackedNvfp4, W13Order
+from .weights import SCALE_GROUP_K, PackedNvfp4, W13Order
 
-SCALE_GROUP_K = 16  # NVFP4: one e4m3 block scale per 16 weights along K
 
 __all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "ep_partition", "ep_select",
            "ParallelMoeLayer"]

@@ -33,6 +33,14 @@ class Activation(str, Enum):
     def is_gated(self) -> bool:
         return self is not Activation.RELU2
 
+    def fc1_width(self, intermediate_size: int) -> int:
+        return fc1_width(intermediate_size, self.is_gated)
+
+
+def fc1_width(intermediate_size: int, gated: bool) -> int:
+    """FC1's output width: gate and up halves (2I) for gated activations, I for relu2."""
+    return intermediate_size * (2 if gated else 1)
+
 
 # gpt-oss defaults for swigluoai (alpha 1.702, beta 1.0 added to up, clamp limit 7.0).
 SWIGLUOAI_DEFAULT_ALPHA = 1.702

@@ -17,6 +17,7 @@ import torch
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
+from cuteaot.runtime.plans import BundlePlans
 from cuteaot.runtime.resolution import Entry, ResolutionTable
 from cuteaot.runtime.workspace import WorkspacePool
 
@@ -33,7 +34,7 @@ def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", prof
     cpu = torch.device("cpu")
     table = ResolutionTable(list(_entries(str(spec_path))), profile, "stub")
     return types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES[profile], resolution=table,
-                                 plans={}, workspaces=WorkspacePool(cpu), name="stub", id="stub")
+                                 plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub")
 
 
 class RecordedLaunch:

@@ -18,7 +18,7 @@ pytest.importorskip("cutlass", reason="the build needs CuTeDSL (cuteaot[codegen]
 from cuteaot.codegen.build import build
 from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer
 from cuteaot.runtime.devices import PROFILES
-from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.manifest import verify_bundle
 from cuteaot.runtime.resolution import MOE_LAYER, MoeLayerFacts, ResolutionTable
 

@@ -98,7 +98,7 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
 
     manifest = json.load(open(sys.argv[1]))
     cpu = torch.device("cpu")
-    bundle = types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES["h200"], plans={},
+    bundle = types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES["h200"], plans=None,
                                    resolution=ResolutionTable.from_manifest(manifest, "h200"),
                                    workspaces=WorkspacePool(cpu), name="t", id="t")
     calls = []

@@ -15,7 +15,7 @@ from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import BadInputError, SpecError
-from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS, TileConfig
 import cuteaot.runtime.moe as moe_module
 from cuteaot.runtime.moe import MoeLayer
@@ -296,7 +296,7 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
     from cuda.bindings import driver
 
     from cuteaot.runtime.errors import LaunchError
-    from cuteaot.runtime.kernels import gemm
+    from cuteaot.runtime.kernels.w4a16 import gemm
 
     plan = plan_fused(64, *QWEN3_30B, True, H200)
     spec = spec_of(plan, 2048, 768, 128, 8, "silu")

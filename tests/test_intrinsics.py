@@ -146,7 +146,7 @@ def test_nf3_codebook_pools_round_trip():
 def test_gemm_kernel_compiles_without_spills():
     """One GEMM of each path (8-row direct, 8-row packed, 64-row packed) for sm_90a: ABI checked, no spills."""
     from cuteaot.codegen.compile import compile_kernel
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     for block, routes, tile_n, tile_k, bps in ((8, "direct", 128, 128, 2), (8, "packed", 128, 128, 2),
                                                (64, "packed", 128, 64, 2), (48, "packed", 256, 64, 1)):
@@ -162,8 +162,8 @@ def test_gemm_kernel_compiles_without_spills():
 def test_wgmma_gemm_kernel_compiles():
     """The sm_90a large-M loop: register-A wgmma, async-proxy fence, no spills, two CTAs per SM."""
     from cuteaot.codegen.compile import compile_kernel
-    from cuteaot.codegen.kernels import w4a16_gemm
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.codegen.kernels.w4a16.device import build_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     for dtype, kind, block, tile_n, per_sm in (("bf16", "bf16", 64, 256, 2), ("fp16", "f16", 64, 128, 3),
                                                ("bf16", "bf16", 128, 128, 2)):
@@ -174,7 +174,7 @@ def test_wgmma_gemm_kernel_compiles():
         assert record["block"] == [128, 1, 1] and record["min_blocks_per_sm"] == per_sm
         assert record["registers"] * 128 * per_sm <= 65536
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
-        kernel, args = w4a16_gemm.build(spec)
+        kernel, args = build_gemm(spec)
         with tempfile.TemporaryDirectory() as d:
             ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
         assert f"wgmma.mma_async.sync.aligned.m64n{block}k16.f32.{kind}.{kind}" in ptx
@@ -185,7 +185,7 @@ def test_wgmma_gemm_kernel_compiles():
 
 def test_wgmma_spec_is_validated():
     from cuteaot.runtime import BadInputError
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     with pytest.raises(BadInputError, match="mainloop=wgmma implements"):
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=128, moe_block_size=64,

@@ -433,7 +433,7 @@ def test_plan_input_errors():
 
 def test_fit_check_footprint_covers_the_kernels_shared_memory():
     """The planner's (seed) footprint must not under-estimate what the kernel really allocates."""
-    from cuteaot.runtime.kernels.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     for block in (8, 16, 32, 48, 64):
         for tile in SMALL_BATCH_TILE_CONFIGS + LARGE_BATCH_TILE_CONFIGS:

@@ -225,7 +225,7 @@ def test_bounds_checked_kernels_take_and_read_the_expert_count():
     from cuteaot.runtime.devices import PROFILES
     from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer
     from cuteaot.codegen.kernels.w4a16.planning import gemm_spec_for, plan_for
-    from cuteaot.runtime.kernels.gemm_spec import Routes
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import Routes
     from cuteaot.runtime.resolution import MoeLayerFacts
 
     h200 = PROFILES["h200"]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cuteaot.runtime.plans import BundlePlans
 from cuteaot.runtime import BadInputError, pack_routes
 from cuteaot.runtime.kernels import FAMILIES
 from cuteaot.runtime.kernels.route_pack import (
@@ -146,7 +147,7 @@ def test_chunking_covers_the_routes(routes):
 
 
 def _fake_bundle():
-    return SimpleNamespace(device=torch.device("cpu"), plans={}, id="cpu-test", device_index=-1)
+    return SimpleNamespace(device=torch.device("cpu"), plans=BundlePlans(), id="cpu-test", device_index=-1)
 
 
 def _ids(m=4, k=2, dtype=torch.int32):
@@ -177,7 +178,7 @@ def test_bad_inputs_raise_before_launch(kwargs, match):
     bundle = _fake_bundle()
     with pytest.raises(BadInputError, match=match):
         pack_routes(bundle, args.pop("topk_ids"), args.pop("num_experts"), args.pop("block_size"), **args)
-    assert bundle.plans == {}
+    assert len(bundle.plans) == 0
 
 
 def test_small_workspace_is_refused():
@@ -188,7 +189,7 @@ def test_small_workspace_is_refused():
 
 
 def test_wrong_device_is_refused():
-    bundle = SimpleNamespace(device=torch.device("cuda", 0), plans={}, id="x", device_index=0)
+    bundle = SimpleNamespace(device=torch.device("cuda", 0), plans=BundlePlans(), id="x", device_index=0)
     with pytest.raises(BadInputError, match="topk_ids must be on cuda:0"):
         pack_routes(bundle, _ids(), 8, 8)
 

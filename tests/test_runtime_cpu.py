@@ -11,7 +11,7 @@ from cuteaot.runtime import PROFILES, BadInputError
 from cuteaot.runtime.devices import match_profile
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
 from cuteaot.runtime.kernels.activation import spec_for_call
-from cuteaot.runtime.kernels.gemm import GemmRoutes, _check_routes
+from cuteaot.runtime.kernels.w4a16.gemm import GemmRoutes, _check_routes
 from cuteaot.runtime.resolution import Launch
 from cuteaot.runtime.tensors import check_tensor
 
@@ -115,7 +115,7 @@ def test_gemm_routes_are_checked_against_the_gemm_launch():
 
 
 def test_int64_direct_route_ids_cannot_wrap_into_valid_experts():
-    from cuteaot.runtime.kernels.gemm import direct_route_ids
+    from cuteaot.runtime.kernels.w4a16.gemm import direct_route_ids
 
     ids = torch.tensor([[(1 << 32) + 3, -(1 << 40), 5, -1], [8, 100000, 0, 7]], dtype=torch.int64)
     got = direct_route_ids(ids, 8)

@@ -19,7 +19,7 @@ import cuteaot.runtime.moe as moe
 from cuteaot.runtime import workspace as workspace_mod
 from cuteaot.runtime.errors import CaptureError, UnknownSpecializationError
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
-from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import random_nvfp4
 from tests.stub_bundle import stub_bundle

@@ -118,7 +118,7 @@ class ActivationSpec(SpecKey):
 
     @property
     def input_width(self) -> int:
-        return self.intermediate_size * (2 if self.activation.is_gated else 1)
+        return self.activation.fc1_width(self.intermediate_size)
 
     def check_shapes(self, x: torch.Tensor, out: torch.Tensor) -> int:
         """Shape-only checks (also used by the fake op); returns rows."""
@@ -167,11 +167,9 @@ def spec_for_call(dtype: torch.dtype, width: int, activation: str, fast_math: bo
 
 
 def _new_plan(bundle: Bundle, cache_key: tuple) -> _ActivationPlan:
-    """Resolve a call signature seen for the first time and cache its launch plan."""
+    """Resolve a call signature seen for the first time (its launch plan, cached by the caller)."""
     _, dtype, width, activation, fast_math, alpha, beta, limit = cache_key
-    plan = _ActivationPlan(bundle, spec_for_call(dtype, width, activation, fast_math, alpha, beta, limit))
-    bundle.plans[cache_key] = plan
-    return plan
+    return _ActivationPlan(bundle, spec_for_call(dtype, width, activation, fast_math, alpha, beta, limit))
 
 
 def moe_activation(
@@ -200,7 +198,7 @@ def moe_activation(
         check_rank(fc1, "fc1", 2, "(rows, columns)")
     shape = fc1.shape
     cache_key = ("moe_activation", fc1.dtype, shape[1], activation, fast_math, swiglu_alpha, swiglu_beta, swiglu_limit)
-    plan = bundle.plans.get(cache_key) or _new_plan(bundle, cache_key)
+    plan = bundle.plans.rowwise.get(cache_key, lambda: _new_plan(bundle, cache_key))
     if out is None:
         out = torch.empty((shape[0], plan.out_width), dtype=fc1.dtype, device=fc1.device)
     plan(fc1, shape, out)

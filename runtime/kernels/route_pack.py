@@ -379,9 +379,7 @@ def pack_routes(
         return packed, block_ids, count
     _check_outputs(p, packed, block_ids, count, ws)
     cache_key = ("moe_route_pack", topk_ids.dtype)
-    plan = bundle.plans.get(cache_key)
-    if plan is None:
-        plan = bundle.plans[cache_key] = _RoutePackPlan(bundle, IdsDType.from_torch(topk_ids.dtype))
+    plan = bundle.plans.route_pack.get(cache_key, lambda: _RoutePackPlan(bundle, IdsDType.from_torch(topk_ids.dtype)))
     plan(p, topk_ids, expert_map, packed, block_ids, count, ws)
     return packed, block_ids, count
 

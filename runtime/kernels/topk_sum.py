@@ -148,11 +148,9 @@ def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = N
     shape = fc2.shape
     ids_dtype = None if topk_ids is None else getattr(topk_ids, "dtype", None)
     cache_key = ("moe_topk_sum", fc2.dtype, shape[1], shape[2], ids_dtype)
-    plan = bundle.plans.get(cache_key)
-    if plan is None:
-        if topk_ids is not None and not isinstance(topk_ids, torch.Tensor):
-            raise BadInputError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
-        plan = bundle.plans[cache_key] = _TopKSumPlan(bundle, spec_for_call(fc2, topk_ids))
+    if topk_ids is not None and not isinstance(topk_ids, torch.Tensor):
+        raise BadInputError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    plan = bundle.plans.rowwise.get(cache_key, lambda: _TopKSumPlan(bundle, spec_for_call(fc2, topk_ids)))
     if out is None:
         out = torch.empty((shape[0], shape[2]), dtype=fc2.dtype, device=fc2.device)
     if topk_ids is None:

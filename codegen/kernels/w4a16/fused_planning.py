@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
-from cuteaot.runtime.kernels.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.gemm_spec import Mainloop
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Mainloop
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,

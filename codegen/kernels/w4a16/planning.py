@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
-from cuteaot.runtime.kernels.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 from cuteaot.runtime.types import DType
 from cuteaot.runtime.weights import stored_dims
 from cuteaot.runtime.kernels.w4a16.geometry import (
@@ -138,7 +138,7 @@ REGISTER_ESTIMATES_SM121: dict[RegisterKey, int] = {
     RegisterKey(128, 4, 8, 4, False): 255,
 }
 
-# The sm_90a large-M loop (warpgroup MMA, codegen/kernels/w4a16_wgmma.py): one warpgroup per
+# The sm_90a large-M loop (warpgroup MMA, codegen/kernels/w4a16/wgmma.py): one warpgroup per
 # CTA over 64-row route blocks (the wgmma N), tiles WGMMA_TILES (defined below TileConfig).
 WGMMA_ARCHS = ("sm_90a",)
 

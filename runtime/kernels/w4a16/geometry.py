@@ -16,6 +16,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from ...errors import BadInputError
+from ...types import fc1_width
 from ..route_pack import max_packed_route_slots  # the route-pack kernel's buffer contract
 
 # M rows one route block holds; 8 is the small-M (m16n8k16 with half the rows) path.
@@ -298,5 +299,5 @@ def fused_gemm_dims(hidden_size: int, intermediate_size: int, gated: bool) -> tu
     """Stored (N, K) of FC1 and FC2 (sizes zero-padded to multiples of 128, runtime/weights.py)."""
     from ...weights import stored_dims  # weights imports this module's constants
 
-    fc1_n = intermediate_size * (2 if gated else 1)
+    fc1_n = fc1_width(intermediate_size, gated)
     return stored_dims(fc1_n, hidden_size), stored_dims(hidden_size, intermediate_size)

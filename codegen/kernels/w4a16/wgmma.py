@@ -44,10 +44,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
-from cuteaot.runtime.planning import WGMMA_SMEM_ALIGN
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Mainloop
+from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_SMEM_ALIGN
 
-from .. import intrinsics as I
-from .w4a16_gemm import W4A16GemmKernel, _Tile
+from ... import intrinsics as I
+from .gemm import W4A16GemmKernel, _Tile
 
 _X_ROW = I.WGMMA_SW128_ROW_BYTES  # bytes per staged activation row (64 bf16)
 _K16_BYTES = 32  # descriptor advance per 16 k inside a swizzle row
@@ -309,3 +310,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
         if slice_idx == slice_count - Int32(1):
             self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale)
+
+
+def gemm_kernel(spec) -> W4A16GemmKernel:
+    """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a)."""
+    return W4A16WgmmaGemmKernel(spec) if spec.mainloop is Mainloop.WGMMA else W4A16GemmKernel(spec)

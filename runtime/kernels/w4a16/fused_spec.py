@@ -1,6 +1,6 @@
 """Compile-time facts of one fused W4A16 MoE kernel: FC1 -> activation -> FC2 in one launch.
 
-The kernel (codegen/kernels/w4a16_fused.py, ported from the seed's
+The kernel (codegen/kernels/w4a16/fused.py, ported from the seed's
 `W4A16FusedMoeKernel`) is a persistent grid that runs
 
     [decode: zero out]  FC1 GEMM  |barrier|  activation  |barrier|
@@ -29,12 +29,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..abi import Pointee, Signature, i32, ptr
-from ..errors import BadInputError
-from ..keys import SpecKey
-from ..types import Activation, DType
-from .w4a16.geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
-from .activation import ActivationSpec
+from ...abi import Pointee, Signature, i32, ptr
+from ...errors import BadInputError
+from ...keys import SpecKey
+from ...types import Activation, DType
+from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
+from ..activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 
 
@@ -132,7 +132,7 @@ class FusedSpec(SpecKey):
 
     @property
     def fc1_width(self) -> int:
-        return self.intermediate_size * (2 if self.gated else 1)
+        return self.activation.fc1_width(self.intermediate_size)
 
     @property
     def fc1_gemm(self) -> GemmSpec:

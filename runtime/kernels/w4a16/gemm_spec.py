@@ -22,10 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..abi import Pointee, Signature, i32, ptr
-from ..errors import BadInputError
-from ..keys import SpecKey
-from .w4a16.geometry import (
+from ...abi import Pointee, Signature, i32, ptr
+from ...errors import BadInputError
+from ...keys import SpecKey
+from .geometry import (
+    ALLOWED_MOE_BLOCK_SIZES,
+    PACK_FACTOR,
+    STAGES,
     WGMMA_BLOCK_SIZES,
     WGMMA_THREADS,
     wgmma_tiles,
@@ -35,12 +38,8 @@ from .w4a16.geometry import (
     wgmma_shared_memory_footprint,
     wgmma_stage_parts,
 )
-from ..types import DType
+from ...types import DType
 
-STAGES = 4  # default cp.async pipeline depth (the seed's)
-PACK_FACTOR = 8  # FP4 values per 32-bit word
-MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)  # the mma.sync loop's; the wgmma loop also takes 128
-SCALE_GROUP = 16  # e4m3_k16: one block scale per 16 k
 
 
 class Routes(str, Enum):
@@ -56,7 +55,7 @@ class Mainloop(str, Enum):
 
     MMA_SYNC = "mma_sync"  # the seed's m16n8k16 loop, every target, every block size
     # sm_90a only: warpgroup MMA with the dequantised weights as the register A operand and the
-    # gathered activations as the shared-memory B operand (codegen/kernels/w4a16_wgmma.py);
+    # gathered activations as the shared-memory B operand (codegen/kernels/w4a16/wgmma.py);
     # 64-row blocks, 256 x 64 or 128 x 64 tiles, one warpgroup per CTA.
     WGMMA = "wgmma"
 
@@ -131,7 +130,7 @@ class GemmSpec(SpecKey):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise BadInputError(f"{name} must be a positive int, got {v!r}")
-        sizes = MOE_BLOCK_SIZES if self.mainloop is Mainloop.MMA_SYNC else WGMMA_BLOCK_SIZES
+        sizes = ALLOWED_MOE_BLOCK_SIZES if self.mainloop is Mainloop.MMA_SYNC else WGMMA_BLOCK_SIZES
         if self.moe_block_size not in sizes:
             raise BadInputError(
                 f"moe_block_size must be one of {sizes} for mainloop={self.mainloop.value}, got {self.moe_block_size}"

@@ -1,11 +1,11 @@
 """CuTeDSL fused W4A16 MoE kernel: FC1 -> activation -> FC2 in one persistent launch.
 
 Port of the seed's `W4A16FusedMoeKernel`.  The two GEMM phases are the
-grouped GEMM of w4a16_gemm.py (one GEMM kernel object per phase: the mma.sync
-loop, or on sm_90a at large M the warpgroup-MMA loop of w4a16_wgmma.py; sharing the
+grouped GEMM of w4a16/gemm.py (one GEMM kernel object per phase: the mma.sync
+loop, or on sm_90a at large M the warpgroup-MMA loop of w4a16/wgmma.py; sharing the
 dynamic shared-memory arena and the split-K scratch); between phases every CTA
 meets at a grid barrier, so each phase sees all of the previous one's writes.
-Phases, shapes and buffers: runtime/kernels/fused_spec.py.
+Phases, shapes and buffers: runtime/kernels/w4a16/fused_spec.py.
 
 Grid barrier (sense reversal on two words at the start of `locks`): after the
 CTA's own writes (bar.sync), thread 0 fences, reads the current sense, and adds
@@ -21,13 +21,13 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64
 
 from cuteaot.runtime.kernels.activation import VECTOR
-from cuteaot.runtime.kernels.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.types import DType
 
-from .. import intrinsics as I
-from .activation import ActivationKernel
-from .common import fake_arguments
-from .w4a16_gemm import _Operands, gemm_kernel
+from ... import intrinsics as I
+from ..activation import ActivationKernel
+from .gemm import _Operands
+from .wgmma import gemm_kernel
 
 
 class W4A16FusedMoeKernel:
@@ -192,7 +192,3 @@ class W4A16FusedMoeKernel:
             if lane == Int32(0) and v > Float32(0.0):
                 I.red_max_f32_nonnegative(addr, v)
         cute.arch.sync_threads()
-
-
-def build(spec: FusedSpec):
-    return W4A16FusedMoeKernel(spec), fake_arguments(spec)

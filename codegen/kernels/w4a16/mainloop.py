@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Int32, Int64, Uint32
 
-from .. import intrinsics as I
+from ... import intrinsics as I
 
 
 class MainloopMixin:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 from cuda.bindings import driver
 
-from ..bundle import Bundle, LoadedKernel, check_cu, current_stream_handle
-from ..errors import BadInputError, LaunchError
-from ..resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
-from ..tensors import INT32_MAX, check_rank, check_tensor
-from ..weights import PackedNvfp4
-from .route_pack import max_packed_route_slots, pack_routes, route_pack_workspace_elements
+from ...bundle import Bundle, LoadedKernel, check_cu, current_stream_handle
+from ...errors import BadInputError, LaunchError
+from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
+from ...tensors import INT32_MAX, check_rank, check_tensor
+from ...weights import PackedNvfp4
+from ..route_pack import max_packed_route_slots, pack_routes, route_pack_workspace_elements
 
 
 @dataclass
@@ -188,7 +188,7 @@ class PersistentLaunch:
     """
 
     def __init__(self, bundle: Bundle, digest: str):
-        from . import FAMILIES  # the package imports this module
+        from .. import FAMILIES  # the kernels package imports this module
 
         self.kernel: LoadedKernel = bundle.kernel_by_digest(digest)
         key = self.kernel.record.key
@@ -211,11 +211,13 @@ class PersistentLaunch:
 
 def persistent_launch(bundle: Bundle, digest: str) -> PersistentLaunch:
     """The checked launch of a table kernel, built on first use and cached on the bundle."""
-    key = ("persistent_launch", digest)
-    found = bundle.plans.get(key)
-    if found is None:
-        found = bundle.plans[key] = PersistentLaunch(bundle, digest)
-    return found
+    return bundle.plans.kernels.get(digest, lambda: PersistentLaunch(bundle, digest))
+
+
+def _resolve_gemm(bundle: Bundle, weights: PackedNvfp4, top_k: int, m: int, variant: str):
+    """The table's launch for this M and the checked kernel of this operand variant."""
+    launch = gemm_entry(bundle, weights, top_k).launch(m)
+    return launch, persistent_launch(bundle, launch.kernel(variant))
 
 
 def w4a16_moe_gemm(
@@ -265,24 +267,19 @@ def w4a16_moe_gemm(
 
     cache_key = ("w4a16_moe_gemm", m, top_k, weights.n, weights.k, weights.num_experts, weights.dtype,
                  a_per_route, mul_topk_weights, epilogue)
-    resolved = bundle.plans.get(cache_key)
-    if resolved is None:  # the table's launch for this M and the kernel of this variant
-        launch = gemm_entry(bundle, weights, top_k).launch(m)
-        digest = launch.kernel(gemm_variant(a_per_route, mul_topk_weights, epilogue))
-        resolved = bundle.plans[cache_key] = (launch, persistent_launch(bundle, digest))
-    launch, kernel = resolved
+    launch, kernel = bundle.plans.gemm_calls.get(cache_key, lambda: _resolve_gemm(
+        bundle, weights, top_k, m, gemm_variant(a_per_route, mul_topk_weights, epilogue)))
 
     stream = current_stream_handle(bundle.device_index)
     if workspace is None:
         # One workspace per stream, grown on demand: launches on a stream are ordered, so they
         # can share it, and the locks stay zero between launches.
-        ws_key = ("w4a16_gemm_workspace", stream)
-        workspace = bundle.plans.get(ws_key)
+        workspace = bundle.gemm_workspaces.get(stream)
         if workspace is None or not workspace.fits(launch, m, top_k, weights.num_experts):
             if torch.cuda.is_current_stream_capturing():
                 raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace "
                                     "(GemmWorkspace.for_tokens)")
-            workspace = bundle.plans[ws_key] = GemmWorkspace.allocate(
+            workspace = bundle.gemm_workspaces[stream] = GemmWorkspace.allocate(
                 launch.sizes, m * top_k, weights.num_experts, device, at_least=workspace
             )
     elif not workspace.fits(launch, m, top_k, weights.num_experts):

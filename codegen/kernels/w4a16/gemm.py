@@ -13,8 +13,8 @@ tiles, each tile_n wide and reduced over K in k-tiles of tile_k:
   takes one whole tile and there is no split-K at all.
 
 Files: this one holds the scheduler, the route metadata of a block and the
-per-tile driver; w4a16_mainloop.py the pipeline, w4a16_epilogue.py the
-reductions and stores.  Shapes and layouts: runtime/kernels/gemm_spec.py and
+per-tile driver; w4a16/mainloop.py the pipeline, w4a16/epilogue.py the
+reductions and stores.  Shapes and layouts: runtime/kernels/w4a16/gemm_spec.py and
 docs/layouts.md.
 """
 
@@ -24,13 +24,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
-from cuteaot.runtime.kernels.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 from cuteaot.runtime.types import DType
 
-from .. import intrinsics as I
-from .common import fake_arguments
-from .w4a16_epilogue import EpilogueMixin
-from .w4a16_mainloop import MainloopMixin
+from ... import intrinsics as I
+from .epilogue import EpilogueMixin
+from .mainloop import MainloopMixin
 
 
 class _Operands:
@@ -296,16 +295,3 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             self._merge_split_k(ops, acc, tid, valid_rows, lock_slot, slice_idx, slice_count)
         if slice_idx == slice_count - Int32(1):
             self._store_tile(ops, acc, smem, tid, n_tile, valid_rows, global_scale)
-
-
-def build(spec: GemmSpec):
-    return gemm_kernel(spec), fake_arguments(spec)
-
-
-def gemm_kernel(spec: GemmSpec) -> W4A16GemmKernel:
-    """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a)."""
-    if spec.mainloop is Mainloop.WGMMA:
-        from .w4a16_wgmma import W4A16WgmmaGemmKernel  # it subclasses this module's kernel
-
-        return W4A16WgmmaGemmKernel(spec)
-    return W4A16GemmKernel(spec)
