@@ -16,10 +16,11 @@ from typing import Callable, Iterator, Optional
 
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.keys import KernelKey
+from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS
 from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch, MoeLayerFacts, Workspace, gemm_variant
 from cuteaot.runtime.types import Activation, DType
 
-from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer
+from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
 from .kernels.w4a16.planning import gemm_spec_for, plan_for
 from .spec import BundleSpec, MoeProblem
 
@@ -45,14 +46,17 @@ class _Ranges:
     workspaces: list[Workspace] = field(default_factory=list)
     _peak: dict[str, int] = field(default_factory=dict)
 
-    def add(self, m: int, decision: tuple, kernels: dict[str, str], sizes: dict[str, int]) -> None:
-        """Record M's decision (grid_x, route_block) and kernels; `sizes` are what M needs."""
+    def add(self, m: int, decision: tuple, kernels: dict[str, str], sizes: dict[str, int],
+            grids: dict[str, int] | None = None) -> None:
+        """Record M's decision (grid_x, route_block), kernels and other roles' grids; `sizes` are what M needs."""
         last = self.launches[-1] if self.launches else None
         grid_x, route_block = decision
-        if last is not None and (last.grid_x, last.route_block, dict(last.kernels)) == (grid_x, route_block, kernels):
-            self.launches[-1] = Launch(last.m_min, m, grid_x, route_block, kernels, sizes)
+        grids = grids or {}
+        if last is not None and (last.grid_x, last.route_block, dict(last.kernels), dict(last.grids)) == (
+                grid_x, route_block, kernels, grids):
+            self.launches[-1] = Launch(last.m_min, m, grid_x, route_block, kernels, sizes, grids)
         else:
-            self.launches.append(Launch(m, m, grid_x, route_block, kernels, sizes))
+            self.launches.append(Launch(m, m, grid_x, route_block, kernels, sizes, grids))
         for name, value in sizes.items():
             self._peak[name] = max(self._peak.get(name, 0), value)
         if m in self.buckets:
@@ -89,6 +93,10 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
         seen.add(facts)
         ranges, keys, specs = _Ranges(problem.tokens), set(), {}
         for m in range(1, problem.tokens[-1] + 1):
+            split = split_layer(m, facts, profile)
+            if split is not None:
+                _add_split(ranges, keys, specs, m, facts, split)
+                continue
             plan = plan_layer(m, facts, profile)
             decided = (plan.decode, plan.moe_block_size, plan.fc1_tile, plan.fc2_tile, plan.blocks_per_sm,
                        plan.mainloop)
@@ -100,6 +108,23 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
                      "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks}
             ranges.add(m, (plan.grid_x, 0 if plan.decode else plan.moe_block_size), {"fused": key.digest}, sizes)
         yield _entry(MOE_LAYER, problem, profile, facts, ranges), keys
+
+
+def _add_split(ranges: _Ranges, keys: set, specs: dict, m: int, facts, split) -> None:
+    """Record M as two grouped-GEMM launches (FC1, FC2) with the layer's activation between them."""
+    fc1, fc2 = split
+    decided = ("split", fc1.plan.moe_block_size, fc1.plan.tile, fc1.plan.blocks_per_sm, fc1.plan.whole_tiles_m8,
+               fc2.plan.tile, fc2.plan.blocks_per_sm, fc2.plan.whole_tiles_m8)
+    found = specs.get(decided)
+    if found is None:
+        found = specs[decided] = {"fc1": fc1.spec.key(), "fc2": fc2.spec.key()}
+        keys.update(found.values())
+    sizes = {"c_tmp_floats": max(fc1.plan.splitk_scratch_floats, fc2.plan.splitk_scratch_floats),
+             "lock_words": BARRIER_WORDS + max(fc1.plan.lock_slots, fc2.plan.lock_slots),  # slots after the barrier
+             "route_slots": fc1.plan.max_route_slots, "route_blocks": fc1.plan.max_route_blocks}
+    kernels = {role: key.digest for role, key in found.items()}
+    grids = {} if fc2.plan.grid_x == fc1.plan.grid_x else {"fc2": fc2.plan.grid_x}
+    ranges.add(m, (fc1.plan.grid_x, fc1.plan.moe_block_size), kernels, sizes, grids)
 
 
 # ------------------------------------------------------------------------------------- GEMM

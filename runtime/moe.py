@@ -28,15 +28,17 @@ import dataclasses
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
 from .bundle import Bundle, current_stream_handle
 from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
+from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import MAX_EXPERTS, max_packed_route_slots, pack_routes, route_pack_workspace_elements
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
+from .kernels.activation import moe_activation
 from .kernels.topk_sum import moe_topk_sum
 from .tensors import check_rank, check_tensor
 from .types import Activation
@@ -87,10 +89,11 @@ class MoeWorkspace:
 
 @dataclass(frozen=True)
 class Resolved:
-    """An m-token call's launch: the resolution table's decision and its checked kernel."""
+    """An m-token call's launch: the resolution table's decision and its checked kernels by role
+    ("fused", or "fc1" and "fc2" for a layer run as two grouped-GEMM launches)."""
 
-    launch: Launch  # grid, route handling and kernel the build chose for this M
-    kernel: PersistentLaunch
+    launch: Launch  # grid, route handling and kernels the build chose for this M
+    kernels: Mapping[str, PersistentLaunch]
 
     @property
     def decode(self) -> bool:
@@ -98,10 +101,15 @@ class Resolved:
         return self.launch.direct
 
     def describe(self) -> str:
-        f = self.kernel.spec
-        path = "decode" if self.decode else f"packed b{self.launch.route_block}"
+        launch = self.launch
+        if launch.split:
+            f1, f2 = self.kernels["fc1"].spec, self.kernels["fc2"].spec
+            return (f"split b{launch.route_block} {f1.mainloop.value} fc1 {f1.tile_n}x{f1.tile_k} "
+                    f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
+        f = self.kernels["fused"].spec
+        path = "decode" if self.decode else f"packed b{launch.route_block}"
         return (f"{path} {f.mainloop.value} fc1 {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
-                f"grid {self.launch.grid_x}")
+                f"grid {launch.grid_x}")
 
 
 _LAYERS: "weakref.WeakValueDictionary[str, MoeLayer]" = weakref.WeakValueDictionary()
@@ -171,7 +179,8 @@ class MoeLayer:
         self._resolved: dict[tuple[int, bool], Resolved] = {}
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
-                persistent_launch(bundle, launch.kernel("fused"))
+                for digest in launch.kernels.values():
+                    persistent_launch(bundle, digest)
         self.shape = self._workspace_shape()
         pool = bundle.workspaces
         pool.acquire(self.shape, self._allocate_workspace)
@@ -233,8 +242,8 @@ class MoeLayer:
         r = self._resolved.get((m, collect_amax))
         if r is None:
             launch = self._entry(collect_amax).launch(m)
-            r = self._resolved[(m, collect_amax)] = Resolved(launch, persistent_launch(self.bundle,
-                                                                                       launch.kernel("fused")))
+            kernels = {role: persistent_launch(self.bundle, digest) for role, digest in launch.kernels.items()}
+            r = self._resolved[(m, collect_amax)] = Resolved(launch, kernels)
         return r
 
     # ------------------------------------------------------------------ memory
@@ -306,8 +315,20 @@ class MoeLayer:
                 packed_route_count=ws.route_count,
                 workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
             )
+        if r.launch.split:
+            self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws)
+        else:
+            self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx, ws)
+        if not r.decode:
+            fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
+            # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
+            moe_topk_sum(self.bundle, fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
+
+    def _launch_fused(self, r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
+                      ws: MoeWorkspace) -> None:
+        m = x.shape[0]
         fc2_target = out if r.decode else ws.fc13
-        r.kernel.kernel.launch(
+        r.kernels["fused"].kernel.launch(
             r.launch.grid_x, current_stream_handle(self.device.index),
             a=x.data_ptr(), w13=self.w13.qweight.data_ptr(), w2=self.w2.qweight.data_ptr(),
             fc1_out=ws.fc13.data_ptr(), activated=ws.activated.data_ptr(), fc2_out=fc2_target.data_ptr(),
@@ -318,10 +339,34 @@ class MoeLayer:
             locks=ws.locks.data_ptr(), amax=(amax if amax is not None else ws.c_tmp).data_ptr(),
             layer=0 if layer_idx is None else layer_idx, tokens=m, num_experts=self.num_experts,
         )
-        if not r.decode:
-            fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
-            # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
-            moe_topk_sum(self.bundle, fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
+
+    def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, ws: MoeWorkspace) -> None:
+        """FC1 and FC2 as grouped-GEMM launches on the packed routes, the activation between them."""
+        m, stream = x.shape[0], current_stream_handle(self.device.index)
+        routes, gated, on_input = m * self.top_k, self.activation.is_gated, self.facts.router_weight_on_input
+        # the GEMMs' split-K lock slots follow the fused kernel's barrier words (whose sense word counts up)
+        locks = ws.locks.data_ptr() + BARRIER_WORDS * ws.locks.element_size()
+        routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
+                       route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(), locks=locks,
+                       num_experts=self.num_experts)
+        weight = topk_weights.data_ptr()
+        fc1_out = ws.fc13 if gated else ws.activated  # relu2 is FC1's epilogue
+        r.kernels["fc1"].kernel.launch(
+            r.launch.grid("fc1"), stream, a=x.data_ptr(), qweight=self.w13.qweight.data_ptr(),
+            out=fc1_out.data_ptr(), scales=self.w13.scales.data_ptr(), global_scale=self.w13.global_scale.data_ptr(),
+            topk_weights=weight if on_input else ws.c_tmp.data_ptr(), tokens=m, **routing,
+        )
+        if gated:
+            f = self.facts
+            moe_activation(self.bundle, ws.fc13[: routes * self.fc1_width].view(routes, self.fc1_width),
+                           ws.activated[: routes * self.intermediate_size].view(routes, self.intermediate_size),
+                           activation=f.activation.value, fast_math=f.fast_math, swiglu_alpha=f.swiglu_alpha,
+                           swiglu_beta=f.swiglu_beta, swiglu_limit=f.swiglu_limit)
+        r.kernels["fc2"].kernel.launch(
+            r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
+            out=ws.fc13.data_ptr(), scales=self.w2.scales.data_ptr(), global_scale=self.w2.global_scale.data_ptr(),
+            topk_weights=ws.c_tmp.data_ptr() if on_input else weight, tokens=routes, **routing,
+        )
 
     # ------------------------------------------------------------------ validation
 

@@ -124,7 +124,10 @@ class Launch:
     """How every M in [m_min, m_max] launches (the planner's decision for that range).
 
     route_block: 0 = direct routes (topk_ids read as they are), else the packed block size.
-    kernels: the kernel key digest per variant (moe_layer: {"fused": ...}; gemm: by gemm_variant).
+    kernels: the kernel key digest per role or variant.  moe_layer: {"fused": ...} for the fused
+        kernel, or {"fc1": ..., "fc2": ...} for the two grouped-GEMM launches (with the activation
+        and top-k sum kernels of the layer between and after them); gemm: by gemm_variant.
+    grids: the grid of each role whose grid is not grid_x (the split layer's "fc2").
     sizes: buffer sizes the launch needs at m_max (its split-K scratch, locks, route slots).
     """
 
@@ -134,10 +137,19 @@ class Launch:
     route_block: int
     kernels: Mapping[str, str]
     sizes: Mapping[str, int] = field(default_factory=dict)
+    grids: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def direct(self) -> bool:
         return self.route_block == 0
+
+    @property
+    def split(self) -> bool:
+        """A MoE layer run as FC1 and FC2 grouped-GEMM launches instead of one fused kernel."""
+        return "fc1" in self.kernels
+
+    def grid(self, role: str) -> int:
+        return self.grids.get(role, self.grid_x)
 
     def kernel(self, variant: str) -> str:
         try:

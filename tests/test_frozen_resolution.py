@@ -114,6 +114,7 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     moe.pack_routes = lambda bundle, ids, e, block, **b: (b["packed_route_indices"], b["block_expert_ids"],
                                                           b["packed_route_count"])
     moe.moe_topk_sum = lambda *a, **k: None
+    moe.moe_activation = lambda *a, **k: None
     w = lambda n, k: pack_nvfp4(torch.zeros(16, n, k // 2, dtype=torch.uint8),
                                 torch.ones(16, n, k // 16).to(torch.float8_e4m3fn), torch.ones(16), "bf16")
     layer = moe.MoeLayer(bundle, w(512, 512), w(512, 256), top_k=4)
@@ -121,8 +122,9 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     for m in (1, 3, 64, 600, 4096):
         x = torch.zeros(m, 512, dtype=torch.bfloat16)
         ids = (torch.arange(m * 4, dtype=torch.int32) % 16).view(m, 4)
+        before = len(calls)
         layer(x, torch.full((m, 4), 0.25), ids, out=torch.empty(m, 512, dtype=torch.bfloat16))
-        served.append(calls[-1])
+        served.append(calls[before:])
     blocked = [n for n in sys.modules if n.startswith("cuteaot.codegen") or n.endswith("planning")]
     print(json.dumps({"served": served, "imported_planners": blocked}))
 ''')
@@ -139,8 +141,10 @@ def test_the_serving_path_runs_with_every_planner_blocked(tmp_path):
     assert result["imported_planners"] == []
     entry = ResolutionTable([Entry.from_json(raw) for raw in manifest["resolution"]], "h200", "t").find(MOE_LAYER,
                                                                                                         FACTS)
-    expected = [[entry.launch(m).kernels["fused"], entry.launch(m).grid_x] for m in (1, 3, 64, 600, 4096)]
+    expected = [[[digest, entry.launch(m).grid(role)] for role, digest in entry.launch(m).kernels.items()]
+                for m in (1, 3, 64, 600, 4096)]
     assert result["served"] == expected
+    assert not entry.launch(1).split and entry.launch(4096).split  # both kinds of launch were served
 
 
 def test_a_schema_1_bundle_is_refused_with_a_rebuild_message(tmp_path):

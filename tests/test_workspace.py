@@ -20,6 +20,7 @@ from cuteaot.runtime import workspace as workspace_mod
 from cuteaot.runtime.errors import CaptureError, UnknownSpecializationError
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import random_nvfp4
 from tests.stub_bundle import stub_bundle
@@ -71,7 +72,8 @@ class _RecordedKernel:
         self.calls = calls
 
     def launch(self, grid_x, stream, /, **values):
-        FusedSpec.SIGNATURE.order(values)  # the launch names exactly the declared parameters, as LoadedKernel requires
+        # the launch names exactly the declared parameters of its family, as LoadedKernel requires
+        (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)
         self.calls.append(("fused", grid_x, values))
 
 
@@ -97,6 +99,7 @@ def stubbed(monkeypatch):
 
     monkeypatch.setattr(moe, "pack_routes", pack_routes)
     monkeypatch.setattr(moe, "moe_topk_sum", lambda bundle, fc2, out, **kw: calls.append(("topk_sum", fc2.shape)))
+    monkeypatch.setattr(moe, "moe_activation", lambda bundle, fc1, out, **kw: calls.append(("activation", fc1.shape)))
     return calls
 
 
@@ -134,11 +137,12 @@ def _inputs(m: int, ids_dtype: torch.dtype, seed: int = 1):
 
 
 @pytest.mark.parametrize("m, ids_dtype", [(1, torch.int32), (1, torch.int64), (2, torch.int64), (5, torch.int32),
-                                          (37, torch.int64), (150, torch.int32)])
+                                          (37, torch.int64), (600, torch.int64), (1500, torch.int32)])
 def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
     bundle = stub_bundle()
     w13, w2 = _weights()
-    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, activation="silu", max_tokens=64)  # M=150: in chunks
+    # M = 600: FC1 and FC2 as two grouped-GEMM launches; M = 1500 runs in chunks of 1024
+    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, activation="silu", max_tokens=1024)
     x, w, ids = _inputs(m, ids_dtype)
     out = torch.empty(m, H, dtype=torch.bfloat16)
     allocations = bundle.workspaces.allocations
@@ -147,8 +151,11 @@ def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
         layer(x, w, ids, out=out)
     assert mode.created == [], f"the call created tensors: {mode.created}"
     assert bundle.workspaces.allocations == allocations
-    launches = [c for c in stubbed if c[0] == "fused"]
-    assert len(launches) == -(-m // layer.max_tokens)
+    launches = [c for c in stubbed if c[0] == "fused"]  # every kernel launch the stub recorded
+    chunks = [min(layer.max_tokens, m - start) for start in range(0, m, layer.max_tokens)]
+    assert len(launches) == sum(len(layer.resolve(c).launch.kernels) for c in chunks)
+    if m == 600:  # two GEMM launches with the activation kernel between them
+        assert layer.resolve(m).launch.split and ("activation", (m * TOP_K, 2 * I)) in stubbed
     if m <= 2:  # decode: routes straight from the ids, narrowed into the workspace when int64
         ids_ptr = launches[0][2]["route_indices"]
         ws = layer.workspace()

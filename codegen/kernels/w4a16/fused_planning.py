@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.w4a16.gemm_spec import Mainloop
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
@@ -42,6 +42,9 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
 )
 
 from .planning import (
+    GemmPlan,
+    gemm_spec_for,
+    plan_for,
     LARGE_BATCH_TILE_CONFIGS,
     PACKED_M8_TILE,
     SMALL_BATCH_TILE_CONFIGS,
@@ -268,3 +271,37 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
     return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
                       deterministic=facts.deterministic)
+
+
+@dataclass(frozen=True)
+class GemmPhase:
+    """One GEMM launch of a layer run as two: its plan and the kernel it selects."""
+
+    plan: GemmPlan
+    spec: GemmSpec
+
+
+def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[GemmPhase, GemmPhase] | None:
+    """FC1 and FC2 as two grouped-GEMM launches where that beats the fused kernel, else None.
+
+    Measured on the H200 (benchmarks/large_m.py, docs/benchmarks.md "Large-M study"): where both
+    GEMMs run the warpgroup-MMA loop, the two launches (intermediate through HBM, no grid
+    barrier, each GEMM on its own best grid) take 0.92-0.99x the fused kernel's time on
+    Qwen3-30B, gpt-oss-120b and GLM-4.5-Air; on the mma.sync loop they do not win reliably.
+    Both GEMMs must read one packing of the routes (the same block).  Expert maps and
+    calibration keep the fused kernel (it zeroes remote experts' rows and collects amax).
+    """
+    if facts.expert_map or facts.calibration:
+        return None
+    fc1_n = facts.activation.fc1_width(facts.intermediate_size)
+    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile)
+    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile)
+    if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
+        return None
+    relu2 = not facts.activation.is_gated
+    on_input = facts.router_weight_on_input
+    s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
+                       mul_topk_weights=on_input, epilogue="relu2" if relu2 else "none")
+    s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
+                       mul_topk_weights=not on_input, epilogue="none")
+    return GemmPhase(p1, s1), GemmPhase(p2, s2)
