@@ -16,9 +16,8 @@ import pytest
 pytest.importorskip("cutlass", reason="the build needs CuTeDSL (cuteaot[codegen])")
 
 from cuteaot.codegen.build import build
-from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer
+from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
 from cuteaot.runtime.devices import PROFILES
-from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.manifest import verify_bundle
 from cuteaot.runtime.resolution import MOE_LAYER, MoeLayerFacts, ResolutionTable
 
@@ -49,19 +48,26 @@ def test_default_bundle_resolves_every_token_count_on_h200(bundle_dir):
         assert entry.launch(1).direct != deterministic  # deterministic: no decode (atomic top-k sum) path
 
 
-def test_fused_kernels_match_what_the_planner_chose(bundle_dir):
+def test_kernels_match_what_the_planner_chose(bundle_dir):
     manifest = verify_bundle(bundle_dir)
-    fused = {k["key"]: k for k in manifest["kernels"] if k["family"] == "w4a16_fused_moe"}
+    records = {k["key"]: k for k in manifest["kernels"]}
     entry = ResolutionTable.from_manifest(manifest, "h200").find(MOE_LAYER, FACTS)
     for m in (1, 2, 8, 9, 64, 300, 5000, 16384):
-        plan = plan_layer(m, FACTS, PROFILES["h200"])
-        spec = fused_spec_for(plan, FACTS)
         launch = entry.launch(m)
-        assert launch.kernels["fused"] == spec.key().digest and launch.grid_x == plan.grid_x
-        record = fused[spec.key().digest]
-        assert FusedSpec.from_facts(record["facts"]) == spec
-        assert record["block"] == [spec.threads, 1, 1]
-        assert record["dynamic_smem_bytes"] == spec.shared_bytes
-        assert record["min_blocks_per_sm"] == spec.blocks_per_sm
-        assert record["stack_bytes"] == 0 and record["local_bytes"] == 0, "a shipped kernel spills"
-        assert record["arch"] == "sm_90a"
+        split = split_layer(m, FACTS, PROFILES["h200"])
+        if split is not None:  # large M: FC1 and FC2 as two grouped-GEMM launches
+            specs = {"fc1": split[0].spec, "fc2": split[1].spec}
+            assert launch.grid("fc1") == split[0].plan.grid_x and launch.grid("fc2") == split[1].plan.grid_x
+        else:
+            plan = plan_layer(m, FACTS, PROFILES["h200"])
+            specs = {"fused": fused_spec_for(plan, FACTS)}
+            assert launch.grid_x == plan.grid_x
+        assert {role: spec.key().digest for role, spec in specs.items()} == dict(launch.kernels)
+        for spec in specs.values():
+            record = records[spec.key().digest]
+            assert record["block"] == [spec.threads, 1, 1]
+            assert record["dynamic_smem_bytes"] == spec.shared_bytes
+            assert record["min_blocks_per_sm"] == spec.blocks_per_sm
+            assert record["stack_bytes"] == 0 and record["local_bytes"] == 0, "a shipped kernel spills"
+            assert record["arch"] == "sm_90a"
+    assert entry.launch(1).kernels.keys() == {"fused"} and entry.launch(16384).split
