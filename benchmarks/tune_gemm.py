@@ -7,7 +7,7 @@
 the shapes and token counts below with the planner's routes but the variant's
 kernel and grid, checks it against the planner's own choice, and prints the
 median device time and the share of HBM bandwidth.  The winners go into
-runtime/planning.py; this tool is how they were found.
+codegen/kernels/w4a16/planning.py; this tool is how they were found.
 """
 
 from __future__ import annotations

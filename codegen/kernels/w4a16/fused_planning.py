@@ -181,7 +181,7 @@ def plan_fused(
 def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile):
     """(block, FC1 tile, FC2 tile, CTAs/SM) when both GEMMs can run the wgmma loop, else None.
 
-    The same rule as the standalone GEMM (runtime/planning.py `plan_gemm`): 64-row blocks take the
+    The same rule as the standalone GEMM (planning.py `plan_gemm`): 64-row blocks take the
     warpgroup-MMA loop on sm_90a, and 128-row blocks once the average expert fills them.  One
     kernel runs both phases, so the grid is what both phases' register and shared-memory use let
     co-reside.

@@ -1,6 +1,6 @@
 """Compile-time facts and shared-memory geometry of one W4A16 grouped MoE GEMM kernel.
 
-The kernel (codegen/kernels/w4a16_gemm*.py, ported from the seed's
+The kernel (codegen/kernels/w4a16/gemm.py, mainloop.py, epilogue.py, wgmma.py; ported from the seed's
 `W4A16GemmKernel`) computes, for every packed route block of `moe_block_size`
 rows routed to expert e,
 
