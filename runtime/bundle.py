@@ -95,6 +95,10 @@ class LoadedKernel:
             raise self._signature.mismatch(values) from None
         if len(values) != self._count:
             raise self._signature.mismatch(values)
+        recording = getattr(_RECORDING, "launches", None)
+        if recording is not None:  # binding a call: keep the launch, issue nothing (runtime/bound.py)
+            recording.append(RecordedLaunch(self, grid_x, stream, ordered))
+            return
         try:
             buf = self._tls.buf
         except AttributeError:
@@ -104,6 +108,41 @@ class LoadedKernel:
         (err,) = driver.cuLaunchKernel(self.function, grid_x, 1, 1, bx, by, bz, self.smem, stream, buf.address, 0)
         if err:  # CUresult is an int; CUDA_SUCCESS == 0
             check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid=({grid_x}, 1, 1))")
+
+
+_RECORDING = threading.local()  # .launches: a list while a call is being bound on this thread
+
+
+class RecordedLaunch:
+    """One kernel launch of a bound call: function, grid and its own packed argument buffer."""
+
+    __slots__ = ("kernel", "grid_x", "stream", "buffer")
+
+    def __init__(self, kernel: LoadedKernel, grid_x: int, stream: int, ordered: tuple):
+        self.kernel, self.grid_x, self.stream = kernel, grid_x, stream
+        self.buffer = ArgBuffer(kernel._signature)  # owned by this launch: the values never change
+        self.buffer.pack(*ordered)
+
+    def launch(self, stream: int) -> None:
+        k = self.kernel
+        bx, by, bz = k.block
+        (err,) = driver.cuLaunchKernel(k.function, self.grid_x, 1, 1, bx, by, bz, k.smem, stream,
+                                       self.buffer.address, 0)
+        if err:
+            check_cu((err,), f"cuLaunchKernel({k.record.symbol}, grid=({self.grid_x}, 1, 1))")
+
+
+class recording_launches:
+    """Within this block, LoadedKernel.launch on this thread records instead of launching."""
+
+    def __enter__(self) -> list[RecordedLaunch]:
+        if getattr(_RECORDING, "launches", None) is not None:
+            raise LaunchError("binding calls do not nest")
+        _RECORDING.launches = []
+        return _RECORDING.launches
+
+    def __exit__(self, *exc) -> None:
+        _RECORDING.launches = None
 
 
 class Bundle:

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from .bundle import Bundle, current_stream_handle
+from .bundle import Bundle, RecordedLaunch, current_stream_handle, recording_launches
 from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.w4a16.geometry import BARRIER_WORDS
@@ -45,7 +45,7 @@ from .types import Activation
 from .weights import PackedNvfp4
 from .workspace import WorkspaceShape, capturing
 
-__all__ = ["MoeLayer", "MoeWorkspace", "run_w4a16_moe"]
+__all__ = ["BoundMoeCall", "MoeLayer", "MoeWorkspace", "run_w4a16_moe"]
 
 
 @dataclass
@@ -368,6 +368,33 @@ class MoeLayer:
             topk_weights=ws.c_tmp.data_ptr() if on_input else weight, tokens=routes, **routing,
         )
 
+    # ------------------------------------------------------------------ bound calls
+
+    def bind(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             out: torch.Tensor) -> "BoundMoeCall":
+        """A call on these static buffers with every check and lookup done now: it only launches.
+
+        For eager serving loops that refill fixed input buffers in place each step: the returned
+        callable issues this call's kernel launches (one to five, pre-packed) on the stream that is
+        current now and does nothing else, so its host cost is that of the bare launches.  Needs
+        int32 topk_ids, `out`, and at most max_tokens tokens (one launch sequence); no calibration.
+        Nothing is launched by `bind` itself.  Under CUDA-graph capture or torch.compile call the
+        layer instead.
+        """
+        if torch.compiler.is_compiling():
+            raise BadInputError("bind() is for eager serving loops; under torch.compile call the layer itself")
+        if not isinstance(out, torch.Tensor):
+            raise BadInputError(f"bind() needs the output buffer `out` ({tuple(hidden_states.shape)}), got {out!r}")
+        m = self._check(hidden_states, topk_weights, topk_ids, out, None, None)
+        if topk_ids.dtype != torch.int32:
+            raise BadInputError(f"bind() needs int32 topk_ids (a bound call runs no conversion), got {topk_ids.dtype}")
+        if not 1 <= m <= self.max_tokens:
+            raise BadInputError(f"bind() serves 1..max_tokens={self.max_tokens} tokens in one launch sequence, got {m}")
+        stream = current_stream_handle(self.device.index)
+        with recording_launches() as launches:
+            self._launch(hidden_states, topk_weights, topk_ids, out, None, None, self.workspace(stream))
+        return BoundMoeCall(self, tuple(launches), stream, (hidden_states, topk_weights, topk_ids, out))
+
     # ------------------------------------------------------------------ validation
 
     def _check(self, x, topk_weights, topk_ids, out, amax, layer_idx) -> int:
@@ -403,6 +430,26 @@ class MoeLayer:
                     f"({'-1 = dropped route, ' if low < 0 else ''}{self.route_experts} experts), got [{lo}, {hi}]"
                 )
         return m
+
+
+class BoundMoeCall:
+    """`MoeLayer.bind`'s result: `call()` launches the layer on its bound buffers and returns `out`."""
+
+    __slots__ = ("layer", "launches", "stream", "buffers", "out")
+
+    def __init__(self, layer: MoeLayer, launches: tuple[RecordedLaunch, ...], stream: int, buffers: tuple):
+        self.layer = layer  # keeps the layer, and with it the workspace, alive
+        self.launches, self.stream, self.buffers = launches, stream, buffers  # the bound tensors stay alive too
+        self.out = buffers[-1]
+
+    def __call__(self) -> torch.Tensor:
+        for launch in self.launches:
+            launch.launch(self.stream)
+        return self.out
+
+    def __repr__(self) -> str:
+        names = ", ".join(launch.kernel.record.key.family for launch in self.launches)
+        return f"BoundMoeCall({self.layer.id}, M={self.out.shape[0]}, launches=[{names}])"
 
 
 def run_w4a16_moe(bundle: Bundle, hidden_states: torch.Tensor, w13: PackedNvfp4, w2: PackedNvfp4,

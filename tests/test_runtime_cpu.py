@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -193,3 +195,36 @@ def test_launch_packs_arguments_into_their_declared_slots_by_name(monkeypatch):
     with pytest.raises(LaunchArgumentError, match=r"missing \['num_experts'\], not declared \['experts'\]"):
         kernel.launch(3, 0, **{**{k: v for k, v in values.items() if k != "num_experts"}, "experts": 4})
     assert len(stub.launches) == 2  # nothing launched with a missing argument
+
+
+def test_a_bound_call_records_launches_and_replays_them_with_the_same_arguments(monkeypatch):
+    """MoeLayer.bind records a call's launches (issuing none) and replays them pre-packed."""
+    import types
+
+    from cuteaot.runtime import bundle as bundle_mod
+    from cuteaot.runtime.abi import Signature, i32, ptr
+    from cuteaot.runtime.bundle import LoadedKernel, recording_launches
+
+    signature = Signature((ptr("src", "elem", "(rows, w)"), ptr("out", "elem", "(rows, w)"), i32("rows", "rows")))
+    record = types.SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=signature.to_json(),
+                                   symbol="k", key=None)
+    kernel = LoadedKernel(record, function="fn", context=None)
+    kernel.bind(signature)
+    issued = []
+    monkeypatch.setattr(bundle_mod.driver, "cuLaunchKernel",
+                        lambda fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra:
+                        issued.append((fn, gx, stream, ctypes.string_at(args, 8))) or (0,))
+    monkeypatch.setattr(bundle_mod, "check_cu", lambda result, what: None)
+    kernel._tls.buf = bundle_mod.ArgBuffer(signature)  # as after a first launch on this thread
+    with recording_launches() as launches:
+        kernel.launch(7, 99, src=0x1000, out=0x2000, rows=5)
+    assert issued == [] and len(launches) == 1  # recorded, not launched
+    with pytest.raises(Exception, match="do not nest"):
+        with recording_launches():
+            with recording_launches():
+                pass
+    launches[0].launch(99)
+    kernel.launch(7, 99, src=0x1000, out=0x2000, rows=5)  # a plain launch packs the same arguments
+    assert issued[0][:3] == issued[1][:3] == ("fn", 7, 99)
+    replay, plain = launches[0].buffer, kernel._tls.buf
+    assert ctypes.string_at(ctypes.addressof(replay._buffer), 20) == ctypes.string_at(ctypes.addressof(plain._buffer), 20)

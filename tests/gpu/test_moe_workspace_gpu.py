@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from cuteaot.runtime import CaptureError, UnknownSpecializationError, load_bundle, prepare_w2, prepare_w13
+from cuteaot.runtime import BadInputError, CaptureError, UnknownSpecializationError, load_bundle, prepare_w2, prepare_w13
 from cuteaot.runtime.moe import MoeLayer, run_w4a16_moe
 from tests.reference.moe import moe_reference
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
@@ -169,3 +169,26 @@ def test_options_the_bundle_lacks_fail_at_construction(bundle):
     w13, w2 = prepare_w13(*q13, "fp16").to("cuda"), prepare_w2(*q2, "fp16").to("cuda")
     with pytest.raises(UnknownSpecializationError, match="router_weight_on_input"):
         MoeLayer(bundle, w13, w2, top_k=TOP_K, router_weight_on_input=True)
+
+
+@pytest.mark.parametrize("m", [1, 37, 600])  # decode, packed, FC1/FC2 as two GEMM launches
+def test_a_bound_call_matches_the_layer_and_follows_refilled_buffers(bundle, m):
+    w13, w2, q13, q2 = weights(9)
+    layer = MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    x, w, ids = inputs(m, 10)
+    out = torch.full((m, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    bound = layer.bind(x, w, ids, out)
+    assert torch.isnan(out).all(), "bind() must not launch"
+    want = layer(x, w, ids)
+    got = bound().clone()
+    tol = 5e-3 if m <= 2 else 0.0  # M <= 2 sums the top-k rows with bf16 atomics
+    assert float((got.float() - want.float()).norm() / want.float().norm()) <= tol
+    x2, w2_, ids2 = inputs(m, 11)  # a new step: refill the bound buffers in place
+    x.copy_(x2), w.copy_(w2_), ids.copy_(ids2)
+    out.fill_(float("nan"))
+    bound()
+    torch.cuda.synchronize()
+    ref, _, _ = moe_reference(x2, dequantize_modelopt(*q13).cuda(), dequantize_modelopt(*q2).cuda(), w2_, ids2, "silu")
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+    with pytest.raises(BadInputError, match="int32"):
+        layer.bind(x, w, ids.long(), out)

@@ -1,0 +1,73 @@
+"""Host cost of one MoE layer call (issue 14): eager `MoeLayer.__call__`, a bound call
+(`MoeLayer.bind`), and the same kernel launches issued bare with cuda-python.
+
+The bare reference is exactly the launches the layer issues (recorded by `bind`), each a
+`cuLaunchKernel` with its pre-packed `void**`: what any caller has to pay.  Host time per call,
+median of interleaved rounds (benchmarks/common.host_us_per_call); small M, where the GPU keeps
+up and the host is the bottleneck.
+
+    python -m benchmarks.layer_overhead [--bundle generated/moe-models] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from cuda.bindings import driver
+
+from benchmarks.common import host_us_per_call
+from benchmarks.gemm import random_packed
+from cuteaot.runtime import load_bundle
+from cuteaot.runtime.moe import MoeLayer
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", default="generated/moe-models")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bundle = load_bundle(args.bundle)
+    layer = MoeLayer(bundle, random_packed(EXPERTS, 2 * INTER, HIDDEN), random_packed(EXPERTS, HIDDEN, INTER),
+                     top_k=TOP_K)
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core: less migration noise
+    rows = []
+    for m in (1, 8, 64):
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, EXPERTS, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, TOP_K, generator=g), 1).cuda()
+        out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        bound = layer.bind(x, w, ids, out)
+        stream = bound.stream
+        recorded = [(r.kernel.function, r.grid_x, r.kernel.block, r.kernel.smem, r.buffer.address)
+                    for r in bound.launches]
+
+        def bare():
+            for fn, grid, (bx, by, bz), smem, address in recorded:
+                driver.cuLaunchKernel(fn, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
+
+        host = host_us_per_call({
+            "eager MoeLayer.__call__": lambda: layer(x, w, ids, out=out),
+            "bound call (MoeLayer.bind)": bound,
+            "bare cuLaunchKernel of the same launches": bare,
+        }, calls=1000, reps=11)
+        base = host["bare cuLaunchKernel of the same launches"]
+        row = {"M": m, "launches": len(recorded), **host,
+               "eager_vs_bare": host["eager MoeLayer.__call__"] / base,
+               "bound_vs_bare": host["bound call (MoeLayer.bind)"] / base}
+        rows.append(row)
+        print(f"M={m:3d} {len(recorded)} launches | eager {host['eager MoeLayer.__call__']:6.2f} us "
+              f"({row['eager_vs_bare']:.2f}x) | bound {host['bound call (MoeLayer.bind)']:6.2f} us "
+              f"({row['bound_vs_bare']:.2f}x) | bare {base:6.2f} us", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
