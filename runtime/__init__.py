@@ -4,6 +4,7 @@ Zero JIT: nothing in this package imports CuTeDSL, Triton, NVRTC or nvcc.
 """
 
 from .bundle import Bundle, load_bundle
+from .checkpoint import CheckpointError, CheckpointFiles, CheckpointLayout, load_moe_layer, load_moe_layers
 from .devices import PROFILES, DeviceProfile
 from .errors import (
     AbiMismatchError,
@@ -71,4 +72,9 @@ __all__ = [
     "unpack_nvfp4",
     "prepare_w13",
     "prepare_w2",
+    "CheckpointError",
+    "CheckpointFiles",
+    "CheckpointLayout",
+    "load_moe_layer",
+    "load_moe_layers",
 ]

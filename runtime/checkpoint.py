@@ -1,0 +1,477 @@
+"""Checkpoint loading: the NVFP4 tensors of one MoE layer, read from safetensors files, -> PackedNvfp4.
+
+Two ModelOpt NVFP4 key layouts are read (``P`` is the layer prefix, e.g. ``model.layers.3.mlp``):
+
+    per_expert  P.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2, input_scale}
+                weight (N, K/2) u8, weight_scale (N, K/16) e4m3fn, weight_scale_2 and input_scale
+                () or (1,) f32; gate/up: (N, K) = (I, H), down: (H, I)
+    w13 / w31   P.experts.{w13,w31}_{weight, weight_scale, weight_scale_2, input_scale} and
+                P.experts.w2_{...}: the same tensors stacked over experts, gate rows first (w13)
+                or up rows first (w31); weight_scale_2 (E,), (E, 1) or, for w13/w31, (E, 2)
+
+The result is what `prepare_w13` / `prepare_w2` (runtime/weights.py) make of the stacked tensors.
+A per-expert checkpoint's two gate/up global scales become the (E, 2) (gate, up) pair
+`prepare_w13` takes; a fused (E, 2) `w31_weight_scale_2` is read as (gate, up) too, the convention
+of `prepare_w13`.  `input_scale` (W4A4's activation scale) is optional; when present it is checked
+(dtype, shape) and then dropped: W4A16 keeps the activations in bf16/fp16.
+
+gpt-oss MXFP4 (``gate_up_proj_blocks/scales/bias``) is not read: no kernel of this runtime serves
+MXFP4 weights yet, and re-quantizing to NVFP4 would change the model.  Such a layer is reported as
+an unsupported layout.
+
+Reads are lazy: `safe_open` memory-maps each file and reads only its header up front; a tensor
+is read when a layer needs it, after its dtype and shape were checked from the header, so a
+whole model never sits in memory.  `safetensors` is imported inside the functions (extra
+``cuteaot[checkpoint]``): importing the runtime does not need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from .errors import BadInputError
+from .types import DType
+from .weights import PackedNvfp4, W13Order, prepare_w2, prepare_w13
+
+INDEX_FILE = "model.safetensors.index.json"  # the Hugging Face shard index: {"weight_map": {key: file}}
+FP4_PER_BYTE = 2
+SCALE_GROUP_K = 16  # k per e4m3 block scale
+# safetensors header dtype names -> torch, for the ones NVFP4 uses and the usual mistakes
+SAFETENSORS_DTYPES = {
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+MAX_CLOSE_MATCHES = 3
+
+
+class CheckpointError(BadInputError):
+    """A checkpoint lacks a tensor, or holds one of the wrong dtype or shape; names the key and file."""
+
+
+class CheckpointLayout(str, Enum):
+    """How a checkpoint stores the experts of one MoE layer."""
+
+    AUTO = "auto"  # detected from the keys under the layer prefix
+    PER_EXPERT = "per_expert"  # experts.{e}.gate_proj.weight, ...
+    W13 = "w13"  # experts.w13_weight (gate rows first), experts.w2_weight
+    W31 = "w31"  # experts.w31_weight (up rows first), experts.w2_weight
+
+
+_PACKED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")  # what packing needs; input_scale is only checked
+_FUSED_ORDER = {CheckpointLayout.W13: W13Order.GATE_UP, CheckpointLayout.W31: W13Order.UP_GATE}
+_GPT_OSS_MARKERS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks")
+
+
+def _safetensors():
+    """The safetensors module, imported on first use so that the runtime does not depend on it."""
+    try:
+        import safetensors
+    except ImportError as e:
+        raise ImportError(
+            "loading checkpoints needs the safetensors library: pip install safetensors "
+            "(or pip install 'cuteaot[checkpoint]')"
+        ) from e
+    return safetensors
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The safetensors files of one checkpoint and which file holds each key.
+
+    Open it with `CheckpointFiles.open(path)`.  Files are opened lazily (header only, memory
+    mapped) and stay open until `close()` or the end of a ``with`` block.
+    """
+
+    key_files: dict[str, Path]  # tensor name -> the file that holds it
+    _handles: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _keysets: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def open(cls, source: str | Path | Sequence[str | Path]) -> CheckpointFiles:
+        """A directory (with `model.safetensors.index.json`, or every `*.safetensors` in it), an
+        index json, one `.safetensors` file, or a list of `.safetensors` files."""
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            if path.is_dir():
+                index = path / INDEX_FILE
+                return cls._from_index(index) if index.is_file() else cls._from_files(_shards_in(path))
+            if path.suffix == ".json":
+                return cls._from_index(path)
+            return cls._from_files([path])
+        return cls._from_files([Path(p) for p in source])
+
+    @classmethod
+    def _from_index(cls, index: Path) -> CheckpointFiles:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{index} is not a readable safetensors index (a JSON object with a 'weight_map' of "
+                f"tensor name -> file): {e}"
+            ) from e
+        key_files = {key: index.parent / name for key, name in weight_map.items()}
+        missing = sorted({str(p) for p in key_files.values() if not p.is_file()})
+        if missing:
+            raise CheckpointError(f"{index} names shard file(s) that do not exist: {missing}")
+        return cls(key_files)
+
+    @classmethod
+    def _from_files(cls, files: list[Path]) -> CheckpointFiles:
+        if not files:
+            raise CheckpointError("no .safetensors file given; pass a directory, an index json or file paths")
+        found = cls({})
+        key_files: dict[str, Path] = {}
+        for path in files:
+            for key in found._handle(path).keys():
+                if key in key_files:
+                    raise CheckpointError(f"tensor {key!r} is in both {key_files[key]} and {path}; pass one of them")
+                key_files[key] = path
+        result = cls(key_files)
+        result._handles.update(found._handles)
+        return result
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted(set(self.key_files.values()))
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Every key that starts with `prefix` + '.' (sorted)."""
+        return sorted(k for k in self.key_files if k.startswith(prefix + "."))
+
+    def has(self, key: str) -> bool:
+        return key in self.key_files
+
+    def header(self, key: str, prefix: str) -> tuple[str, tuple[int, ...], Path]:
+        """(safetensors dtype name, shape, file) of `key`, read from the file's header only."""
+        path = self._file_of(key, prefix)
+        info = self._handle(path).get_slice(key)
+        return info.get_dtype(), tuple(info.get_shape()), path
+
+    def read(self, key: str, prefix: str) -> torch.Tensor:
+        """The tensor `key`, read from its file (CPU)."""
+        return self._handle(self._file_of(key, prefix)).get_tensor(key)
+
+    def close(self) -> None:
+        """Drop the open file handles (they are reopened on the next read)."""
+        self._handles.clear()
+        self._keysets.clear()
+
+    def __enter__(self) -> CheckpointFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _file_of(self, key: str, prefix: str) -> Path:
+        path = self.key_files.get(key)
+        if path is None:
+            raise CheckpointError(self._missing_message(key, prefix))
+        if key not in self._keys_of(path):
+            raise CheckpointError(f"the index puts {key!r} in {path}, but that file does not hold it")
+        return path
+
+    def _missing_message(self, key: str, prefix: str) -> str:
+        nearby = self.keys_under(prefix) or list(self.key_files)
+        close = difflib.get_close_matches(key, nearby, n=MAX_CLOSE_MATCHES)
+        hint = f"; close matches: {close}" if close else f"; no key starts with {prefix + '.'!r}"
+        files = [str(p) for p in self.files]
+        return f"tensor {key!r} (layer {prefix!r}) is not in the checkpoint (searched {files}){hint}"
+
+    def _keys_of(self, path: Path) -> frozenset[str]:
+        if path not in self._keysets:
+            self._keysets[path] = frozenset(self._handle(path).keys())
+        return self._keysets[path]
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            safetensors = _safetensors()
+            try:
+                self._handles[path] = safetensors.safe_open(str(path), framework="pt", device="cpu")
+            except (OSError, safetensors.SafetensorError) as e:
+                raise CheckpointError(f"cannot open {path} as a safetensors file: {e}") from e
+        return self._handles[path]
+
+
+def _shards_in(directory: Path) -> list[Path]:
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{directory} holds neither {INDEX_FILE} nor any *.safetensors file")
+    return shards
+
+
+# ---- checked reads -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Expect:
+    """What one tensor must be: dtype, allowed shapes, and a phrase for the error message."""
+
+    dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]
+    what: str
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    found = SAFETENSORS_DTYPES.get(safetensors_dtype)
+    return str(found).removeprefix("torch.") if found is not None else safetensors_dtype
+
+
+def _check_header(files: CheckpointFiles, key: str, prefix: str, expect: _Expect) -> None:
+    st_dtype, shape, path = files.header(key, prefix)
+    if SAFETENSORS_DTYPES.get(st_dtype) != expect.dtype:
+        raise CheckpointError(
+            f"{key} in {path}: expected dtype {str(expect.dtype).removeprefix('torch.')} ({expect.what}), "
+            f"got {_dtype_name(st_dtype)}; is this a ModelOpt NVFP4 checkpoint?"
+        )
+    if shape not in expect.shapes:
+        raise CheckpointError(
+            f"{key} in {path}: expected shape {' or '.join(map(str, expect.shapes))} ({expect.what}), got {shape}"
+        )
+
+
+def _read(files: CheckpointFiles, key: str, prefix: str, expect: _Expect) -> torch.Tensor:
+    _check_header(files, key, prefix, expect)
+    return files.read(key, prefix)
+
+
+def _check_optional(files: CheckpointFiles, key: str, prefix: str, expect: _Expect) -> None:
+    """input_scale: checked when present (a wrong one means a wrong file), never needed by W4A16."""
+    if files.has(key):
+        _check_header(files, key, prefix, expect)
+
+
+def _modelopt_expects(lead: tuple[int, ...], n: int, half_k: int, scale_2_shapes, what: str) -> dict[str, _Expect]:
+    """weight / weight_scale / weight_scale_2 / input_scale expectations of an (N, K) matrix."""
+    if half_k * FP4_PER_BYTE % SCALE_GROUP_K:
+        raise CheckpointError(
+            f"{what}: K = {half_k * FP4_PER_BYTE} (2 x the weight's last dim {half_k}) is not a multiple of "
+            f"{SCALE_GROUP_K}, so it has no NVFP4 block scales"
+        )
+    return {
+        "weight": _Expect(torch.uint8, (lead + (n, half_k),), f"{what}: two e2m1 codes a byte, [N, K/2]"),
+        "weight_scale": _Expect(
+            torch.float8_e4m3fn,
+            (lead + (n, half_k * FP4_PER_BYTE // SCALE_GROUP_K),),
+            f"{what}: one e4m3 scale per 16 k, [N, K/16]",
+        ),
+        "weight_scale_2": _Expect(torch.float32, scale_2_shapes, f"{what}: global scale"),
+        "input_scale": _Expect(torch.float32, scale_2_shapes, f"{what}: activation scale, unused by W4A16"),
+    }
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+
+def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
+    """The one NVFP4 layout whose keys exist under `prefix`; errors when none or several do."""
+    markers = {
+        CheckpointLayout.PER_EXPERT: f"{prefix}.experts.0.gate_proj.weight",
+        CheckpointLayout.W13: f"{prefix}.experts.w13_weight",
+        CheckpointLayout.W31: f"{prefix}.experts.w31_weight",
+    }
+    found = [layout for layout, key in markers.items() if files.has(key)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise CheckpointError(
+            f"layer {prefix!r} holds keys of several layouts {[f.value for f in found]} "
+            f"({[markers[f] for f in found]}); pass layout= one of them"
+        )
+    under = files.keys_under(prefix)
+    if any(marker in key for key in under for marker in _GPT_OSS_MARKERS):
+        raise CheckpointError(
+            f"layer {prefix!r} is gpt-oss MXFP4 (gate_up_proj_blocks/scales); this runtime's kernels serve "
+            "NVFP4 only, and MXFP4 is not re-quantized"
+        )
+    raise CheckpointError(
+        f"layer {prefix!r} has none of the NVFP4 MoE keys {list(markers.values())} "
+        f"(searched {[str(p) for p in files.files]}); keys under the prefix: {under[:8]}"
+        f"{' ...' if len(under) > 8 else ''}"
+    )
+
+
+def _load_fused(files, prefix, num_experts, dtype, layout, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+    name13 = "w13" if layout is CheckpointLayout.W13 else "w31"
+    base = f"{prefix}.experts."
+    _, shape13, path = files.header(f"{base}{name13}_weight", prefix)
+    if len(shape13) != 3 or shape13[0] != num_experts or shape13[1] % 2:
+        raise CheckpointError(
+            f"{base}{name13}_weight in {path}: expected shape (E={num_experts}, 2I, H/2), got {shape13}"
+        )
+    e, h = num_experts, shape13[2] * FP4_PER_BYTE
+    inter = shape13[1] // 2
+    if inter % FP4_PER_BYTE:
+        raise CheckpointError(f"{base}{name13}_weight in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
+    pair = ((e,), (e, 1), (e, 2))
+    spec13 = _modelopt_expects((e,), 2 * inter, h // FP4_PER_BYTE, pair, f"{name13} [E, 2I, H]")
+    spec2 = _modelopt_expects((e,), h, inter // FP4_PER_BYTE, ((e,), (e, 1)), "w2 [E, H, I]")
+    t13 = {s: _read(files, f"{base}{name13}_{s}", prefix, spec13[s]) for s in _PACKED_SUFFIXES}
+    t2 = {s: _read(files, f"{base}w2_{s}", prefix, spec2[s]) for s in _PACKED_SUFFIXES}
+    _check_optional(files, f"{base}{name13}_input_scale", prefix, spec13["input_scale"])
+    _check_optional(files, f"{base}w2_input_scale", prefix, spec2["input_scale"])
+    return _prepare(t13, t2, dtype, _FUSED_ORDER[layout], device)
+
+
+_PER_EXPERT_SCALAR = ((), (1,))
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _load_per_expert(files, prefix, num_experts, dtype, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+    first = f"{prefix}.experts.0.gate_proj.weight"
+    _, gate_shape, path = files.header(first, prefix)
+    if len(gate_shape) != 2:
+        raise CheckpointError(f"{first} in {path}: expected a 2-D (I, H/2) weight, got shape {gate_shape}")
+    inter, h = gate_shape[0], gate_shape[1] * FP4_PER_BYTE
+    if inter % FP4_PER_BYTE:
+        raise CheckpointError(f"{first} in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
+    specs = {
+        "gate_proj": _modelopt_expects((), inter, h // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "gate_proj [I, H]"),
+        "up_proj": _modelopt_expects((), inter, h // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "up_proj [I, H]"),
+        "down_proj": _modelopt_expects((), h, inter // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "down_proj [H, I]"),
+    }
+    experts = [_read_expert(files, prefix, e, specs, gate_shape) for e in range(num_experts)]
+
+    def stacked(proj: str, suffix: str) -> torch.Tensor:
+        return torch.stack([ex[proj][suffix] for ex in experts])
+
+    t13 = {
+        "weight": torch.cat((stacked("gate_proj", "weight"), stacked("up_proj", "weight")), dim=1),
+        "weight_scale": torch.cat((stacked("gate_proj", "weight_scale"), stacked("up_proj", "weight_scale")), dim=1),
+        # (E, 2) = (gate, up): prepare_w13 keeps them exact when equal and merges them when not
+        "weight_scale_2": torch.stack(
+            (stacked("gate_proj", "weight_scale_2"), stacked("up_proj", "weight_scale_2")), dim=1
+        ),
+    }
+    t2 = {s: stacked("down_proj", s) for s in _PACKED_SUFFIXES}
+    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device)
+
+
+def _read_expert(files, prefix, expert, specs, gate_shape) -> dict[str, dict[str, torch.Tensor]]:
+    """One expert's three projections (weight_scale_2 as a 0-d tensor), checked against expert 0's shapes."""
+    base = f"{prefix}.experts.{expert}"
+    _, shape, path = files.header(f"{base}.gate_proj.weight", prefix)
+    if shape != gate_shape:
+        raise CheckpointError(
+            f"{base}.gate_proj.weight in {path} has shape {shape}, expert 0's gate_proj.weight {gate_shape}; "
+            "every expert of a layer must have the same shape (a mixed or truncated checkpoint?)"
+        )
+    out = {}
+    for proj in _PROJECTIONS:
+        spec = specs[proj]
+        t = {s: _read(files, f"{base}.{proj}.{s}", prefix, spec[s]) for s in _PACKED_SUFFIXES}
+        t["weight_scale_2"] = t["weight_scale_2"].reshape(())
+        _check_optional(files, f"{base}.{proj}.input_scale", prefix, spec["input_scale"])
+        out[proj] = t
+    return out
+
+
+def _prepare(t13, t2, dtype, order, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+    """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU)."""
+    on = {k: v.to(device) for k, v in t13.items()}
+    w13 = prepare_w13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order)
+    on = {k: v.to(device) for k, v in t2.items()}
+    w2 = prepare_w2(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype)
+    return w13, w2
+
+
+# ---- public API ----------------------------------------------------------------------------------
+
+
+def load_moe_layer(
+    files: CheckpointFiles | str | Path | Sequence[str | Path],
+    prefix: str,
+    *,
+    num_experts: int,
+    dtype: DType | str | torch.dtype,
+    layout: CheckpointLayout | str = CheckpointLayout.AUTO,
+    device: torch.device | str = "cpu",
+) -> tuple[PackedNvfp4, PackedNvfp4]:
+    """(w13, w2) of the MoE layer under `prefix` (e.g. ``model.layers.3.mlp``), packed for the GEMM
+    with `dtype` activations, on `device`.  `files` is a `CheckpointFiles` or what its `open` takes."""
+    if not isinstance(files, CheckpointFiles):
+        files = CheckpointFiles.open(files)
+    try:
+        chosen = CheckpointLayout(layout)
+    except ValueError:
+        allowed = [m.value for m in CheckpointLayout]
+        raise CheckpointError(f"layout must be one of {allowed}, got {layout!r}") from None
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise CheckpointError(f"num_experts must be a positive int (the layer's expert count), got {num_experts!r}")
+    if chosen is CheckpointLayout.AUTO:
+        chosen = detect_layout(files, prefix)
+    try:
+        if chosen is CheckpointLayout.PER_EXPERT:
+            return _load_per_expert(files, prefix, num_experts, dtype, device)
+        return _load_fused(files, prefix, num_experts, dtype, chosen, device)
+    except CheckpointError:
+        raise
+    except BadInputError as e:  # prepare_w13 / prepare_w2 rejected the values: say which layer and files
+        raise CheckpointError(
+            f"layer {prefix!r} ({chosen.value} layout, files {[str(p) for p in files.files]}): {e}"
+        ) from e
+
+
+def load_moe_layers(
+    files: CheckpointFiles | str | Path | Sequence[str | Path],
+    prefixes: Iterable[str],
+    *,
+    progress: bool = True,
+    **kwargs,
+) -> list[tuple[PackedNvfp4, PackedNvfp4]]:
+    """`load_moe_layer` for each prefix (same keyword arguments), with a progress bar: tqdm when it
+    is installed, one line per layer on stderr otherwise."""
+    if not isinstance(files, CheckpointFiles):
+        files = CheckpointFiles.open(files)
+    prefixes = list(prefixes)
+    report, close = _progress(len(prefixes)) if progress else (None, None)
+    layers = []
+    try:
+        for prefix in prefixes:
+            layers.append(load_moe_layer(files, prefix, **kwargs))
+            if report is not None:
+                report(len(layers), prefix)
+    finally:
+        if close is not None:
+            close()
+    return layers
+
+
+def _progress(total: int):
+    """(report(done, prefix), close()): a tqdm bar, or one line per layer on stderr without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None:
+
+        def plain(done: int, prefix: str) -> None:
+            print(f"cuteaot: loaded MoE layer {done}/{total} ({prefix})", file=sys.stderr, flush=True)
+
+        return plain, lambda: None
+    bar = tqdm(total=total, desc="cuteaot: MoE layers", unit="layer")
+
+    def update(done: int, prefix: str) -> None:
+        bar.set_postfix_str(prefix, refresh=False)
+        bar.update(1)
+
+    return update, bar.close

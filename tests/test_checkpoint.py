@@ -1,0 +1,370 @@
+"""Checkpoint loading: synthetic ModelOpt NVFP4 checkpoints (per-expert sharded, fused w13 / w31)
+written with safetensors, loaded, and compared with prepare_w13 / prepare_w2 of hand-stacked tensors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from cuteaot.runtime import BadInputError, CheckpointError, CheckpointFiles, load_moe_layer, load_moe_layers
+from cuteaot.runtime.weights import prepare_w2, prepare_w13, unpack_nvfp4
+
+from tests.reference.nvfp4 import random_nvfp4
+
+save_file = pytest.importorskip("safetensors.torch", reason="checkpoint loading needs safetensors").save_file
+
+E, H, I = 4, 256, 128
+PREFIX = "model.layers.3.mlp"
+PROJ_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    """One layer's ModelOpt tensors: gate and up share each expert's global scale (quantized together)."""
+    gen = torch.Generator().manual_seed(15)
+    w13 = random_nvfp4(E, 2 * I, H, gen)  # rows [gate | up]
+    w2 = random_nvfp4(E, H, I, gen)
+    gate = tuple(t[:, :I].contiguous() if t.dim() == 3 else t for t in w13)
+    up = tuple(t[:, I:].contiguous() if t.dim() == 3 else t for t in w13)
+    return {"gate_proj": gate, "up_proj": up, "down_proj": w2}
+
+
+def _per_expert_tensors(moe, experts) -> dict[str, torch.Tensor]:
+    out = {}
+    for e in experts:
+        for proj, tensors in moe.items():
+            key = f"{PREFIX}.experts.{e}.{proj}"
+            for suffix, t in zip(PROJ_SUFFIXES, tensors):
+                out[f"{key}.{suffix}"] = t[e].clone()  # weight_scale_2: a 0-d f32, as ModelOpt writes it
+            out[f"{key}.input_scale"] = torch.tensor(0.02)
+    return out
+
+
+def _write_sharded(tmp_path, tensors_per_file: list[dict[str, torch.Tensor]]):
+    """Shard files + model.safetensors.index.json; returns the directory."""
+    weight_map = {}
+    for i, tensors in enumerate(tensors_per_file):
+        name = f"model-{i + 1:05d}-of-{len(tensors_per_file):05d}.safetensors"
+        save_file(tensors, str(tmp_path / name))
+        weight_map.update({k: name for k in tensors})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tmp_path
+
+
+def _per_expert_checkpoint(tmp_path, moe, edit=None):
+    """Experts 0, 1 in shard 1 (with the router, which is not ours to read), 2, 3 in shard 2."""
+    first = _per_expert_tensors(moe, range(0, 2))
+    first[f"{PREFIX}.gate.weight"] = torch.randn(E, H).to(torch.bfloat16)
+    second = _per_expert_tensors(moe, range(2, E))
+    if edit is not None:
+        edit(first, second)
+    return _write_sharded(tmp_path, [first, second])
+
+
+def _fused_tensors(moe, name13: str) -> dict[str, torch.Tensor]:
+    first, second = ("gate_proj", "up_proj") if name13 == "w13" else ("up_proj", "gate_proj")
+    base = f"{PREFIX}.experts."
+    out = {
+        f"{base}{name13}_weight": torch.cat((moe[first][0], moe[second][0]), dim=1),
+        f"{base}{name13}_weight_scale": torch.cat((moe[first][1], moe[second][1]), dim=1),
+        f"{base}{name13}_weight_scale_2": moe["gate_proj"][2].clone(),
+        f"{base}{name13}_input_scale": torch.full((E, 2), 0.02),
+        f"{base}w2_input_scale": torch.full((E,), 0.02),
+    }
+    out.update({f"{base}w2_{s}": t.clone() for s, t in zip(PROJ_SUFFIXES, moe["down_proj"])})
+    return out
+
+
+def _expected(moe, dtype):
+    """prepare_w13 / prepare_w2 of the tensors stacked by hand: [gate | up], (E, 2) global pair."""
+    gate, up, down = moe["gate_proj"], moe["up_proj"], moe["down_proj"]
+    w13 = prepare_w13(
+        torch.cat((gate[0], up[0]), dim=1),
+        torch.cat((gate[1], up[1]), dim=1),
+        torch.stack((gate[2], up[2]), dim=1),
+        dtype,
+    )
+    return w13, prepare_w2(*down, dtype)
+
+
+def _assert_same(got, want, moe):
+    for g, w in zip(got, want):
+        assert (g.n, g.k, g.num_experts, g.dtype) == (w.n, w.k, w.num_experts, w.dtype)
+        assert torch.equal(g.qweight, w.qweight)
+        assert torch.equal(g.scales, w.scales)
+        assert torch.equal(g.global_scale, w.global_scale)
+    # and back to the checkpoint's own tensors (no zero block scales in Gaussian weights)
+    gate, up, down = moe["gate_proj"], moe["up_proj"], moe["down_proj"]
+    weight, scale, scale_2 = unpack_nvfp4(got[0])
+    assert torch.equal(weight, torch.cat((gate[0], up[0]), dim=1))
+    assert torch.equal(scale.view(torch.uint8), torch.cat((gate[1], up[1]), dim=1).view(torch.uint8))
+    assert torch.equal(scale_2, gate[2])
+    weight, scale, scale_2 = unpack_nvfp4(got[1])
+    assert torch.equal(weight, down[0])
+    assert torch.equal(scale.view(torch.uint8), down[1].view(torch.uint8))
+    assert torch.equal(scale_2, down[2])
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_per_expert_sharded_with_index(tmp_path, moe, dtype):
+    root = _per_expert_checkpoint(tmp_path, moe)
+    files = CheckpointFiles.open(root)
+    assert len(files.files) == 2
+    got = load_moe_layer(files, PREFIX, num_experts=E, dtype=dtype)
+    _assert_same(got, _expected(moe, dtype), moe)
+    assert (got[0].n, got[0].k, got[1].n, got[1].k) == (2 * I, H, H, I)
+
+
+def test_per_expert_distinct_gate_up_global_scales(tmp_path, moe):
+    """Different gate and up weight_scale_2 reach prepare_w13 as the (E, 2) (gate, up) pair."""
+    scaled = dict(moe)
+    scaled["up_proj"] = (moe["up_proj"][0], moe["up_proj"][1], moe["up_proj"][2] * 0.5)
+    root = _per_expert_checkpoint(tmp_path, scaled)
+    got = load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16", layout="per_expert")
+    want = _expected(scaled, "bf16")
+    assert torch.equal(got[0].qweight, want[0].qweight) and torch.equal(got[0].scales, want[0].scales)
+    assert torch.equal(got[0].global_scale, want[0].global_scale)
+    assert not torch.equal(got[0].scales, _expected(moe, "bf16")[0].scales), "the up half was not rescaled"
+
+
+def test_file_list_without_index(tmp_path, moe):
+    save_file(_per_expert_tensors(moe, range(0, 3)), str(tmp_path / "a.safetensors"))
+    save_file(_per_expert_tensors(moe, range(3, E)), str(tmp_path / "b.safetensors"))
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    _assert_same(load_moe_layer(paths, PREFIX, num_experts=E, dtype="bf16"), _expected(moe, "bf16"), moe)
+    # a directory without an index: every *.safetensors in it
+    _assert_same(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16"), _expected(moe, "bf16"), moe)
+
+
+@pytest.mark.parametrize("name13", ["w13", "w31"])
+def test_fused_layouts(tmp_path, moe, name13):
+    path = tmp_path / "model.safetensors"
+    save_file(_fused_tensors(moe, name13), str(path))
+    with CheckpointFiles.open(path) as files:
+        got = load_moe_layer(files, PREFIX, num_experts=E, dtype="bf16")  # auto-detected
+        again = load_moe_layer(files, PREFIX, num_experts=E, dtype="bf16", layout=name13)
+    _assert_same(got, _expected(moe, "bf16"), moe)
+    assert torch.equal(again[0].qweight, got[0].qweight)
+
+
+def test_load_moe_layers_progress_without_tqdm(tmp_path, moe, monkeypatch, capsys):
+    tensors = _fused_tensors(moe, "w13")
+    second = {k.replace("layers.3", "layers.4"): v for k, v in _fused_tensors(moe, "w31").items()}
+    save_file({**tensors, **second}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    layers = load_moe_layers(tmp_path, [PREFIX, "model.layers.4.mlp"], num_experts=E, dtype="bf16")
+    assert len(layers) == 2
+    for got in layers:
+        _assert_same(got, _expected(moe, "bf16"), moe)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"cuteaot: loaded MoE layer 1/2 ({PREFIX})",
+        "cuteaot: loaded MoE layer 2/2 (model.layers.4.mlp)",
+    ]
+
+
+def test_load_moe_layers_uses_tqdm_and_closes_it(tmp_path, moe, monkeypatch):
+    save_file(_fused_tensors(moe, "w13"), str(tmp_path / "model.safetensors"))
+    events = []
+
+    class FakeBar:
+        def __init__(self, total, **_):
+            events.append(("total", total))
+
+        def set_postfix_str(self, text, refresh=True):
+            events.append(("at", text))
+
+        def update(self, n):
+            events.append(("update", n))
+
+        def close(self):
+            events.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeBar))
+    with pytest.raises(CheckpointError, match="model.layers.9.mlp"):
+        load_moe_layers(tmp_path, [PREFIX, "model.layers.9.mlp"], num_experts=E, dtype="bf16")
+    assert events == [("total", 2), ("at", PREFIX), ("update", 1), ("close",)]
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_missing_key_names_key_prefix_files_and_close_matches(tmp_path, moe):
+    key = f"{PREFIX}.experts.2.up_proj.weight_scale"
+    root = _per_expert_checkpoint(tmp_path, moe, edit=lambda first, second: second.pop(key))
+    with pytest.raises(CheckpointError) as info:
+        load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16")
+    msg = str(info.value)
+    assert repr(key) in msg and repr(PREFIX) in msg
+    assert "model-00001-of-00002.safetensors" in msg and "model-00002-of-00002.safetensors" in msg
+    assert f"{PREFIX}.experts.2.up_proj.weight_scale_2" in msg.split("close matches:")[1]
+    assert isinstance(info.value, BadInputError)
+
+
+def test_too_few_experts_in_checkpoint(tmp_path, moe):
+    root = _per_expert_checkpoint(tmp_path, moe)
+    with pytest.raises(CheckpointError, match=rf"'{PREFIX}\.experts\.4\.gate_proj\.weight'.*not in the checkpoint"):
+        load_moe_layer(root, PREFIX, num_experts=E + 1, dtype="bf16")
+
+
+def test_wrong_dtype_names_key_and_file(tmp_path, moe):
+    key = f"{PREFIX}.experts.1.down_proj.weight_scale"
+
+    def edit(first, second):
+        first[key] = first[key].float()
+
+    root = _per_expert_checkpoint(tmp_path, moe, edit=edit)
+    with pytest.raises(CheckpointError) as info:
+        load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16")
+    msg = str(info.value)
+    assert msg.startswith(f"{key} in {root / 'model-00001-of-00002.safetensors'}")
+    assert "expected dtype float8_e4m3fn" in msg and "got float32" in msg
+
+
+def test_wrong_shape_names_key_and_file(tmp_path, moe):
+    key = f"{PREFIX}.experts.3.up_proj.weight"
+
+    def edit(first, second):
+        second[key] = second[key][:, : H // 2 - 16].contiguous()
+
+    root = _per_expert_checkpoint(tmp_path, moe, edit=edit)
+    with pytest.raises(CheckpointError) as info:
+        load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16")
+    msg = str(info.value)
+    assert msg.startswith(f"{key} in {root / 'model-00002-of-00002.safetensors'}")
+    assert f"expected shape {(I, H // 2)}" in msg and f"got {(I, H // 2 - 16)}" in msg
+
+
+def test_wrong_input_scale_is_reported_although_unused(tmp_path, moe):
+    key = f"{PREFIX}.experts.0.gate_proj.input_scale"
+
+    def edit(first, second):
+        first[key] = torch.ones(3)
+
+    root = _per_expert_checkpoint(tmp_path, moe, edit=edit)
+    with pytest.raises(CheckpointError, match=rf"{key} in .*expected shape \(\) or \(1,\).*got \(3,\)"):
+        load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_inconsistent_experts(tmp_path, moe):
+    base = f"{PREFIX}.experts.3.gate_proj"
+
+    def edit(first, second):  # expert 3 quantized for another I: its gate has 2x the rows
+        for suffix in ("weight", "weight_scale"):
+            second[f"{base}.{suffix}"] = torch.cat((second[f"{base}.{suffix}"],) * 2)
+
+    root = _per_expert_checkpoint(tmp_path, moe, edit=edit)
+    with pytest.raises(CheckpointError, match=rf"{base}\.weight in .* has shape \({2 * I}, {H // 2}\), expert 0's"):
+        load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_fused_expert_count_mismatch(tmp_path, moe):
+    save_file(_fused_tensors(moe, "w13"), str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"w13_weight in .*expected shape \(E=8, 2I, H/2\), got \({E}, "):
+        load_moe_layer(tmp_path, PREFIX, num_experts=8, dtype="bf16")
+
+
+def test_fused_wrong_w2_dtype(tmp_path, moe):
+    tensors = _fused_tensors(moe, "w31")
+    tensors[f"{PREFIX}.experts.w2_weight_scale_2"] = tensors[f"{PREFIX}.experts.w2_weight_scale_2"].double()
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=r"w2_weight_scale_2 in .*expected dtype float32.*got float64"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_auto_layout_ambiguous(tmp_path, moe):
+    save_file({**_per_expert_tensors(moe, range(E)), **_fused_tensors(moe, "w13")}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=r"several layouts \['per_expert', 'w13'\].*pass layout="):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+    got = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", layout="w13")
+    _assert_same(got, _expected(moe, "bf16"), moe)
+
+
+def test_auto_layout_not_found(tmp_path, moe):
+    save_file(_fused_tensors(moe, "w13"), str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.5\.mlp' has none of the NVFP4 MoE keys"):
+        load_moe_layer(tmp_path, "model.layers.5.mlp", num_experts=E, dtype="bf16")
+
+
+def test_gpt_oss_mxfp4_is_refused_by_name(tmp_path):
+    base = f"{PREFIX}.experts."
+    tensors = {
+        f"{base}gate_up_proj_blocks": torch.zeros(E, 2 * I, H // 32, 16, dtype=torch.uint8),
+        f"{base}gate_up_proj_scales": torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8),
+        f"{base}down_proj_blocks": torch.zeros(E, H, I // 32, 16, dtype=torch.uint8),
+    }
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match="gpt-oss MXFP4.*NVFP4 only"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_bad_values_name_the_layer(tmp_path, moe):
+    tensors = _fused_tensors(moe, "w13")
+    tensors[f"{PREFIX}.experts.w2_weight_scale_2"] = torch.full((E,), -1.0)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"layer '{PREFIX}' \(w13 layout.*w2_weight_scale_2 must be finite"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_bad_arguments(tmp_path, moe):
+    save_file(_fused_tensors(moe, "w13"), str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layout must be one of .*got 'fused'"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", layout="fused")
+    with pytest.raises(CheckpointError, match="num_experts must be a positive int"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=0, dtype="bf16")
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"names shard file\(s\) that do not exist: .*gone\.safetensors"):
+        CheckpointFiles.open(tmp_path)
+
+
+def test_index_disagreeing_with_its_shard(tmp_path, moe):
+    root = _per_expert_checkpoint(tmp_path, moe)
+    index = root / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    key = f"{PREFIX}.experts.0.gate_proj.weight"
+    data["weight_map"][key] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=rf"index puts '{key}' in .*00002.*does not hold it"):
+        load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_not_a_safetensors_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"not a safetensors header")
+    with pytest.raises(CheckpointError, match=rf"cannot open {path} as a safetensors file"):
+        CheckpointFiles.open(path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor any"):
+        CheckpointFiles.open(empty)
+
+
+def test_duplicate_key_across_files(tmp_path, moe):
+    tensors = _fused_tensors(moe, "w13")
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    save_file(tensors, str(tmp_path / "b.safetensors"))
+    with pytest.raises(CheckpointError, match=r"is in both .*a\.safetensors and .*b\.safetensors"):
+        CheckpointFiles.open(tmp_path)
+
+
+def test_missing_safetensors_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ImportError, match="pip install safetensors"):
+        CheckpointFiles.open(tmp_path / "model.safetensors")
+
+
+def test_runtime_import_does_not_load_safetensors():
+    script = "import sys, cuteaot.runtime; assert 'safetensors' not in sys.modules, 'imported eagerly'; print('ok')"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
