@@ -543,6 +543,12 @@ def _build(spec_path, out_root: Path, workers, shard, progress: bool, targets) -
         if record["stack_bytes"] or record["local_bytes"]:
             report.spills.append(_spill_line(dict(record, key=job.key.digest)))
         cubins[rel] = data
+    if report.spills and not spec.allow_spills:
+        raise BuildError(
+            f"{len(report.spills)} kernel(s) spill registers and {Path(spec.file).name} sets `allow_spills: false`: "
+            + "; ".join(report.spills[:6]) + (" ..." if len(report.spills) > 6 else "")
+            + ". Change the planner's choice for them (codegen/kernels/) or allow spills in the spec."
+        )
     shard_info = None if shard is None else {"index": shard[0], "count": shard[1]}
     manifest = _manifest(spec, planned, records, fingerprint, tools, shard_info)
     report.unchanged = not write_bundle(report.bundle_dir, manifest, cubins)

@@ -26,6 +26,8 @@ name the file, the line, the field and what is allowed.
                                     #  calibration: [false, true]}   (default: all false)
     probes: true                    # optional: also build the test-only intrinsic probe kernels
                                     # (`moe` may then be left out; see specs/probes.yaml)
+    allow_spills: false             # optional (default true): a kernel that spills registers
+                                    # fails the build instead of a warning
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class BundleSpec:
     file: str
     sha256: str
     probes: bool = False  # build the `intrinsic_probe` kernels (runtime/kernels/probe.py)
+    allow_spills: bool = True  # false: a kernel that spills registers fails the build
 
 
 class _Node:
@@ -347,8 +350,10 @@ def load_spec(path: str | Path) -> BundleSpec:
         raise SpecError(file, 1, "(top level)", "the spec is empty")
     r = _Reader(file)
     top_node = _convert(root, file)
-    top = r.mapping(top_node, "", required={"bundle", "targets"}, optional={"description", "moe", "probes"})
+    top = r.mapping(top_node, "", required={"bundle", "targets"},
+                    optional={"description", "moe", "probes", "allow_spills"})
     probes = r.boolean(top["probes"], "probes") if "probes" in top else False
+    allow_spills = r.boolean(top["allow_spills"], "allow_spills") if "allow_spills" in top else True
     if "moe" not in top and not probes:
         raise r.fail(top_node, "(top level)", "missing required key(s): moe (only a `probes: true` spec may omit it)")
     targets_node = top["targets"]
@@ -377,4 +382,5 @@ def load_spec(path: str | Path) -> BundleSpec:
         file=file,
         sha256=hashlib.sha256(text.encode()).hexdigest(),
         probes=probes,
+        allow_spills=allow_spills,
     )

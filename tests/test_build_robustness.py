@@ -370,3 +370,14 @@ def test_interrupt_message_is_a_build_error(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(build_mod, "_build", interrupted)
     with pytest.raises(BuildError, match="interrupted by SIGINT"):
         build(TINY_SPEC, tmp_path / "gen")
+
+
+def test_a_spill_fails_a_build_whose_spec_refuses_spills(fake, tmp_path, monkeypatch):
+    spec = tmp_path / "tiny-no-spills.yaml"
+    spec.write_text("allow_spills: false\n" + TINY_SPEC.read_text())
+    monkeypatch.setenv(SPILL_ENV, "moe_topk_sum")
+    with pytest.raises(BuildError, match=r"kernel\(s\) spill registers and tiny-no-spills.yaml sets `allow_spills: false`"):
+        build(spec, tmp_path / "gen", workers=1, progress=False)
+    assert not (tmp_path / "gen" / "tiny").exists()  # nothing was written
+    monkeypatch.delenv(SPILL_ENV)  # kernels that fit their registers: the same spec builds
+    assert build(spec, tmp_path / "gen2", workers=1, progress=False).spills == []

@@ -65,7 +65,8 @@ def test_decode_ends_at_decode_max_m_and_with_expert_map_or_calibration():
 def test_packed_plans_grow_the_route_block_with_m():
     blocks = [plan_fused(m, *QWEN3_30B, True, H200).moe_block_size for m in (16, 64, 256, 1024, 4096)]
     assert blocks == [8, 8, 32, 64, 128]  # 128-row blocks once the average expert fills them (wgmma)
-    assert [plan_fused(m, *QWEN3_30B, True, GB10).moe_block_size for m in (1024, 4096)] == [64, 64]
+    # no wgmma there, and 64-row mma.sync blocks of the fused kernel spill on Blackwell: 48 at most
+    assert [plan_fused(m, *QWEN3_30B, True, GB10).moe_block_size for m in (1024, 4096)] == [48, 48]
     small = plan_fused(64, *QWEN3_30B, True, H200)  # packed 8-row blocks: 128-thread tiles, 4 CTAs/SM
     assert small.fc1_tile == small.fc2_tile == TileConfig(64, 128) and small.blocks_per_sm == 4
     assert small.grid_x == 528 and plan_fused(64, *QWEN3_30B, True, GB10).blocks_per_sm == 3

@@ -48,6 +48,7 @@ from .planning import (
     LARGE_BATCH_TILE_CONFIGS,
     PACKED_M8_TILE,
     SMALL_BATCH_TILE_CONFIGS,
+    WGMMA_ARCHS,
     WGMMA_REGISTERS_SM90,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
@@ -69,6 +70,11 @@ from .planning import (
 # 75.3 us; gpt-oss-120b 208.3 vs 171.1 us): one route per block re-reads shared experts and its
 # whole-tile waves quantise badly.
 DECODE_MAX_M = 2
+# The fused kernel's mma.sync loop with 64-row route blocks needs 255 registers and spills
+# 256-288 B of stack on sm_100a / sm_120a / sm_121a (every such kernel of specs/moe-models.yaml,
+# compiled 2026-12-01); 48-row blocks fit in 194-196 registers without spilling.  On sm_90a large
+# blocks take the wgmma loop instead.
+FUSED_MMA_SYNC_MAX_BLOCK = 48
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
 _SCALE = ScaleFormat.E4M3_K16
 
@@ -132,6 +138,8 @@ def plan_fused(
     (n1, k1), (n2, k2) = fused_gemm_dims(hidden_size, intermediate_size, gated)
     decode = m <= DECODE_MAX_M and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
+    if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
+        block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
     routes = m * top_k
 
     t1, _ = select_tile(m, n1, k1, top_k, block, _SCALE, profile)
