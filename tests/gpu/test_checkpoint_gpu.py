@@ -1,0 +1,64 @@
+"""A layer loaded from a safetensors checkpoint straight onto the GPU serves the checkpoint's weights.
+
+Bundle: specs/tiny-fused.yaml (the silu problem: H 512, I 256, 16 experts, top 4, bf16).  A
+synthetic ModelOpt NVFP4 checkpoint (per-expert keys, two shards with an index) is written,
+loaded with device="cuda", and the layer's output is compared with the float32 reference of the
+dequantised checkpoint tensors, outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cuteaot.runtime import load_bundle, load_moe_layer
+from cuteaot.runtime.moe import MoeLayer
+from tests.reference.moe import moe_reference
+from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+save_file = pytest.importorskip("safetensors.torch", reason="checkpoint loading needs safetensors").save_file
+
+H, I, E, TOP_K = 512, 256, 16, 4
+PREFIX = "model.layers.0.mlp"
+
+
+def _checkpoint(tmp_path):
+    g = torch.Generator().manual_seed(21)
+    w13, w2 = random_nvfp4(E, 2 * I, H, g), random_nvfp4(E, H, I, g)  # rows [gate | up]
+    projections = {"gate_proj": tuple(t[:, :I] if t.dim() == 3 else t for t in w13),
+                   "up_proj": tuple(t[:, I:] if t.dim() == 3 else t for t in w13), "down_proj": w2}
+    shards, weight_map = [{}, {}], {}
+    for e in range(E):
+        for proj, (weight, scale, scale_2) in projections.items():
+            key = f"{PREFIX}.experts.{e}.{proj}"
+            shard = shards[e * 2 // E]
+            shard.update({f"{key}.weight": weight[e].contiguous(), f"{key}.weight_scale": scale[e].contiguous(),
+                          f"{key}.weight_scale_2": scale_2[e].clone()})
+    for i, tensors in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file(tensors, str(tmp_path / name))
+        weight_map.update({k: name for k in tensors})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return w13, w2
+
+
+def test_a_layer_loaded_onto_the_gpu_matches_the_checkpoint(fused_bundle_dir, tmp_path):
+    bundle = load_bundle(fused_bundle_dir)
+    w13_q, w2_q = _checkpoint(tmp_path)
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", device="cuda")
+    assert w13.device.type == w2.device.type == "cuda"
+    layer = MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    w13_f, w2_f = dequantize_modelopt(*w13_q).cuda(), dequantize_modelopt(*w2_q).cuda()
+    g = torch.Generator().manual_seed(22)
+    for m in (1, 37, 600):
+        x = (torch.randn(m, H, generator=g) * 2).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, E, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, TOP_K, generator=g), dim=1).cuda()
+        out = torch.full((m, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer(x, w, ids, out=out)
+        ref, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"M={m}: rel err {err:.2e}"
