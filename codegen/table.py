@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS
-from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch, MoeLayerFacts, Workspace, gemm_variant
+from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch, Workspace, gemm_variant
 from cuteaot.runtime.types import Activation, DType
 
 from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
@@ -95,7 +95,7 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
         for m in range(1, problem.tokens[-1] + 1):
             split = split_layer(m, facts, profile)
             if split is not None:
-                _add_split(ranges, keys, specs, m, facts, split)
+                _add_split(ranges, keys, specs, m, split)
                 continue
             plan = plan_layer(m, facts, profile)
             decided = (plan.decode, plan.moe_block_size, plan.fc1_tile, plan.fc2_tile, plan.blocks_per_sm,
@@ -110,7 +110,7 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
         yield _entry(MOE_LAYER, problem, profile, facts, ranges), keys
 
 
-def _add_split(ranges: _Ranges, keys: set, specs: dict, m: int, facts, split) -> None:
+def _add_split(ranges: _Ranges, keys: set, specs: dict, m: int, split) -> None:
     """Record M as two grouped-GEMM launches (FC1, FC2) with the layer's activation between them."""
     fc1, fc2 = split
     decided = ("split", fc1.plan.moe_block_size, fc1.plan.tile, fc1.plan.blocks_per_sm, fc1.plan.whole_tiles_m8,

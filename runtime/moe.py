@@ -36,7 +36,9 @@ from .bundle import Bundle, RecordedLaunch, current_stream_handle, recording_lau
 from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.w4a16.geometry import BARRIER_WORDS
-from .kernels.route_pack import MAX_EXPERTS, max_packed_route_slots, pack_routes, route_pack_workspace_elements
+from .kernels.route_pack import (
+    MAX_EXPERTS, direct_route_ids, max_packed_route_slots, pack_routes, route_pack_workspace_elements,
+)
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
 from .kernels.topk_sum import moe_topk_sum
@@ -81,6 +83,12 @@ class MoeWorkspace:
             ids64=torch.empty(routes, dtype=torch.int64, device=device),
             ids32=torch.empty(routes, **i32),
         )
+
+    @property
+    def split_k_locks(self) -> torch.Tensor:
+        """The split-K lock slots a standalone GEMM launch uses: after the fused kernel's grid-barrier
+        words (whose sense word counts up across launches), so the two kinds of launch can share them."""
+        return self.locks[BARRIER_WORDS:]
 
     @property
     def nbytes(self) -> int:
@@ -217,8 +225,7 @@ class MoeLayer:
         """The table entry of plain calls, or of calibration calls (activation_amax given)."""
         if not calibration:
             return self.entry
-        return self.bundle.resolution.find(MOE_LAYER, dataclasses.replace(self.facts, calibration=True,
-                                                                          deterministic=False))
+        return self.bundle.resolution.find(MOE_LAYER, dataclasses.replace(self.facts, calibration=True))
 
     def _workspace_shape(self) -> WorkspaceShape:
         """Buffer sizes for max_tokens tokens: the table's, of calibration calls too where the bundle has them."""
@@ -295,16 +302,9 @@ class MoeLayer:
         m = x.shape[0]
         r = self.resolve(m, amax is not None)
         routes = m * self.top_k
-        if r.decode:
-            ids = topk_ids
-            if ids.dtype != torch.int32:
-                # narrowed through the workspace (a call never allocates); ids outside [-1, E] become
-                # -1 or E first, which the kernel drops like the originals, instead of wrapping into
-                # valid ids
-                wide = ws.ids64[:routes].view(m, self.top_k)
-                torch.clamp(topk_ids, -1, self.route_experts, out=wide)
-                ids = ws.ids32[:routes].view(m, self.top_k)
-                ids.copy_(wide)
+        if r.decode:  # int64 ids are narrowed through the workspace: a call never allocates
+            ids = direct_route_ids(topk_ids, self.route_experts, wide=ws.ids64[:routes].view(m, self.top_k),
+                                   out=ws.ids32[:routes].view(m, self.top_k))
             route_indices = block_experts = route_count = ids
         else:
             block = r.launch.route_block
@@ -344,10 +344,9 @@ class MoeLayer:
         """FC1 and FC2 as grouped-GEMM launches on the packed routes, the activation between them."""
         m, stream = x.shape[0], current_stream_handle(self.device.index)
         routes, gated, on_input = m * self.top_k, self.activation.is_gated, self.facts.router_weight_on_input
-        # the GEMMs' split-K lock slots follow the fused kernel's barrier words (whose sense word counts up)
-        locks = ws.locks.data_ptr() + BARRIER_WORDS * ws.locks.element_size()
         routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
-                       route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(), locks=locks,
+                       route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
+                       locks=ws.split_k_locks.data_ptr(),
                        num_experts=self.num_experts)
         weight = topk_weights.data_ptr()
         fc1_out = ws.fc13 if gated else ws.activated  # relu2 is FC1's epilogue

@@ -46,10 +46,10 @@ class WorkspaceShape:
     route_experts: int  # experts the routing addresses (the expert map's length under EP)
     dtype: DType
     max_tokens: int
-    c_tmp_floats: int = 0
-    lock_words: int = 0
-    route_slots: int = 0
-    route_blocks: int = 0
+    c_tmp_floats: int
+    lock_words: int
+    route_slots: int
+    route_blocks: int
 
     @property
     def routes(self) -> int:

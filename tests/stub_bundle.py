@@ -3,7 +3,7 @@
 Runtime code under test (MoeLayer construction, resolution, validation, workspaces) reads the
 bundle's `resolution`, `profile`, `device`, `plans` and `workspaces`; the table comes from the
 build's own planner (codegen/table.py) for the spec, as a built bundle's manifest would hold it.
-Kernel launches are replaced by `RecordedLaunch`.
+Kernel launches are replaced by `StubLaunch`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 from cuteaot.runtime.plans import BundlePlans
 from cuteaot.runtime.resolution import Entry, ResolutionTable
 from cuteaot.runtime.workspace import WorkspacePool
@@ -37,16 +39,15 @@ def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", prof
                                  plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub")
 
 
-class RecordedLaunch:
-    """PersistentLaunch without a driver: records launches (by name) in `calls` instead of issuing them."""
+class StubLaunch:
+    """PersistentLaunch without a driver: checks each launch's argument names against its family's
+    declaration (as LoadedKernel does) and records it in `calls` instead of issuing it."""
 
     calls: list = []
 
     def __init__(self, bundle, digest: str):
-        self.digest = digest
-        self.spec = types.SimpleNamespace(mainloop=types.SimpleNamespace(value="?"), fc1_tile_n=0, fc1_tile_k=0,
-                                          fc2_tile_n=0, fc2_tile_k=0)
-        self.kernel = self
+        self.digest, self.kernel = digest, self
 
     def launch(self, grid_x, stream, /, **values):
+        (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)
         type(self).calls.append(("fused", grid_x, values))

@@ -25,7 +25,7 @@ from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.errors import SchemaMismatchError, UnknownSpecializationError
 from cuteaot.runtime.manifest import SCHEMA_VERSION, read_manifest
 from cuteaot.runtime.resolution import MOE_LAYER, Entry, MoeLayerFacts, ResolutionTable
-from tests.stub_bundle import ROOT, RecordedLaunch, stub_bundle
+from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
 
 SPEC = ROOT / "specs" / "tiny-fused.yaml"
 FACTS = MoeLayerFacts(dtype="bf16", hidden_size=512, intermediate_size=256, num_experts=16, top_k=4,
@@ -63,7 +63,7 @@ def test_a_planner_change_after_the_build_does_not_change_what_is_served(monkeyp
     assert replanned != built  # the planner now decides otherwise ...
     bundle = stub_bundle()
     bundle.resolution = ResolutionTable([Entry.from_json(raw) for raw in built], "h200", "tiny-fused")
-    monkeypatch.setattr(moe, "persistent_launch", RecordedLaunch)
+    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
     layer = moe.MoeLayer(bundle, *_weights(), top_k=4)
     assert [layer.resolve(m).decode for m in (1, 2, 3, 8)] == [True, True, False, False]  # ... the table decides
     assert layer.resolve(5).launch == bundle.resolution.find(MOE_LAYER, FACTS).launch(5)

@@ -22,7 +22,7 @@ from cuteaot.runtime.moe import MoeLayer
 from cuteaot.runtime.resolution import MOE_LAYER, MoeLayerFacts
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
 from tests.reference.nvfp4 import quantize_nvfp4
-from tests.stub_bundle import RecordedLaunch, stub_bundle
+from tests.stub_bundle import StubLaunch, stub_bundle
 
 H200, GB10 = PROFILES["h200"], PROFILES["gb10"]
 QWEN3_30B = (2048, 768, 128, 8)  # H, I, E, top_k
@@ -210,7 +210,7 @@ def layer():
     w13 = prepare_w13(*quantize_nvfp4(torch.randn(16, 512, 512, generator=g) * 0.05), "bf16")
     w2 = prepare_w2(*quantize_nvfp4(torch.randn(16, 512, 256, generator=g) * 0.05), "bf16")
     with pytest.MonkeyPatch.context() as patch:  # construction resolves kernels; these tests never launch
-        patch.setattr(moe_module, "persistent_launch", RecordedLaunch)
+        patch.setattr(moe_module, "persistent_launch", StubLaunch)
         return MoeLayer(stub_bundle(), w13, w2, top_k=4, activation="silu", validate_ids=True)
 
 
@@ -274,7 +274,7 @@ def test_layer_construction_checks_weights_and_options(layer):
 def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer, monkeypatch):
     em = torch.full((16,), -1, dtype=torch.int32)  # 16 global experts (the spec's), 8 of them here
     em[:8] = torch.arange(8, dtype=torch.int32)
-    monkeypatch.setattr(moe_module, "persistent_launch", RecordedLaunch)
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
     ep = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, expert_map=em, validate_ids=True)
     x, w, ids = _inputs(e=16)
     with pytest.raises(BadInputError, match=r"topk_ids must be in \[-1, 16\)"):

@@ -117,7 +117,7 @@ def test_gemm_routes_are_checked_against_the_gemm_launch():
 
 
 def test_int64_direct_route_ids_cannot_wrap_into_valid_experts():
-    from cuteaot.runtime.kernels.w4a16.gemm import direct_route_ids
+    from cuteaot.runtime.kernels.route_pack import direct_route_ids
 
     ids = torch.tensor([[(1 << 32) + 3, -(1 << 40), 5, -1], [8, 100000, 0, 7]], dtype=torch.int64)
     got = direct_route_ids(ids, 8)

@@ -19,11 +19,9 @@ import cuteaot.runtime.moe as moe
 from cuteaot.runtime import workspace as workspace_mod
 from cuteaot.runtime.errors import CaptureError, UnknownSpecializationError
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
-from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import random_nvfp4
-from tests.stub_bundle import stub_bundle
+from tests.stub_bundle import StubLaunch, stub_bundle
 
 H, I, E, TOP_K = 512, 256, 16, 4  # the tiny-fused-silu problem
 
@@ -67,30 +65,11 @@ def test_pool_refuses_to_allocate_under_capture(monkeypatch):
 # ------------------------------------------------------------------------------ the call path
 
 
-class _RecordedKernel:
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def launch(self, grid_x, stream, /, **values):
-        # the launch names exactly the declared parameters of its family, as LoadedKernel requires
-        (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)
-        self.calls.append(("fused", grid_x, values))
-
-
-class _StubLaunch:
-    """PersistentLaunch without a driver: records launches in `calls`."""
-
-    calls: list = []
-
-    def __init__(self, bundle, digest: str):
-        self.digest, self.kernel = digest, _RecordedKernel(self.calls)
-
-
 @pytest.fixture()
 def stubbed(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(_StubLaunch, "calls", calls)
-    monkeypatch.setattr(moe, "persistent_launch", _StubLaunch)
+    monkeypatch.setattr(StubLaunch, "calls", calls)
+    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
     monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
 
     def pack_routes(bundle, topk_ids, num_experts, block_size, **buffers):

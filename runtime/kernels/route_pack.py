@@ -171,6 +171,23 @@ def max_packed_route_slots(routes: int, block_size: int, num_experts: int) -> in
     return -(-slots // block_size) * block_size
 
 
+def direct_route_ids(topk_ids: torch.Tensor, num_experts: int, *, wide: Optional[torch.Tensor] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """topk_ids as the int32 the direct-route kernels read, every out-of-range id kept out of range.
+
+    int32 ids are returned as they are.  int64 ids are pinned to [-1, num_experts] first (`wide`,
+    int64, their shape) and then narrowed (`out`, int32): a plain cast would wrap ids >= 2^31
+    (e.g. 2^32 + 3 -> 3) into valid experts, while -1 and num_experts are dropped by the kernels
+    like the originals.  Buffers not given are allocated; with both given nothing is.
+    """
+    if topk_ids.dtype == torch.int32:
+        return topk_ids
+    wide = torch.empty_like(topk_ids) if wide is None else wide
+    torch.clamp(topk_ids, -1, num_experts, out=wide)
+    out = torch.empty(topk_ids.shape, dtype=torch.int32, device=topk_ids.device) if out is None else out
+    return out.copy_(wide)
+
+
 @dataclass(frozen=True)
 class RouteChunking:
     """How the routes are split across CTAs; depends only on the route count."""

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
-from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Routes
 from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I

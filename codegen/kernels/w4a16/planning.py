@@ -32,16 +32,11 @@ from cuteaot.runtime.types import DType
 from cuteaot.runtime.weights import stored_dims
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
-    MMA_M,
-    PACK_FACTOR,
-    STAGES,
     WGMMA_BLOCK_SIZES,
     WGMMA_TALL_BLOCK,
     WGMMA_THREADS,
-    WGMMA_TILES,
     ScaleFormat,
     TileConfig,
-    check_moe_block_size,
     check_positive,
     cta_m_blocks,
     lock_slots,

@@ -32,7 +32,7 @@ from ...errors import BadInputError, LaunchError
 from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
 from ...tensors import INT32_MAX, check_rank, check_tensor
 from ...weights import PackedNvfp4
-from ..route_pack import max_packed_route_slots, pack_routes, route_pack_workspace_elements
+from ..route_pack import direct_route_ids, max_packed_route_slots, pack_routes, route_pack_workspace_elements
 
 
 @dataclass
@@ -140,7 +140,7 @@ def gemm_entry(bundle: Bundle, weights: PackedNvfp4, top_k: int) -> Entry:
 def _routes(bundle: Bundle, launch: Launch, topk_ids: torch.Tensor, num_experts: int,
             workspace: GemmWorkspace) -> GemmRoutes:
     if launch.direct:
-        ids = topk_ids if topk_ids.dtype == torch.int32 else direct_route_ids(topk_ids, num_experts)
+        ids = direct_route_ids(topk_ids, num_experts)  # int64 ids: narrowed into new tensors (allocates)
         indices = block_experts = count = ids
     else:
         block = launch.route_block
@@ -152,16 +152,6 @@ def _routes(bundle: Bundle, launch: Launch, topk_ids: torch.Tensor, num_experts:
         )
     return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, launch.route_block, indices,
                       block_experts, count)
-
-
-def direct_route_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 ids as the int32 the direct-route kernels read, every out-of-range id kept out of range.
-
-    A plain cast would wrap ids >= 2^31 (e.g. 2^32 + 3 -> 3) into valid experts; clamping to
-    [-1, num_experts] first keeps them dropped.  Two small element-wise launches (that allocate):
-    int32 ids are the fast path.
-    """
-    return topk_ids.clamp(-1, num_experts).to(torch.int32)
 
 
 def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, launch: Launch) -> None:

@@ -27,7 +27,6 @@ from ...errors import BadInputError
 from ...keys import SpecKey
 from .geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
-    PACK_FACTOR,
     STAGES,
     WGMMA_BLOCK_SIZES,
     WGMMA_THREADS,
