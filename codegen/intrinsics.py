@@ -703,6 +703,13 @@ def ld_global_nc_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def ld_global_nc_v4_u32(addr: Int64, *, loc=None, ip=None):
+    """Read-only (non-coherent) 16-byte load (e.g. 8 bias elements)."""
+    return _u32(_asm(4, T.i32, _ir([Int64(addr)], loc, ip), "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+                     "=r,=r,=r,=r,l", effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def ld_global_acquire_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
     """GPU-scope acquire load (pairs with `red_add_release_i32` / `st_global_release_i32`)."""
     return Int32(_asm(1, T.i32, _ir([Int64(addr)], loc, ip), "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",

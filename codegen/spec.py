@@ -16,6 +16,7 @@ name the file, the line, the field and what is allowed.
         swiglu: {limit: 7.0}        # optional; alpha/beta for swigluoai only
         dtype: [bf16, fp16]         # one value or a list to enumerate
         fast_math: true             # one value or a list to enumerate
+        bias: false                 # per-expert FC1/FC2 biases (gpt-oss); a value or a list (fused layers)
         tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending, at most MAX_TOKENS (65,536)
         gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing
         tp: [1, 2]                  # optional: one problem per tensor-parallel degree, named
@@ -82,6 +83,7 @@ class MoeProblem:
     gemm: bool = False
     # fused MoE variants to build: (router_weight_on_input, expert_map, calibration) triples
     fused: tuple[tuple[bool, bool, bool], ...] = ()
+    biases: tuple[bool, ...] = (False,)  # layer variants without / with per-expert biases
 
     @property
     def fc1_n(self) -> int:
@@ -109,15 +111,15 @@ class MoeProblem:
         deterministic=True replaces the decode regime (bf16 atomics) by the packed path; expert-map
         and calibration variants never take the decode regime, so they have no deterministic twin.
         """
-        for dtype, fast_math, (on_input, expert_map, calibration) in itertools.product(
-                self.dtypes, self.fast_math, self.fused):
+        for dtype, fast_math, (on_input, expert_map, calibration), bias in itertools.product(
+                self.dtypes, self.fast_math, self.fused, self.biases):
             for deterministic in (False, True) if not (expert_map or calibration) else (False,):
                 yield MoeLayerFacts(
                     dtype=dtype, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                     num_experts=self.num_experts, top_k=self.top_k, activation=self.activation,
                     fast_math=fast_math, swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
                     swiglu_limit=self.swiglu_limit, router_weight_on_input=on_input, expert_map=expert_map,
-                    calibration=calibration, deterministic=deterministic,
+                    calibration=calibration, deterministic=deterministic, bias=bias,
                 )
 
     def fused_specs(self, m: int, profile: DeviceProfile) -> dict[MoeLayerFacts, FusedSpec]:
@@ -243,7 +245,7 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
     m = r.mapping(
         node, field,
         required={"name", "hidden_size", "intermediate_size", "num_experts", "top_k", "activation", "dtype", "tokens"},
-        optional={"swiglu", "fast_math", "gemm", "fused", "tp"},
+        optional={"swiglu", "fast_math", "gemm", "fused", "tp", "bias"},
     )
     activation = r.choice(m["activation"], f"{field}.activation", Activation)
     swiglu: dict[str, float] = {}
@@ -291,6 +293,7 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         tokens=tokens,
         gemm=r.boolean(m["gemm"], f"{field}.gemm") if "gemm" in m else False,
         fused=_fused_variants(r, m["fused"], f"{field}.fused") if "fused" in m else (),
+        biases=r.one_or_list(m["bias"], f"{field}.bias", r.boolean) if "bias" in m else (False,),
     )
     if problem.gemm or problem.fused:
         _check_int32_routes(r, tokens_node, f"{field}.tokens", problem)

@@ -28,7 +28,9 @@ from .manifest import verify_bundle
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
 from .parallel import ParallelMoeLayer, ep_partition, ep_select, tp_shard_w2, tp_shard_w13
 from .types import Activation, DType
-from .weights import PackedNvfp4, W13Order, pack_nvfp4, prepare_w2, prepare_w13, unpack_nvfp4
+from .weights import (
+    PackedNvfp4, W13Order, pack_nvfp4, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4, unpack_nvfp4,
+)
 
 __all__ = [
     "Bundle",
@@ -72,6 +74,8 @@ __all__ = [
     "unpack_nvfp4",
     "prepare_w13",
     "prepare_w2",
+    "prepare_w13_mxfp4",
+    "prepare_w2_mxfp4",
     "CheckpointError",
     "CheckpointFiles",
     "CheckpointLayout",

@@ -1,6 +1,7 @@
-"""Checkpoint loading: the NVFP4 tensors of one MoE layer, read from safetensors files, -> PackedNvfp4.
+"""Checkpoint loading: the FP4 tensors of one MoE layer, read from safetensors files, -> PackedNvfp4.
 
-Two ModelOpt NVFP4 key layouts are read (``P`` is the layer prefix, e.g. ``model.layers.3.mlp``):
+Two ModelOpt NVFP4 key layouts and gpt-oss's MXFP4 one are read (``P`` is the layer prefix, e.g.
+``model.layers.3.mlp``):
 
     per_expert  P.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2, input_scale}
                 weight (N, K/2) u8, weight_scale (N, K/16) e4m3fn, weight_scale_2 and input_scale
@@ -8,6 +9,11 @@ Two ModelOpt NVFP4 key layouts are read (``P`` is the layer prefix, e.g. ``model
     w13 / w31   P.experts.{w13,w31}_{weight, weight_scale, weight_scale_2, input_scale} and
                 P.experts.w2_{...}: the same tensors stacked over experts, gate rows first (w13)
                 or up rows first (w31); weight_scale_2 (E,), (E, 1) or, for w13/w31, (E, 2)
+    gpt_oss     P.experts.{gate_up,down}_proj_{blocks, scales, bias}: MXFP4 blocks (E, N, K/32, 16) u8,
+                e8m0 scales (E, N, K/32) u8, biases (E, N); gate/up rows interleaved (gate at even rows)
+
+Biases are optional in every layout (NVFP4: P.experts.{e}.{proj}.bias, P.experts.{w13,w31,w2}_bias);
+a layer with any bias needs the `bias: true` kernels of its spec.
 
 The result is what `prepare_w13` / `prepare_w2` (runtime/weights.py) make of the stacked tensors.
 A per-expert checkpoint's two gate/up global scales become the (E, 2) (gate, up) pair
@@ -15,9 +21,8 @@ A per-expert checkpoint's two gate/up global scales become the (E, 2) (gate, up)
 of `prepare_w13`.  `input_scale` (W4A4's activation scale) is optional; when present it is checked
 (dtype, shape) and then dropped: W4A16 keeps the activations in bf16/fp16.
 
-gpt-oss MXFP4 (``gate_up_proj_blocks/scales/bias``) is not read: no kernel of this runtime serves
-MXFP4 weights yet, and re-quantizing to NVFP4 would change the model.  Such a layer is reported as
-an unsupported layout.
+MXFP4 is packed exactly (`prepare_w13_mxfp4`: the codes as stored, each power-of-two block scale
+re-expressed against a per-expert global scale), never re-quantized.
 
 Reads are lazy: `safe_open` memory-maps each file and reads only its header up front; a tensor
 is read when a layer needs it, after its dtype and shape were checked from the header, so a
@@ -40,7 +45,10 @@ import torch
 
 from .errors import BadInputError
 from .types import DType
-from .weights import PackedNvfp4, W13Order, prepare_w2, prepare_w13
+from .weights import (
+    MXFP4_BLOCK_BYTES, MXFP4_BLOCK_K, PackedNvfp4, W13Order, prepare_w2, prepare_w2_mxfp4, prepare_w13,
+    prepare_w13_mxfp4,
+)
 
 INDEX_FILE = "model.safetensors.index.json"  # the Hugging Face shard index: {"weight_map": {key: file}}
 FP4_PER_BYTE = 2
@@ -72,11 +80,12 @@ class CheckpointLayout(str, Enum):
     PER_EXPERT = "per_expert"  # experts.{e}.gate_proj.weight, ...
     W13 = "w13"  # experts.w13_weight (gate rows first), experts.w2_weight
     W31 = "w31"  # experts.w31_weight (up rows first), experts.w2_weight
+    GPT_OSS = "gpt_oss"  # MXFP4 experts.gate_up_proj_blocks (gate/up interleaved), experts.down_proj_blocks
 
 
 _PACKED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")  # what packing needs; input_scale is only checked
 _FUSED_ORDER = {CheckpointLayout.W13: W13Order.GATE_UP, CheckpointLayout.W31: W13Order.UP_GATE}
-_GPT_OSS_MARKERS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks")
+_BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _safetensors():
@@ -260,6 +269,18 @@ def _check_optional(files: CheckpointFiles, key: str, prefix: str, expect: _Expe
         _check_header(files, key, prefix, expect)
 
 
+def _read_bias(files: CheckpointFiles, key: str, prefix: str, shape: tuple[int, ...], what: str):
+    """An optional bias: None when the checkpoint has no `key`, else the checked tensor."""
+    if not files.has(key):
+        return None
+    st_dtype, found, path = files.header(key, prefix)
+    if SAFETENSORS_DTYPES.get(st_dtype) not in _BIAS_DTYPES:
+        raise CheckpointError(f"{key} in {path}: expected a bf16, f16 or f32 bias ({what}), got {_dtype_name(st_dtype)}")
+    if found != shape:
+        raise CheckpointError(f"{key} in {path}: expected shape {shape} ({what}), got {found}")
+    return files.read(key, prefix)
+
+
 def _modelopt_expects(lead: tuple[int, ...], n: int, half_k: int, scale_2_shapes, what: str) -> dict[str, _Expect]:
     """weight / weight_scale / weight_scale_2 / input_scale expectations of an (N, K) matrix."""
     if half_k * FP4_PER_BYTE % SCALE_GROUP_K:
@@ -288,6 +309,7 @@ def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
         CheckpointLayout.PER_EXPERT: f"{prefix}.experts.0.gate_proj.weight",
         CheckpointLayout.W13: f"{prefix}.experts.w13_weight",
         CheckpointLayout.W31: f"{prefix}.experts.w31_weight",
+        CheckpointLayout.GPT_OSS: f"{prefix}.experts.gate_up_proj_blocks",
     }
     found = [layout for layout, key in markers.items() if files.has(key)]
     if len(found) == 1:
@@ -298,13 +320,8 @@ def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
             f"({[markers[f] for f in found]}); pass layout= one of them"
         )
     under = files.keys_under(prefix)
-    if any(marker in key for key in under for marker in _GPT_OSS_MARKERS):
-        raise CheckpointError(
-            f"layer {prefix!r} is gpt-oss MXFP4 (gate_up_proj_blocks/scales); this runtime's kernels serve "
-            "NVFP4 only, and MXFP4 is not re-quantized"
-        )
     raise CheckpointError(
-        f"layer {prefix!r} has none of the NVFP4 MoE keys {list(markers.values())} "
+        f"layer {prefix!r} has none of the NVFP4 / MXFP4 MoE keys {list(markers.values())} "
         f"(searched {[str(p) for p in files.files]}); keys under the prefix: {under[:8]}"
         f"{' ...' if len(under) > 8 else ''}"
     )
@@ -329,6 +346,8 @@ def _load_fused(files, prefix, num_experts, dtype, layout, device) -> tuple[Pack
     t2 = {s: _read(files, f"{base}w2_{s}", prefix, spec2[s]) for s in _PACKED_SUFFIXES}
     _check_optional(files, f"{base}{name13}_input_scale", prefix, spec13["input_scale"])
     _check_optional(files, f"{base}w2_input_scale", prefix, spec2["input_scale"])
+    t13["bias"] = _read_bias(files, f"{base}{name13}_bias", prefix, (e, 2 * inter), f"{name13} bias [E, 2I]")
+    t2["bias"] = _read_bias(files, f"{base}w2_bias", prefix, (e, h), "w2 bias [E, H]")
     return _prepare(t13, t2, dtype, _FUSED_ORDER[layout], device)
 
 
@@ -363,6 +382,20 @@ def _load_per_expert(files, prefix, num_experts, dtype, device) -> tuple[PackedN
         ),
     }
     t2 = {s: stacked("down_proj", s) for s in _PACKED_SUFFIXES}
+    biases = {proj: [ex[proj].get("bias") for ex in experts] for proj in _PROJECTIONS}
+    for proj, found in biases.items():
+        if any(b is not None for b in found) and any(b is None for b in found):
+            missing = [e for e, b in enumerate(found) if b is None]
+            raise CheckpointError(f"layer {prefix!r}: {proj}.bias exists for some experts but not for {missing[:8]}")
+
+    def bias(proj: str) -> torch.Tensor | None:
+        return None if biases[proj][0] is None else torch.stack(biases[proj])
+
+    gate, up = bias("gate_proj"), bias("up_proj")
+    if (gate is None) != (up is None):
+        raise CheckpointError(f"layer {prefix!r}: gate_proj and up_proj must both have biases or neither")
+    t13["bias"] = None if gate is None else torch.cat((gate, up), dim=1)
+    t2["bias"] = bias("down_proj")
     return _prepare(t13, t2, dtype, W13Order.GATE_UP, device)
 
 
@@ -381,16 +414,55 @@ def _read_expert(files, prefix, expert, specs, gate_shape) -> dict[str, dict[str
         t = {s: _read(files, f"{base}.{proj}.{s}", prefix, spec[s]) for s in _PACKED_SUFFIXES}
         t["weight_scale_2"] = t["weight_scale_2"].reshape(())
         _check_optional(files, f"{base}.{proj}.input_scale", prefix, spec["input_scale"])
+        n = spec["weight"].shapes[0][0]
+        t["bias"] = _read_bias(files, f"{base}.{proj}.bias", prefix, (n,), f"{proj} bias [N]")
         out[proj] = t
     return out
 
 
+def _to(tensors: dict, device) -> dict:
+    return {k: None if v is None else v.to(device) for k, v in tensors.items()}
+
+
 def _prepare(t13, t2, dtype, order, device) -> tuple[PackedNvfp4, PackedNvfp4]:
     """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU)."""
-    on = {k: v.to(device) for k, v in t13.items()}
-    w13 = prepare_w13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order)
-    on = {k: v.to(device) for k, v in t2.items()}
-    w2 = prepare_w2(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype)
+    on = _to(t13, device)
+    w13 = prepare_w13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
+                      bias=on.get("bias"))
+    on = _to(t2, device)
+    w2 = prepare_w2(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, bias=on.get("bias"))
+    return w13, w2
+
+
+def _load_gpt_oss(files, prefix, num_experts, dtype, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+    base = f"{prefix}.experts."
+    first = f"{base}gate_up_proj_blocks"
+    _, shape13, path = files.header(first, prefix)
+    if len(shape13) != 4 or shape13[0] != num_experts or shape13[3] != MXFP4_BLOCK_BYTES:
+        raise CheckpointError(f"{first} in {path}: expected shape (E={num_experts}, 2I, H/32, "
+                              f"{MXFP4_BLOCK_BYTES}), got {shape13}")
+    e, rows, h = num_experts, shape13[1], shape13[2] * MXFP4_BLOCK_K
+    if rows % 2:
+        raise CheckpointError(f"{first} in {path}: 2I = {rows} rows is odd; gate/up rows come in pairs")
+    inter = rows // 2
+    if inter % MXFP4_BLOCK_K:
+        raise CheckpointError(f"{first} in {path}: I = {inter} is not a multiple of {MXFP4_BLOCK_K}, so "
+                              "down_proj has no whole MXFP4 blocks")
+
+    def mx(name: str, n: int, k: int) -> dict:
+        what = f"{name} [E, N, K] = [{e}, {n}, {k}]"
+        blocks = _read(files, f"{base}{name}_blocks", prefix, _Expect(
+            torch.uint8, ((e, n, k // MXFP4_BLOCK_K, MXFP4_BLOCK_BYTES),), f"{what}: two e2m1 codes a byte"))
+        scales = _read(files, f"{base}{name}_scales", prefix, _Expect(
+            torch.uint8, ((e, n, k // MXFP4_BLOCK_K),), f"{what}: one e8m0 scale per 32 k"))
+        bias = _read_bias(files, f"{base}{name}_bias", prefix, (e, n), f"{name} bias [E, N]")
+        return _to({"blocks": blocks, "scales": scales, "bias": bias}, device)
+
+    t13 = mx("gate_up_proj", rows, h)
+    w13 = prepare_w13_mxfp4(t13["blocks"], t13["scales"], dtype, order=W13Order.INTERLEAVED, bias=t13["bias"])
+    del t13
+    t2 = mx("down_proj", h, inter)
+    w2 = prepare_w2_mxfp4(t2["blocks"], t2["scales"], dtype, bias=t2["bias"])
     return w13, w2
 
 
@@ -422,6 +494,8 @@ def load_moe_layer(
     try:
         if chosen is CheckpointLayout.PER_EXPERT:
             return _load_per_expert(files, prefix, num_experts, dtype, device)
+        if chosen is CheckpointLayout.GPT_OSS:
+            return _load_gpt_oss(files, prefix, num_experts, dtype, device)
         return _load_fused(files, prefix, num_experts, dtype, chosen, device)
     except CheckpointError:
         raise

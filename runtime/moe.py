@@ -129,6 +129,9 @@ class MoeLayer:
 
     w13: prepare_w13(...) (N = 2I gate|up for silu/swigluoai, N = I for relu2; K = H)
     w2:  prepare_w2(...)  (N = H, K = I)
+        Biases given to prepare_w13 / prepare_w2 (`PackedNvfp4.bias`, gpt-oss) are added in the
+        GEMM epilogues, before the activation and the router weight; the bundle must hold the
+        layer's `bias: true` kernels.
     expert_map: optional (global experts,) int32 on the device: global id -> local
         weight index, -1 for experts held by other ranks; their routes contribute 0.
     router_weight_on_input: scale FC1's rows by the router weight (= weighting the
@@ -172,11 +175,12 @@ class MoeLayer:
         if top_k > self.route_experts:
             raise BadInputError(f"top_k={top_k} exceeds the {self.route_experts} experts")
         self.deterministic = bool(deterministic)
+        self.w13_bias, self.w2_bias = self._biases(w13, w2)
         self.facts = MoeLayerFacts(
             dtype=self.dtype, hidden_size=self.hidden_size, intermediate_size=inter, num_experts=self.route_experts,
             top_k=top_k, activation=self.activation, fast_math=fast_math, swiglu_alpha=swiglu_alpha,
             swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit, router_weight_on_input=router_weight_on_input,
-            expert_map=expert_map is not None, deterministic=deterministic,
+            expert_map=expert_map is not None, deterministic=deterministic, bias=self.w13_bias is not None,
         )
         # the build's decisions for this layer: options the bundle cannot serve fail here, naming the nearest
         self.entry: Entry = bundle.resolution.find(MOE_LAYER, self.facts)
@@ -211,6 +215,19 @@ class MoeLayer:
                 f"w13 is {w13.n}x{w13.k} and w2 {w2.n}x{w2.k} (N x K); {self.activation.value} needs "
                 f"w13 = {'2I' if self.activation.is_gated else 'I'} x H and w2 = H x I"
             )
+
+    @staticmethod
+    def _biases(w13: PackedNvfp4, w2: PackedNvfp4) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The weights' biases for the kernels, or (None, None): a missing one of a pair is zeros."""
+        if w13.bias is None and w2.bias is None:
+            return None, None
+        pair = [w.bias if w.bias is not None else torch.zeros((w.num_experts, w.n), dtype=w.dtype.torch,
+                                                               device=w.device) for w in (w13, w2)]
+        for name, b in zip(("w13.bias", "w2.bias"), pair):
+            if b.data_ptr() % 16:
+                raise BadInputError(f"{name} must start 16-byte aligned (the kernels read it in 16-byte "
+                                    f"vectors), got address {b.data_ptr():#x}; pass a fresh .clone()")
+        return pair[0], pair[1]
 
     def _check_expert_map(self, expert_map: torch.Tensor) -> None:
         check_rank(expert_map, "expert_map", 1, "(global experts,) int32")
@@ -279,7 +296,8 @@ class MoeLayer:
     def __call__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                  out: torch.Tensor | None = None, activation_amax: torch.Tensor | None = None,
                  layer_idx: int | None = None) -> torch.Tensor:
-        """(M, H) output = sum_k w_k * FC2_e(act(FC1_e(x))) over each token's top-k experts e."""
+        """(M, H) output = sum_k w_k * FC2_e(act(FC1_e(x))) over each token's top-k experts e
+        (FC_e(x) = x W_e^T + b_e when the weights carry biases)."""
         if torch.compiler.is_compiling():
             if out is None:
                 out = torch.empty_like(hidden_states)
@@ -335,7 +353,8 @@ class MoeLayer:
             w13_scales=self.w13.scales.data_ptr(), w2_scales=self.w2.scales.data_ptr(),
             w13_global_scale=self.w13.global_scale.data_ptr(), w2_global_scale=self.w2.global_scale.data_ptr(),
             route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
-            route_count=route_count.data_ptr(), topk_weights=topk_weights.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
+            route_count=route_count.data_ptr(), topk_weights=topk_weights.data_ptr(),
+            w13_bias=self._bias_ptr(self.w13_bias, ws), w2_bias=self._bias_ptr(self.w2_bias, ws), c_tmp=ws.c_tmp.data_ptr(),
             locks=ws.locks.data_ptr(), amax=(amax if amax is not None else ws.c_tmp).data_ptr(),
             layer=0 if layer_idx is None else layer_idx, tokens=m, num_experts=self.num_experts,
         )
@@ -353,7 +372,8 @@ class MoeLayer:
         r.kernels["fc1"].kernel.launch(
             r.launch.grid("fc1"), stream, a=x.data_ptr(), qweight=self.w13.qweight.data_ptr(),
             out=fc1_out.data_ptr(), scales=self.w13.scales.data_ptr(), global_scale=self.w13.global_scale.data_ptr(),
-            topk_weights=weight if on_input else ws.c_tmp.data_ptr(), tokens=m, **routing,
+            topk_weights=weight if on_input else ws.c_tmp.data_ptr(), bias=self._bias_ptr(self.w13_bias, ws),
+            tokens=m, **routing,
         )
         if gated:
             f = self.facts
@@ -364,8 +384,14 @@ class MoeLayer:
         r.kernels["fc2"].kernel.launch(
             r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
             out=ws.fc13.data_ptr(), scales=self.w2.scales.data_ptr(), global_scale=self.w2.global_scale.data_ptr(),
-            topk_weights=ws.c_tmp.data_ptr() if on_input else weight, tokens=routes, **routing,
+            topk_weights=ws.c_tmp.data_ptr() if on_input else weight, bias=self._bias_ptr(self.w2_bias, ws),
+            tokens=routes, **routing,
         )
+
+    @staticmethod
+    def _bias_ptr(bias: torch.Tensor | None, ws: MoeWorkspace) -> int:
+        """The bias the kernels read, or any valid address for kernels built without bias (never read)."""
+        return bias.data_ptr() if bias is not None else ws.c_tmp.data_ptr()
 
     # ------------------------------------------------------------------ bound calls
 

@@ -51,6 +51,7 @@ class MoeLayerFacts:
     expert_map: bool = False
     calibration: bool = False  # the per-call activation-amax variant
     deterministic: bool = False
+    bias: bool = False  # per-expert FC1 and FC2 biases (gpt-oss)
 
     def __post_init__(self) -> None:
         act = Activation(self.activation)
@@ -68,8 +69,11 @@ class MoeLayerFacts:
                                      swiglu_limit=self.swiglu_limit)
         for name in ("fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit"):  # relu2 drops fast_math
             object.__setattr__(self, name, getattr(spec, name))
-        for name in ("router_weight_on_input", "expert_map", "calibration", "deterministic"):
+        for name in ("router_weight_on_input", "expert_map", "calibration", "deterministic", "bias"):
             object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.bias and self.router_weight_on_input:
+            raise BadInputError("bias with router_weight_on_input is not defined: the router weight would "
+                                "scale FC1's bias but not FC2's")
         if self.deterministic and (self.expert_map or self.calibration):
             object.__setattr__(self, "deterministic", False)  # those variants never take the atomic path
 

@@ -133,6 +133,7 @@ class PackedNvfp4:
     n: int  # logical output features
     k: int  # logical input features
     dtype: DType
+    bias: torch.Tensor | None = None  # (E, N) dtype per-expert bias added to the GEMM output, or None
     # layers run_w4a16_moe built on these weights, by options: they live and die with the weights
     functional_layers: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -165,6 +166,15 @@ class PackedNvfp4:
                 f"PackedNvfp4 needs N % {VECTOR_ELEMENTS} == 0 and K % {SCALE_GROUP_K} == 0, got N={self.n}, K={self.k}"
             )
         devices = {self.qweight.device, self.scales.device, self.global_scale.device}
+        if self.bias is not None:
+            b = self.bias
+            if not isinstance(b, torch.Tensor) or b.dtype != self.dtype.torch or tuple(b.shape) != (e, self.n):
+                given = (b.dtype, tuple(b.shape)) if isinstance(b, torch.Tensor) else type(b)
+                raise BadInputError(f"PackedNvfp4.bias must be a {self.dtype.torch} tensor of shape {(e, self.n)} "
+                                    f"(E, logical N) or None, got {given}")
+            if not b.is_contiguous():
+                raise BadInputError(f"PackedNvfp4.bias must be contiguous, got strides {b.stride()}")
+            devices.add(b.device)
         if len(devices) != 1:
             raise BadInputError(f"PackedNvfp4 tensors must share one device, got {sorted(map(str, devices))}")
 
@@ -179,6 +189,7 @@ class PackedNvfp4:
             qweight=self.qweight.to(device),
             scales=self.scales.to(device),
             global_scale=self.global_scale.to(device),
+            bias=None if self.bias is None else self.bias.to(device),
         )
 
 
@@ -218,10 +229,12 @@ def prepare_w13(
     dtype: DType | str | torch.dtype,
     *,
     order: W13Order | str = W13Order.GATE_UP,
+    bias: torch.Tensor | None = None,  # (E, 2I) in the checkpoint's row order
 ) -> PackedNvfp4:
     """Pack the fused gate/up projection as N = 2I columns [gate | up] (the activation's order).
 
-    `order` says which half the checkpoint stores first.  A (E, 2) `weight_scale_2` is indexed
+    `order` says which half the checkpoint stores first; `bias` rows are reordered with the
+    weight rows (gpt-oss's gate_up_proj_bias is interleaved like its weights).  A (E, 2) `weight_scale_2` is indexed
     by projection (column 0 = gate / w1, column 1 = up / w3) whatever `order` is.  When the two
     differ, the larger becomes the expert's global scale and the other half's block scales are
     multiplied by smaller / larger and re-rounded to e4m3 (lossy: up to half an e4m3 step, and
@@ -243,7 +256,8 @@ def prepare_w13(
         weight = torch.cat((weight[:, 0::2], weight[:, 1::2]), dim=1)
         weight_scale = torch.cat((weight_scale[:, 0::2], weight_scale[:, 1::2]), dim=1)
     global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, half)
-    return _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_")
+    bias = _check_bias(bias, "w13_bias", num_experts, rows, elem, weight.device, row_order)
+    return _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_", bias)
 
 
 def prepare_w2(
@@ -251,9 +265,128 @@ def prepare_w2(
     weight_scale: torch.Tensor,  # (E, H, I/16) e4m3fn
     weight_scale_2: torch.Tensor,  # (E,) or (E, 1) f32
     dtype: DType | str | torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,  # (E, H)
 ) -> PackedNvfp4:
-    """Pack the down projection: N = H output columns, K = I."""
-    return _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="w2_")
+    """Pack the down projection: N = H output columns, K = I.
+
+    Under tensor parallelism the partial outputs of the ranks are summed: give `bias` on one rank only.
+    """
+    return _pack_checked(weight, weight_scale, weight_scale_2, dtype, prefix="w2_", bias=bias)
+
+
+# ---- MXFP4 (gpt-oss) -----------------------------------------------------------------------------
+#
+# An MXFP4 checkpoint stores the same e2m1 codes as NVFP4 (two a byte, low nibble = even k) with
+# one power-of-two e8m0 scale 2**(e - 127) per 32 k.  Packing keeps the codes as stored and writes
+# each e8m0 scale as the S0E5M3 byte of 2**(e - 127 - g) for both of its 16-k groups, with 2**g the
+# expert's global scale: the kernels then compute exactly the checkpoint's values (no re-quantization).
+# Exactness needs every block scale of an expert inside a window below its largest one:
+MXFP4_BLOCK_K = 32
+MXFP4_BLOCK_BYTES = MXFP4_BLOCK_K // 2
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+# log2 of the scale relative to the global one: S0E5M3 bytes hold 2**-21 .. 2**8 as normal numbers
+# (fp16 exponent field 1..30 of s * 2**7); in fp16 the product e2m1 * s * 2**-7 must keep its lowest
+# bit (>= 2**-24), so fp16 takes 2**-16 .. 2**8.
+MXFP4_EXPONENT_WINDOW = {DType.BF16: (-21, 8), DType.FP16: (-16, 8)}
+_FP16_EXPONENT_BIAS = 15
+_S0E5M3_MANTISSA_BITS = 3
+
+
+def prepare_w13_mxfp4(
+    blocks: torch.Tensor,  # (E, 2I, H/32, 16) u8, gpt-oss gate_up_proj_blocks
+    scales: torch.Tensor,  # (E, 2I, H/32) u8 e8m0, gate_up_proj_scales
+    dtype: DType | str | torch.dtype,
+    *,
+    order: W13Order | str = W13Order.INTERLEAVED,
+    bias: torch.Tensor | None = None,  # (E, 2I), gate_up_proj_bias
+) -> PackedNvfp4:
+    """Pack an MXFP4 fused gate/up projection (gpt-oss: rows interleaved gate, up, gate, ...) as [gate | up].
+
+    Exact: the packed weights decode to the checkpoint's e2m1 * 2**(e - 127) values.  An expert whose
+    block scales span more than the window of MXFP4_EXPONENT_WINDOW (30 octaves in bf16, 25 in
+    fp16) is refused rather than rounded.
+    """
+    try:
+        row_order = W13Order(order)
+    except ValueError:
+        raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
+    elem = _check_dtype(dtype)
+    num_experts, rows, k = _check_mxfp4(blocks, scales, "w13_")  # rows % 8 == 0: [gate | up] halves exist
+    half = rows // 2
+    if row_order is W13Order.UP_GATE:
+        blocks, scales = (torch.cat((t[:, half:], t[:, :half]), dim=1) for t in (blocks, scales))
+    elif row_order is W13Order.INTERLEAVED:
+        blocks, scales = (torch.cat((t[:, 0::2], t[:, 1::2]), dim=1) for t in (blocks, scales))
+    bias = _check_bias(bias, "w13_bias", num_experts, rows, elem, blocks.device, row_order)
+    return _pack_mxfp4(blocks, scales, elem, num_experts, rows, k, "w13_", bias)
+
+
+def prepare_w2_mxfp4(
+    blocks: torch.Tensor,  # (E, H, I/32, 16) u8, gpt-oss down_proj_blocks
+    scales: torch.Tensor,  # (E, H, I/32) u8 e8m0, down_proj_scales
+    dtype: DType | str | torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,  # (E, H), down_proj_bias
+) -> PackedNvfp4:
+    """Pack an MXFP4 down projection (N = H, K = I) exactly; see `prepare_w13_mxfp4`."""
+    elem = _check_dtype(dtype)
+    num_experts, n, k = _check_mxfp4(blocks, scales, "w2_")
+    bias = _check_bias(bias, "w2_bias", num_experts, n, elem, blocks.device)
+    return _pack_mxfp4(blocks, scales, elem, num_experts, n, k, "w2_", bias)
+
+
+def _check_mxfp4(blocks: object, scales: object, prefix: str) -> tuple[int, int, int]:
+    """Check MXFP4 blocks + e8m0 scales; returns (E, N, K)."""
+    b_name, s_name = f"{prefix}blocks", f"{prefix}scales"
+    _check_tensor(blocks, b_name, torch.uint8, "two e2m1 codes a byte, [E, N, K/32, 16]")
+    _check_tensor(scales, s_name, torch.uint8, "one e8m0 scale per 32 k, [E, N, K/32]")
+    if blocks.dim() != 4 or blocks.shape[-1] != MXFP4_BLOCK_BYTES or 0 in blocks.shape:
+        raise BadInputError(f"{b_name} must be a non-empty [E, N, K/32, {MXFP4_BLOCK_BYTES}] tensor, "
+                            f"got shape {tuple(blocks.shape)}")
+    num_experts, n, groups = blocks.shape[:3]
+    if n % VECTOR_ELEMENTS:
+        raise BadInputError(f"N = {b_name}.shape[1] = {n} must be a multiple of {VECTOR_ELEMENTS}: the GEMM "
+                            f"stores outputs in 16-byte vectors of {VECTOR_ELEMENTS} elements")
+    if tuple(scales.shape) != (num_experts, n, groups):
+        raise BadInputError(f"{s_name} must have shape [E, N, K/32] = {(num_experts, n, groups)} to match "
+                            f"{b_name} {tuple(blocks.shape)}, got {tuple(scales.shape)}")
+    if scales.device != blocks.device:
+        raise BadInputError(f"{s_name} is on {scales.device} but {b_name} on {blocks.device}; use one device")
+    nan = scales == E8M0_NAN
+    if bool(nan.any()):
+        first = [int(i) for i in nan.nonzero()[0]]
+        raise BadInputError(f"{s_name} holds {int(nan.sum())} NaN scale(s) (e8m0 byte 0xFF), first at index {first}")
+    return num_experts, n, groups * MXFP4_BLOCK_K
+
+
+def _pack_mxfp4(blocks, scales, dtype: DType, num_experts: int, n: int, k: int, prefix: str,
+                bias: torch.Tensor | None) -> PackedNvfp4:
+    lo, hi = MXFP4_EXPONENT_WINDOW[dtype]
+    exponent = scales.to(torch.int32) - E8M0_BIAS
+    # a block of +-0 codes only has no value to keep: its scale is free (stored as zero)
+    live = (blocks & 0x77).amax(dim=-1) != 0
+    top = torch.where(live, exponent, torch.iinfo(torch.int32).min).amax(dim=(1, 2))
+    bottom = torch.where(live, exponent, torch.iinfo(torch.int32).max).amin(dim=(1, 2))
+    any_live = live.flatten(1).any(dim=1)
+    global_exp = torch.where(any_live, top - hi, torch.zeros_like(top))  # the largest scale lands on 2**hi
+    too_wide = any_live & (bottom - global_exp < lo)
+    if bool(too_wide.any()):
+        e = int(too_wide.nonzero()[0])
+        raise BadInputError(
+            f"{prefix}scales of expert {e} span 2**{int(bottom[e])} .. 2**{int(top[e])} ({int(top[e] - bottom[e]) + 1} "
+            f"octaves); packing MXFP4 exactly for {dtype.value} allows {hi - lo + 1} octaves per expert "
+            f"({int(too_wide.sum())} expert(s) exceed it). Its smallest blocks would lose precision; "
+            "quantize such a layer to NVFP4 instead"
+        )
+    relative = exponent - global_exp.view(-1, 1, 1)
+    field = relative + SCALE_STORE_EXPONENT + _FP16_EXPONENT_BIAS  # fp16 exponent field of s * 2**7
+    scale_bytes = torch.where(live, field << _S0E5M3_MANTISSA_BITS, 0).to(torch.uint8)
+    scale_bytes = scale_bytes.repeat_interleave(MXFP4_BLOCK_K // SCALE_GROUP_K, dim=-1)  # (E, N, K/16)
+    weight = blocks.reshape(num_experts, n, k // 2)
+    global_scale = _global_scale(torch.exp2(global_exp.double()).float(), dtype, prefix)
+    return _pack_encoded(weight, scale_bytes, global_scale, dtype, num_experts, n, k, bias)
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -352,11 +485,37 @@ def _check_global_2(
     return weight_scale_2 if tuple(weight_scale_2.shape) == (num_experts, 2) else weight_scale_2.reshape(-1)
 
 
-def _pack_checked(weight, weight_scale, weight_scale_2, dtype, *, prefix: str) -> PackedNvfp4:
+def _pack_checked(weight, weight_scale, weight_scale_2, dtype, *, prefix: str, bias=None) -> PackedNvfp4:
     elem = _check_dtype(dtype)
     num_experts, n, k = _check_modelopt(weight, weight_scale, prefix)
     global_2 = _check_global_2(weight_scale_2, num_experts, weight.device, f"{prefix}weight_scale_2", pair=False)
-    return _pack(weight, weight_scale, global_2, elem, num_experts, n, k, prefix)
+    bias = _check_bias(bias, f"{prefix}bias", num_experts, n, elem, weight.device)
+    return _pack(weight, weight_scale, global_2, elem, num_experts, n, k, prefix, bias)
+
+
+def _check_bias(bias: object, name: str, num_experts: int, n: int, dtype: DType, device: torch.device,
+                order: W13Order = W13Order.GATE_UP) -> torch.Tensor | None:
+    """A checkpoint bias (E, N) of any float dtype -> (E, N) `dtype`, rows in the kernels' order."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        raise BadInputError(f"{name} must be a floating-point torch.Tensor (E, N) or None, got "
+                            f"{getattr(bias, 'dtype', type(bias).__name__)}")
+    if tuple(bias.shape) != (num_experts, n):
+        raise BadInputError(f"{name} must have shape (E, N) = {(num_experts, n)} to match the weight, "
+                            f"got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise BadInputError(f"{name} is on {bias.device}, the weight on {device}; use one device")
+    half = n // 2
+    if order is W13Order.UP_GATE:
+        bias = torch.cat((bias[:, half:], bias[:, :half]), dim=1)
+    elif order is W13Order.INTERLEAVED:
+        bias = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1)
+    out = bias.to(dtype.torch).contiguous()
+    if not bool(torch.isfinite(out).all()):
+        raise BadInputError(f"{name} must be finite in {dtype.value}, got {int((~torch.isfinite(out)).sum())} "
+                            f"non-finite value(s) (max |bias| {float(bias.abs().max()):g})")
+    return out
 
 
 def _merge_w13_global_scales(
@@ -387,7 +546,14 @@ def _pack(
     n: int,
     k: int,
     prefix: str,
+    bias: torch.Tensor | None = None,  # checked
 ) -> PackedNvfp4:
+    global_scale = _global_scale(weight_scale_2, dtype, prefix)
+    return _pack_encoded(weight, _encode_scale_bytes(weight_scale), global_scale, dtype, num_experts, n, k, bias)
+
+
+def _global_scale(weight_scale_2: torch.Tensor, dtype: DType, prefix: str) -> torch.Tensor:
+    """The per-expert global scale with the dtype's decode compensation folded in."""
     global_scale = weight_scale_2.float() * GLOBAL_SCALE_COMPENSATION[dtype]
     if not bool(torch.isfinite(global_scale).all()):
         limit = torch.finfo(torch.float32).max / GLOBAL_SCALE_COMPENSATION[dtype]
@@ -396,13 +562,16 @@ def _pack(
             f"compensation) overflows float32; {dtype.value} needs weight_scale_2 < {limit:g}, got max "
             f"{float(weight_scale_2.max()):g}"
         )
+    return global_scale
+
+
+def _pack_encoded(weight: torch.Tensor, scale_bytes: torch.Tensor, global_scale: torch.Tensor, dtype: DType,
+                  num_experts: int, n: int, k: int, bias: torch.Tensor | None) -> PackedNvfp4:
+    """(E, N, K/2) code bytes + (E, N, K/16) S0E5M3 scale bytes -> the packed layout."""
     n_stored, k_stored = stored_dims(n, k)
     if (n_stored, k_stored) != (n, k):  # zero weights and zero scales: contribute exactly 0
         weight = torch.nn.functional.pad(weight, (0, (k_stored - k) // 2, 0, n_stored - n))
-        weight_scale = torch.nn.functional.pad(
-            weight_scale.view(torch.uint8), (0, (k_stored - k) // SCALE_GROUP_K, 0, n_stored - n)
-        ).view(torch.float8_e4m3fn)
-    scale_bytes = _encode_scale_bytes(weight_scale)
+        scale_bytes = torch.nn.functional.pad(scale_bytes, (0, (k_stored - k) // SCALE_GROUP_K, 0, n_stored - n))
     # The bf16 scale decode has no zero (it sets an exponent bit), so a block whose scale is zero
     # stores zero codes instead: the same products, exactly 0 in both decodes.
     zero_block = (scale_bytes == 0).repeat_interleave(SCALE_GROUP_K // 2, dim=-1)
@@ -415,6 +584,7 @@ def _pack(
         n=n,
         k=k,
         dtype=dtype,
+        bias=bias,
     )
 
 

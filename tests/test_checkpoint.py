@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from cuteaot.runtime import BadInputError, CheckpointError, CheckpointFiles, load_moe_layer, load_moe_layers
-from cuteaot.runtime.weights import prepare_w2, prepare_w13, unpack_nvfp4
+from cuteaot.runtime.weights import prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4, unpack_nvfp4
 
-from tests.reference.nvfp4 import random_nvfp4
+from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
+from tests.reference.nvfp4 import decode_packed_like_device, random_nvfp4
 
 save_file = pytest.importorskip("safetensors.torch", reason="checkpoint loading needs safetensors").save_file
 
@@ -290,20 +291,88 @@ def test_auto_layout_ambiguous(tmp_path, moe):
 
 def test_auto_layout_not_found(tmp_path, moe):
     save_file(_fused_tensors(moe, "w13"), str(tmp_path / "m.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.5\.mlp' has none of the NVFP4 MoE keys"):
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.5\.mlp' has none of the NVFP4 / MXFP4 MoE keys"):
         load_moe_layer(tmp_path, "model.layers.5.mlp", num_experts=E, dtype="bf16")
 
 
-def test_gpt_oss_mxfp4_is_refused_by_name(tmp_path):
+def _gpt_oss_tensors(seed: int = 3) -> dict[str, torch.Tensor]:
+    """A gpt-oss MXFP4 layer as the checkpoint stores it: gate/up rows interleaved, bf16 biases."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks13, scales13 = random_mxfp4(E, 2 * I, H, gen)
+    blocks2, scales2 = random_mxfp4(E, H, I, gen)
     base = f"{PREFIX}.experts."
-    tensors = {
-        f"{base}gate_up_proj_blocks": torch.zeros(E, 2 * I, H // 32, 16, dtype=torch.uint8),
-        f"{base}gate_up_proj_scales": torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8),
-        f"{base}down_proj_blocks": torch.zeros(E, H, I // 32, 16, dtype=torch.uint8),
+    return {
+        f"{base}gate_up_proj_blocks": blocks13, f"{base}gate_up_proj_scales": scales13,
+        f"{base}gate_up_proj_bias": torch.randn(E, 2 * I, generator=gen).to(torch.bfloat16),
+        f"{base}down_proj_blocks": blocks2, f"{base}down_proj_scales": scales2,
+        f"{base}down_proj_bias": torch.randn(E, H, generator=gen).to(torch.bfloat16),
+        f"{PREFIX}.router.weight": torch.randn(E, H, generator=gen).to(torch.bfloat16),  # not ours to read
     }
-    save_file(tensors, str(tmp_path / "m.safetensors"))
-    with pytest.raises(CheckpointError, match="gpt-oss MXFP4.*NVFP4 only"):
-        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gpt_oss_mxfp4_layer(tmp_path, dtype):
+    tensors = _gpt_oss_tensors()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype=dtype)  # auto-detected
+    base = f"{PREFIX}.experts."
+    want13 = prepare_w13_mxfp4(tensors[f"{base}gate_up_proj_blocks"], tensors[f"{base}gate_up_proj_scales"], dtype,
+                               order="interleaved", bias=tensors[f"{base}gate_up_proj_bias"])
+    want2 = prepare_w2_mxfp4(tensors[f"{base}down_proj_blocks"], tensors[f"{base}down_proj_scales"], dtype,
+                             bias=tensors[f"{base}down_proj_bias"])
+    for got, want in ((w13, want13), (w2, want2)):
+        assert (got.n, got.k, got.num_experts) == (want.n, want.k, want.num_experts)
+        for name in ("qweight", "scales", "global_scale", "bias"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # and, independently of the packer, the values the kernels will compute with
+    w13_f = dequantize_mxfp4(tensors[f"{base}gate_up_proj_blocks"], tensors[f"{base}gate_up_proj_scales"])
+    gate_up = torch.cat((w13_f[:, 0::2], w13_f[:, 1::2]), dim=1)
+    assert torch.equal(decode_packed_like_device(w13.qweight, w13.scales, w13.global_scale, dtype)[:, : 2 * I, :H],
+                       gate_up)
+    bias = tensors[f"{base}gate_up_proj_bias"]
+    assert torch.equal(w13.bias, torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).to(w13.bias.dtype))
+
+
+def test_gpt_oss_wrong_scale_dtype_and_bias_shape(tmp_path):
+    base = f"{PREFIX}.experts."
+    tensors = _gpt_oss_tensors()
+    tensors[f"{base}down_proj_scales"] = tensors[f"{base}down_proj_scales"].to(torch.int32)
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    with pytest.raises(CheckpointError, match=r"down_proj_scales in .*a\.safetensors: expected dtype uint8"):
+        load_moe_layer(tmp_path / "a.safetensors", PREFIX, num_experts=E, dtype="bf16")
+    tensors = _gpt_oss_tensors()
+    tensors[f"{base}gate_up_proj_bias"] = tensors[f"{base}gate_up_proj_bias"][:, :I].contiguous()
+    save_file(tensors, str(tmp_path / "b.safetensors"))
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_bias in .*: expected shape \(4, 256\)"):
+        load_moe_layer(tmp_path / "b.safetensors", PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_nvfp4_biases_are_read_in_every_layout(tmp_path, moe):
+    gen = torch.Generator().manual_seed(9)
+    gate_b, up_b = torch.randn(E, I, generator=gen), torch.randn(E, I, generator=gen)
+    down_b = torch.randn(E, H, generator=gen)
+
+    def add_per_expert(first, second):
+        for shard in (first, second):
+            for key in [k for k in shard if k.endswith(".gate_proj.weight")]:
+                e = int(key.split(".experts.")[1].split(".")[0])
+                stem = key.removesuffix(".gate_proj.weight")
+                shard[f"{stem}.gate_proj.bias"] = gate_b[e].clone()
+                shard[f"{stem}.up_proj.bias"] = up_b[e].clone()
+                shard[f"{stem}.down_proj.bias"] = down_b[e].clone()
+
+    (tmp_path / "pe").mkdir()
+    w13, w2 = load_moe_layer(_per_expert_checkpoint(tmp_path / "pe", moe, add_per_expert), PREFIX,
+                             num_experts=E, dtype="bf16")
+    assert torch.equal(w13.bias, torch.cat((gate_b, up_b), dim=1).to(torch.bfloat16))
+    assert torch.equal(w2.bias, down_b.to(torch.bfloat16))
+    fused = _fused_tensors(moe, "w31")
+    fused[f"{PREFIX}.experts.w31_bias"] = torch.cat((up_b, gate_b), dim=1)  # up rows first, like the weight
+    fused[f"{PREFIX}.experts.w2_bias"] = down_b
+    save_file(fused, str(tmp_path / "f.safetensors"))
+    w13, w2 = load_moe_layer(tmp_path / "f.safetensors", PREFIX, num_experts=E, dtype="bf16")
+    assert torch.equal(w13.bias, torch.cat((gate_b, up_b), dim=1).to(torch.bfloat16))
+    assert torch.equal(w2.bias, down_b.to(torch.bfloat16))
 
 
 def test_bad_values_name_the_layer(tmp_path, moe):

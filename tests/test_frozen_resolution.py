@@ -151,3 +151,48 @@ def test_a_schema_1_bundle_is_refused_with_a_rebuild_message(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 1, "bundle": "old"}))
     with pytest.raises(SchemaMismatchError, match="schema_version is 1, this runtime reads 2; rebuild the bundle"):
         read_manifest(tmp_path)
+
+
+def test_biased_layers_resolve_their_own_kernels_and_pass_the_biases(monkeypatch):
+    """specs/tiny-fused.yaml builds the swigluoai layer with and without biases: a layer whose
+    weights carry biases finds the bias entry (kernels keyed bias=true) and passes the bias
+    pointers to every GEMM phase; without biases the other entry, and no bias is read."""
+    from cuteaot.runtime.weights import prepare_w2, prepare_w13
+    from tests.reference.nvfp4 import random_nvfp4
+
+    table = ResolutionTable([Entry.from_json(raw) for raw in _table()], "h200", "tiny-fused")
+    bundle = stub_bundle()
+    bundle.resolution = table
+    calls = StubLaunch.calls  # every launch, its argument names checked against the family's ABI
+
+    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
+    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(moe, "pack_routes", lambda bundle, ids, e, block, **b: (
+        b["packed_route_indices"], b["block_expert_ids"], b["packed_route_count"]))
+    monkeypatch.setattr(moe, "moe_topk_sum", lambda *a, **k: None)
+    monkeypatch.setattr(moe, "moe_activation", lambda *a, **k: None)
+    g = torch.Generator().manual_seed(1)
+    q13, q2 = random_nvfp4(8, 704, 736, g), random_nvfp4(8, 736, 352, g)
+    b13, b2 = torch.randn(8, 704).to(torch.bfloat16), torch.randn(8, 736).to(torch.bfloat16)
+    plain = moe.MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=2, activation="swigluoai")
+    biased = moe.MoeLayer(bundle, prepare_w13(*q13, "bf16", bias=b13), prepare_w2(*q2, "bf16", bias=b2), top_k=2,
+                          activation="swigluoai")
+    assert biased.facts.bias and not plain.facts.bias and biased.entry is not plain.entry
+    for layer in (plain, biased):
+        for m in (1, 37, 4096):
+            calls.clear()
+            x = torch.zeros(m, 736, dtype=torch.bfloat16)
+            ids = (torch.arange(m * 2, dtype=torch.int32) % 8).view(m, 2)
+            layer(x, torch.full((m, 2), 0.5), ids, out=torch.empty(m, 736, dtype=torch.bfloat16))
+            assert calls
+            for _, _, values in calls:
+                keys = [k for k in values if "bias" in k]
+                pointers = {values[k] for k in keys}
+                if layer is biased:
+                    assert pointers <= {b.data_ptr() for b in (biased.w13_bias, biased.w2_bias)} and pointers
+                else:
+                    assert not pointers & {b13.data_ptr(), b2.data_ptr()}
+    with pytest.raises(UnknownSpecializationError, match=r"differs in \{'bias': False\}"):
+        q = random_nvfp4(16, 512, 512, g), random_nvfp4(16, 512, 256, g)
+        moe.MoeLayer(bundle, prepare_w13(*q[0], "bf16", bias=torch.zeros(16, 512)), prepare_w2(*q[1], "bf16"),
+                     top_k=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -198,3 +199,32 @@ def test_wgmma_spec_is_validated():
                  blocks_per_sm=2, mainloop="wgmma")
     with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # mma.sync: no 128
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=128, blocks_per_sm=2)
+
+
+def test_bias_epilogue_compiles_without_spills():
+    """The per-expert bias epilogue on each loop (8-row direct with the fused top-k sum, 64-row
+    mma.sync with relu2, wgmma): one 16-byte bias load per stored chunk, no spills."""
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels.w4a16.device import build_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+
+    specs = (
+        GemmSpec(dtype="fp16", n=512, k=512, top_k=1, tile_n=128, tile_k=128, moe_block_size=8, blocks_per_sm=2,
+                 mul_topk_weights=True, routes="direct", sum_topk=4, n_out=504, bias=True),
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=2,
+                 epilogue="relu2", bias=True),
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=64, blocks_per_sm=2,
+                 mul_topk_weights=True, mainloop="wgmma", bias=True),
+    )
+    for spec in specs:
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+        kernel, args = build_gemm(spec)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        assert "ld.global.nc.v4.b32" in ptx
+        plain = dataclasses.replace(spec, bias=False)
+        kernel, args = build_gemm(plain)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        assert "ld.global.nc.v4.b32" not in ptx  # without bias the epilogue reads nothing more

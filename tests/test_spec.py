@@ -141,3 +141,12 @@ def test_dtype_list_enumerates_and_rejects_repeats(tmp_path):
 def test_yaml_syntax_error_has_line(tmp_path):
     err = _error(tmp_path, GOOD.replace("targets: [h200]", "targets: [h200"))
     assert err.line is not None and err.field == "(syntax)"
+
+
+def test_bias_enumerates_layer_variants_and_refuses_router_weight_on_input(tmp_path):
+    spec = load_spec(_write(tmp_path, GOOD + "    bias: [false, true]\n    fused: true\n"))
+    assert [f.bias for f in spec.moe[0].layer_facts() if not f.deterministic] == [False, True]
+    err = _error(tmp_path, GOOD + "    bias: true\n    fused: {router_weight_on_input: [false, true]}\n")
+    assert "moe[0].fused" in str(err) and "bias with router_weight_on_input" in str(err)
+    err = _error(tmp_path, GOOD + "    bias: yes please\n")
+    assert "moe[0].bias" in str(err) and "expected true or false" in str(err)

@@ -12,10 +12,11 @@ import zlib
 import pytest
 import torch
 
-from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
-from cuteaot.runtime.errors import BadInputError
+from cuteaot.runtime import load_bundle, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
+from cuteaot.runtime.errors import BadInputError, UnknownSpecializationError
 from cuteaot.runtime.moe import MoeLayer, run_w4a16_moe
 from tests.reference.moe import moe_reference
+from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -24,8 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 PROBLEMS = {
     "silu-bf16": (512, 256, 16, 4, "silu", "bf16"),
     "silu-fp16": (512, 256, 16, 4, "silu", "fp16"),
-    "swigluoai": (720, 368, 8, 2, "swigluoai", "bf16"),
+    "swigluoai": (736, 352, 8, 2, "swigluoai", "bf16"),
     "relu2": (512, 384, 8, 3, "relu2", "bf16"),
+    "relu2-bias-fp16": (512, 384, 8, 3, "relu2", "fp16"),  # built with biases only
 }
 TOKENS = (1, 2, 3, 4, 8, 16, 37, 64, 512, 1000, 4096)
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)  # the swigluoai defaults
@@ -48,6 +50,7 @@ class Model:
         n1 = 2 * i if activation != "relu2" else i
         q13 = quantize_nvfp4(torch.randn(self.e, n1, h, generator=g) * 0.05)
         q2 = quantize_nvfp4(torch.randn(self.e, h, i, generator=g) * 0.05)
+        self.q13, self.q2 = q13, q2
         self.w13, self.w2 = prepare_w13(*q13, dtype).to("cuda"), prepare_w2(*q2, dtype).to("cuda")
         self.w13_f, self.w2_f = dequantize_modelopt(*q13).cuda(), dequantize_modelopt(*q2).cuda()
         self.g = g
@@ -92,7 +95,7 @@ def check(worst_errors):
     return check
 
 
-@pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.parametrize("name", [p for p in PROBLEMS if "bias" not in p])
 def test_fused_layer_matches_reference(bundle, check, name):
     model = Model(name, seed=zlib.crc32(name.encode()))  # stable across processes, unlike hash(str)
     layer = model.layer(bundle)
@@ -250,3 +253,80 @@ def test_torch_compile(bundle, check):
     ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, "silu")
     check(out, ref, "torch.compile", "torch.compile")
 
+
+
+def _biases(model: Model, n1: int, scale: float = 0.5):
+    """Random per-expert biases (E, N1) and (E, H) in the layer dtype, on the GPU."""
+    dt = torch.bfloat16 if model.dtype == "bf16" else torch.float16
+    b13 = (torch.randn(model.e, n1, generator=model.g) * scale).to(dt).cuda()
+    b2 = (torch.randn(model.e, model.h, generator=model.g) * scale).to(dt).cuda()
+    return b13, b2
+
+
+@pytest.mark.parametrize("name", ["swigluoai", "relu2-bias-fp16"])
+def test_biases_in_both_epilogues(bundle, check, name):
+    """FC1's bias before the activation (relu2 in FC1's epilogue too), FC2's before the router weight."""
+    model = Model(name, seed=37)
+    n1 = model.w13.n
+    b13, b2 = _biases(model, n1)
+    w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
+    w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
+    layer = MoeLayer(bundle, w13, w2, top_k=model.top_k, activation=model.activation)
+    assert layer.facts.bias
+    for m in TOKENS:
+        x, w, ids = model.inputs(m)
+        out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+        ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
+                                  **model.ref_kw)
+        launch = layer.resolve(m).launch
+        path = "decode" if launch.direct else ("split" if launch.split else "packed")
+        check(out, ref, f"{name} + bias M={m} ({path})", f"{name}+bias")
+    assert_clean(layer.workspace())
+
+
+def test_bias_of_one_projection_only(bundle, check):
+    """A checkpoint with only a down-projection bias: FC1 runs with a zero bias."""
+    model = Model("swigluoai", seed=41)
+    _, b2 = _biases(model, model.w13.n)
+    w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
+    layer = MoeLayer(bundle, model.w13, w2, top_k=model.top_k, activation=model.activation)
+    for m in (1, 37, 1000):
+        x, w, ids = model.inputs(m)
+        out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+        ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b2=b2, **model.ref_kw)
+        check(out, ref, f"w2 bias only M={m}", "swigluoai+w2 bias")
+
+
+def test_mxfp4_checkpoint_layer(bundle, check):
+    """gpt-oss-style MXFP4 tensors (interleaved gate/up rows, biases) served as stored values.
+
+    The reference dequantizes the checkpoint tensors from the MXFP4 definition and splits gate/up
+    the way gpt-oss does (even rows gate, odd rows up)."""
+    h, i, e, top_k, activation, dtype = PROBLEMS["swigluoai"]
+    g = torch.Generator().manual_seed(43)
+    blocks13, scales13 = random_mxfp4(e, 2 * i, h, g, spread=5, center=121)
+    blocks2, scales2 = random_mxfp4(e, h, i, g, spread=5, center=121)
+    bias13 = (torch.randn(e, 2 * i, generator=g) * 0.5).to(torch.bfloat16)
+    bias2 = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    w13 = prepare_w13_mxfp4(blocks13, scales13, dtype, bias=bias13).to("cuda")  # interleaved by default
+    w2 = prepare_w2_mxfp4(blocks2, scales2, dtype, bias=bias2).to("cuda")
+    layer = MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation)
+    w13_f = dequantize_mxfp4(blocks13, scales13)
+    gate_up = torch.cat((w13_f[:, 0::2], w13_f[:, 1::2]), dim=1).cuda()
+    b13 = torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1).cuda()
+    w2_f = dequantize_mxfp4(blocks2, scales2).cuda()
+    model = Model("swigluoai", seed=44)  # inputs only
+    for m in TOKENS:
+        x, w, ids = model.inputs(m)
+        out = layer(x, w, ids, out=poisoned(m, h, dtype))
+        ref, _, _ = moe_reference(x, gate_up, w2_f, w, ids, activation, b13=b13, b2=bias2.cuda(), **OAI)
+        check(out, ref, f"mxfp4 + bias M={m}", "swigluoai mxfp4+bias")
+
+
+def test_bias_layer_needs_bias_kernels(bundle):
+    """silu-bf16 was built without biases: a layer with biases is refused before any launch."""
+    model = Model("silu-bf16", seed=47)
+    b13, b2 = _biases(model, model.w13.n)
+    w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
+    with pytest.raises(UnknownSpecializationError, match="bias"):
+        MoeLayer(bundle, w13, model.w2, top_k=model.top_k, activation=model.activation)

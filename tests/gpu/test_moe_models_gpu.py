@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
+from cuteaot.runtime import load_bundle, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
 from cuteaot.runtime.moe import MoeLayer
 from tests.reference.moe import moe_reference
+from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -70,3 +71,35 @@ def test_model_layer_matches_reference(bundle, name):
         assert err <= 1e-2, f"{name} M={m}: rel err {err:.2e}"
         worst = max(worst, err)
     print(f"\n{name:24s} worst rel err {worst:.2e} over M in {TOKENS}")
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b"])
+def test_gpt_oss_mxfp4_with_biases_matches_reference(bundle, name):
+    """The checkpoint's format: MXFP4 blocks/scales with interleaved gate/up rows and expert biases.
+
+    Scales spread over 2**-12 .. 2**-2 (e8m0 115..125); the reference dequantizes from the MXFP4
+    definition and splits gate (even rows) and up (odd rows) as gpt-oss does."""
+    h, i, e, top_k, act = PROBLEMS[name]
+    g = torch.Generator(device="cuda").manual_seed(len(name) + 1)
+    blocks13, scales13 = random_mxfp4(e, 2 * i, h, g, spread=5, center=120)
+    blocks2, scales2 = random_mxfp4(e, h, i, g, spread=5, center=120)
+    bias13 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    bias2 = (torch.randn(e, h, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    layer = MoeLayer(bundle, prepare_w13_mxfp4(blocks13, scales13, "bf16", bias=bias13),
+                     prepare_w2_mxfp4(blocks2, scales2, "bf16", bias=bias2), top_k=top_k, activation=act)
+    w13_f = dequantize_mxfp4(blocks13, scales13)
+    w13_f = torch.cat((w13_f[:, 0::2], w13_f[:, 1::2]), dim=1)
+    b13 = torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1)
+    w2_f = dequantize_mxfp4(blocks2, scales2)
+    worst = 0.0
+    for m in TOKENS:
+        x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+        weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+        out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, b13=b13, b2=bias2, **OAI)
+        assert not out.isnan().any(), f"M={m}: NaN in the output"
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"{name} mxfp4 M={m}: rel err {err:.2e}"
+        worst = max(worst, err)
+    print(f"\n{name + ' mxfp4+bias':24s} worst rel err {worst:.2e} over M in {TOKENS}")

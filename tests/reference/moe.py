@@ -1,6 +1,6 @@
 """Float32 reference of a whole MoE layer, from dequantised weights; independent of cuteaot.runtime.
 
-    out[t] = sum over k of  w[t,k] * FC2_e(act(FC1_e(x[t])))     e = ids[t,k]
+    out[t] = sum over k of  w[t,k] * FC2_e(act(FC1_e(x[t])))     e = ids[t,k],  FC_e(x) = x W_e^T (+ b_e)
 
 (router weight on the FC1 output rows instead when `on_input`), with the activation in float32:
     silu       silu(min(g, L)) * clamp(u, -L, L)         (L only when given)
@@ -27,10 +27,11 @@ def activation_reference(h: torch.Tensor, activation: str, inter: int, alpha=Non
 
 
 def moe_reference(x, w13, w2, topk_weights, topk_ids, activation: str, *, alpha=None, beta=None, limit=None,
-                  on_input=False, local=None, expert_index=None):
+                  on_input=False, local=None, expert_index=None, b13=None, b2=None):
     """x (M, H); w13 (E_w, N1, H), w2 (E_w, H, I) float32; ids (M, top_k) global expert ids.
 
     expert_index maps a global id to its row of w13/w2 (default: identity).
+    b13 (E_w, N1), b2 (E_w, H): optional per-expert biases, FC(x) = x W^T + b.
     Returns (out (M, H), activation rows (M*top_k, I) (zero where not local), the local-route mask).
     """
     m, top_k = topk_ids.shape
@@ -47,10 +48,14 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, activation: str, *, alpha=
     for e in rows[keep].unique().tolist():  # one matmul per expert: no per-route weight copies
         r = (keep & (rows == e)).nonzero().view(-1)
         h = x.float()[tokens[r]] @ w13[e].T
+        if b13 is not None:
+            h = h + b13[e].float()
         if on_input:
             h = h * w[r, None]
         a = activation_reference(h, activation, inter, alpha, beta, limit)
         y = a @ w2[e].T
+        if b2 is not None:
+            y = y + b2[e].float()
         if not on_input:
             y = y * w[r, None]
         out.index_add_(0, tokens[r], y)

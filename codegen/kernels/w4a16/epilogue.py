@@ -37,6 +37,17 @@ class EpilogueMixin:
             I.red_add_bf16x2(addr, v)
 
     @cute.jit
+    def _pair_add(self, x: Uint32, y: Uint32) -> Uint32:
+        """Two dtype pairs added in float32 (one rounding back to dtype)."""
+        if cutlass.const_expr(self.is_fp16):
+            x0, x1 = I.f16x2_to_f32x2(x)
+            y0, y1 = I.f16x2_to_f32x2(y)
+        else:
+            x0, x1 = I.bf16x2_to_f32x2(x)
+            y0, y1 = I.bf16x2_to_f32x2(y)
+        return self._pack_pair(x0 + y0, x1 + y1)
+
+    @cute.jit
     def _st_elem(self, addr: Int32, v):
         if cutlass.const_expr(self.is_fp16):
             I.st_shared_f16_from_f32(addr, v)
@@ -54,7 +65,8 @@ class EpilogueMixin:
         return self._pack_pair(x0 * x0, x1 * x1)
 
     @cute.jit
-    def _store_chunk(self, ops, smem: Int32, row: Int32, col: Int32, valid_rows: Int32, staged: Int32):
+    def _store_chunk(self, ops, smem: Int32, row: Int32, col: Int32, valid_rows: Int32, staged: Int32,
+                     bias_row: Int64):
         """Write the staged 16-byte chunk at `staged` to output column chunk `col` of block row `row`.
 
         Rows past the block's routes and (zero-padded N) columns past n_out are not written.
@@ -65,7 +77,7 @@ class EpilogueMixin:
             store = store and col < Int32(s.n_out // 8)
         if store:
             route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
-            q0, q1, q2, q3 = self._finish_chunk(smem, row, I.ld_shared_v4_u32(staged))
+            q0, q1, q2, q3 = self._finish_chunk(smem, row, I.ld_shared_v4_u32(staged), bias_row + Int64(col) * Int64(16))
             if cutlass.const_expr(s.sum_topk > 0):
                 # fused top-k sum: add this route's row into its token's row (zeroed before)
                 addr = ops.out + (Int64(route // Int32(s.sum_topk)) * Int64(s.out_width // 8) + Int64(col)) * Int64(16)
@@ -78,10 +90,16 @@ class EpilogueMixin:
                 I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
 
     @cute.jit
-    def _finish_chunk(self, smem: Int32, row: Int32, q):
-        """One staged 16-byte output chunk of block row `row`: x its router weight, relu2."""
+    def _finish_chunk(self, smem: Int32, row: Int32, q, bias_chunk: Int64):
+        """One staged 16-byte output chunk of block row `row`: + the expert's bias, x its router weight, relu2."""
         s = self.s
         q0, q1, q2, q3 = q
+        if cutlass.const_expr(s.bias):
+            b0, b1, b2, b3 = I.ld_global_nc_v4_u32(bias_chunk)
+            q0 = self._pair_add(q0, b0)
+            q1 = self._pair_add(q1, b1)
+            q2 = self._pair_add(q2, b2)
+            q3 = self._pair_add(q3, b3)
         if cutlass.const_expr(s.mul_topk_weights):
             weight = I.ld_shared_u32(smem + Int32(s.sh_topk_off * 16) + row * Int32(4))
             q0 = self._pair_mul(q0, weight)
@@ -235,8 +253,8 @@ class EpilogueMixin:
 
     @cute.jit
     def _store_tile(self, ops, acc: cute.Tensor, smem: Int32, tid: Int32, n_tile: Int32, valid_rows: Int32,
-                    global_scale):
-        """acc * global_scale -> dtype in shared memory -> (x topk weight, relu2) -> out rows."""
+                    global_scale, bias_row: Int64):
+        """acc * global_scale -> dtype in shared memory -> (+ bias, x topk weight, relu2) -> out rows."""
         s = self.s
         c_sh_stride = Int32(2 * s.n_blocks + 1)  # int4 per staged row (+1 against bank conflicts)
         red = smem + Int32(s.sh_red_off * 16)
@@ -274,7 +292,7 @@ class EpilogueMixin:
         for _ in cutlass.range_constexpr(-(-rows // per_iter)):
             row = c_gl_wr // c_gl_stride
             col = c_gl_wr - row * c_gl_stride  # 16-byte chunk in the (stored) tile row
-            self._store_chunk(ops, smem, row, col, valid_rows, self._sh(smem, Int32(s.sh_red_off) + c_sh_rd))
+            self._store_chunk(ops, smem, row, col, valid_rows, self._sh(smem, Int32(s.sh_red_off) + c_sh_rd), bias_row)
             c_gl_wr += c_gl_stride * Int32(per_iter)
             c_sh_rd += c_sh_stride * Int32(per_iter)
         cute.arch.sync_threads()

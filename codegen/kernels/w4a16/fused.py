@@ -44,11 +44,11 @@ class W4A16FusedMoeKernel:
                  activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
                  w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
                  block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
-                 c_tmp: cute.Pointer, locks: cute.Pointer, amax: cute.Pointer, layer: Int32, tokens: Int32,
-                 num_experts: Int32, stream):
+                 w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
+                 amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32, stream):
         self.kernel(a, w13, w2, fc1_out, activated, fc2_out, w13_scales, w2_scales, w13_global_scale,
-                    w2_global_scale, route_indices, block_experts, route_count, topk_weights, c_tmp, locks, amax,
-                    layer, tokens, num_experts).launch(
+                    w2_global_scale, route_indices, block_experts, route_count, topk_weights, w13_bias, w2_bias,
+                    c_tmp, locks, amax, layer, tokens, num_experts).launch(
             grid=(1, 1, 1), block=[self.threads, 1, 1], smem=self.s.shared_bytes,
             min_blocks_per_mp=self.s.blocks_per_sm, stream=stream, preferred_smem_carveout=100,
         )
@@ -58,8 +58,8 @@ class W4A16FusedMoeKernel:
                activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
                w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
                block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
-               c_tmp: cute.Pointer, locks: cute.Pointer, amax: cute.Pointer, layer: Int32, tokens: Int32,
-               num_experts: Int32):
+               w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
+               amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32):
         s = self.s
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -74,9 +74,11 @@ class W4A16FusedMoeKernel:
         )
         fc1_target = fc1_out if s.gated else activated  # relu2 is FC1's epilogue
         fc1_ops = _Operands(a=I.gmem_address(a), qweight=I.gmem_address(w13), out=I.gmem_address(fc1_target),
-                            scales=I.gmem_address(w13_scales), global_scale=I.gmem_address(w13_global_scale), **routing)
+                            scales=I.gmem_address(w13_scales), global_scale=I.gmem_address(w13_global_scale),
+                            bias=I.gmem_address(w13_bias), **routing)
         fc2_ops = _Operands(a=I.gmem_address(activated), qweight=I.gmem_address(w2), out=I.gmem_address(fc2_out),
-                            scales=I.gmem_address(w2_scales), global_scale=I.gmem_address(w2_global_scale), **routing)
+                            scales=I.gmem_address(w2_scales), global_scale=I.gmem_address(w2_global_scale),
+                            bias=I.gmem_address(w2_bias), **routing)
         routes = tokens * Int32(s.top_k)
         first = cta * Int32(self.threads) + tid  # this thread's index in grid-strided passes
         stride = grid_x * Int32(self.threads)

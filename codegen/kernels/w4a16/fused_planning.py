@@ -270,7 +270,7 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         collect_amax=facts.calibration, fast_math=facts.fast_math, swiglu_alpha=facts.swiglu_alpha,
         swiglu_beta=facts.swiglu_beta, swiglu_limit=facts.swiglu_limit, whole_tiles_m8=plan.whole_tiles_m8,
         amax_experts=(amax_experts or facts.num_experts) if facts.calibration else 0,
-        mainloop=Mainloop(plan.mainloop),
+        mainloop=Mainloop(plan.mainloop), bias=facts.bias,
     )
 
 
@@ -309,7 +309,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     relu2 = not facts.activation.is_gated
     on_input = facts.router_weight_on_input
     s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
-                       mul_topk_weights=on_input, epilogue="relu2" if relu2 else "none")
+                       mul_topk_weights=on_input, epilogue="relu2" if relu2 else "none", bias=facts.bias)
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
-                       mul_topk_weights=not on_input, epilogue="none")
+                       mul_topk_weights=not on_input, epilogue="none", bias=facts.bias)
     return GemmPhase(p1, s1), GemmPhase(p2, s2)

@@ -57,10 +57,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     @cute.jit
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
                  global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
-                 route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-                 tokens: Int32, num_experts: Int32, stream):
+                 route_count: cute.Pointer, topk_weights: cute.Pointer, bias: cute.Pointer, c_tmp: cute.Pointer,
+                 locks: cute.Pointer, tokens: Int32, num_experts: Int32, stream):
         self.kernel(a, qweight, out, scales, global_scale, route_indices, block_experts, route_count, topk_weights,
-                    c_tmp, locks, tokens, num_experts).launch(
+                    bias, c_tmp, locks, tokens, num_experts).launch(
             grid=(1, 1, 1), block=[self.s.threads, 1, 1], smem=self.s.shared_bytes,
             min_blocks_per_mp=self.s.blocks_per_sm, stream=stream,
             # stated so CuTeDSL does not query a GPU; the runtime sets the carveout at load
@@ -70,8 +70,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     @cute.kernel
     def kernel(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
                global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
-               route_count: cute.Pointer, topk_weights: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-               tokens: Int32, num_experts: Int32):
+               route_count: cute.Pointer, topk_weights: cute.Pointer, bias: cute.Pointer, c_tmp: cute.Pointer,
+               locks: cute.Pointer, tokens: Int32, num_experts: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -81,7 +81,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             scales=I.gmem_address(scales), global_scale=I.gmem_address(global_scale),
             route_indices=I.gmem_address(route_indices), block_experts=I.gmem_address(block_experts),
             route_count=I.gmem_address(route_count), topk_weights=I.gmem_address(topk_weights),
-            c_tmp=I.gmem_address(c_tmp), locks=I.gmem_address(locks), num_experts=num_experts,
+            bias=I.gmem_address(bias), c_tmp=I.gmem_address(c_tmp), locks=I.gmem_address(locks),
+            num_experts=num_experts,
         )
         self._persistent(ops, I.shared_ptr_to_u32(smem_ptr), Int32(tidx), Int32(bidx), Int32(gdim), tokens)
 
@@ -251,6 +252,11 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             valid = I.sync_threads_count(in_block)
         return valid
 
+    @cute.jit
+    def _bias_row(self, ops, expert: Int32) -> Int64:
+        """Address of the expert's bias row (its 16-byte chunk c at + 16 c); unused without bias."""
+        return ops.bias + Int64(expert) * Int64(self.s.out_width * 2)
+
     # ------------------------------------------------------------------ one tile
 
     @cute.jit
@@ -294,4 +300,4 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         if slice_count > Int32(1):
             self._merge_split_k(ops, acc, tid, valid_rows, lock_slot, slice_idx, slice_count)
         if slice_idx == slice_count - Int32(1):
-            self._store_tile(ops, acc, smem, tid, n_tile, valid_rows, global_scale)
+            self._store_tile(ops, acc, smem, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))

@@ -269,7 +269,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
     @cute.jit
     def _wg_store(self, ops, acc: cute.Tensor, smem: Int32, t, tid: Int32, n_tile: Int32, valid_rows: Int32,
-                  global_scale):
+                  global_scale, bias_row: Int64):
         """acc * global_scale -> dtype, staged as [token][n] in shared memory -> 16-byte row stores."""
         s = self.s
         row_bytes = Int32(s.wg_out_row_bytes)
@@ -292,7 +292,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         for it in cutlass.range_constexpr(s.moe_block_size * chunks // s.threads):
             row = tid // Int32(chunks) + Int32(it * s.threads // chunks)
             self._store_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows,
-                              t.base + row * row_bytes + col * Int32(16))
+                              t.base + row * row_bytes + col * Int32(16), bias_row)
         cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ one tile
@@ -309,7 +309,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         if slice_count > Int32(1):
             self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
         if slice_idx == slice_count - Int32(1):
-            self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale)
+            self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
 
 
 def gemm_kernel(spec) -> W4A16GemmKernel:

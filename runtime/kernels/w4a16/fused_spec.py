@@ -41,7 +41,7 @@ from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 @dataclass(frozen=True)
 class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
-    VERSION = 1
+    VERSION = 2  # 2: the bias parameter(s) joined the ABI
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -59,6 +59,8 @@ class FusedSpec(SpecKey):
             ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = none/remote)"),
             ptr("route_count", Pointee.I32, "int32[1] packed slot count"),
             ptr("topk_weights", Pointee.F32, "(M, top_k) float32 router weights"),
+            ptr("w13_bias", Pointee.ELEM, "(E, fc1 width) dtype FC1 bias, [gate | up] (read if bias)"),
+            ptr("w2_bias", Pointee.ELEM, "(E, H) dtype FC2 bias (read if bias)"),
             ptr("c_tmp", Pointee.F32, "float32 split-K partials (shared by FC1 and FC2)"),
             ptr("locks", Pointee.I32, "int32: barrier words then split-K lock slots; zero between launches"),
             ptr("amax", Pointee.F32, "(layers, E, 2) float32 activation maxima (read if collect_amax)"),
@@ -91,6 +93,7 @@ class FusedSpec(SpecKey):
     whole_tiles_m8: bool = True
     amax_experts: int = 0  # collect_amax: experts in the weights (rows of the amax table); else 0
     mainloop: Mainloop = Mainloop.MMA_SYNC  # both GEMM phases (wgmma: sm_90a, 64/128-row blocks)
+    bias: bool = False  # per-expert biases in FC1's and FC2's epilogues (gpt-oss)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -98,6 +101,9 @@ class FusedSpec(SpecKey):
         object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         if self.decode and (self.expert_map or self.collect_amax or self.moe_block_size != 8):
             raise BadInputError("decode (direct routes, fused top-k sum) needs 8-row blocks, no expert_map, no amax")
+        if self.bias and self.router_weight_on_input:
+            raise BadInputError("bias with router_weight_on_input is not defined: the router weight would "
+                                "scale FC1's bias but not FC2's")
         if (self.amax_experts > 0) != self.collect_amax:
             raise BadInputError("amax_experts is the amax table's expert count: set exactly when collect_amax")
         if (self.mainloop is Mainloop.MMA_SYNC
@@ -127,7 +133,7 @@ class FusedSpec(SpecKey):
             k_in=None if logical_k == k else logical_k, tile_n=tile_n, tile_k=tile_k,
             moe_block_size=self.moe_block_size, blocks_per_sm=self.blocks_per_sm,
             routes=Routes.DIRECT if self.decode else Routes.PACKED, whole_tiles_m8=self.whole_tiles_m8,
-            mainloop=self.mainloop, **facts,
+            mainloop=self.mainloop, bias=self.bias, **facts,
         )
 
     @property

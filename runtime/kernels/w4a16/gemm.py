@@ -287,7 +287,8 @@ def w4a16_moe_gemm(
         a=a.data_ptr(), qweight=weights.qweight.data_ptr(), out=out.data_ptr(), scales=weights.scales.data_ptr(),
         global_scale=weights.global_scale.data_ptr(), route_indices=routes.route_indices.data_ptr(),
         block_experts=routes.block_experts.data_ptr(), route_count=routes.route_count.data_ptr(),
-        topk_weights=tw.data_ptr(), c_tmp=workspace.c_tmp.data_ptr(), locks=workspace.locks.data_ptr(),
+        topk_weights=tw.data_ptr(), bias=workspace.c_tmp.data_ptr(),  # GEMM tables build no bias variant
+        c_tmp=workspace.c_tmp.data_ptr(), locks=workspace.locks.data_ptr(),
         tokens=tokens, num_experts=weights.num_experts,
     )
     return out

@@ -4,7 +4,7 @@ The kernel (codegen/kernels/w4a16/gemm.py, mainloop.py, epilogue.py, wgmma.py; p
 `W4A16GemmKernel`) computes, for every packed route block of `moe_block_size`
 rows routed to expert e,
 
-    out[route, :] = (A[route // top_k, :] @ W_e^T) * global_scale[e] (* topk_weight[route])
+    out[route, :] = ((A[route // top_k, :] @ W_e^T) * global_scale[e] (+ bias[e])) (* topk_weight[route])
 
 with W_e the NVFP4 weights in the packed layout of docs/layouts.md.  A is
 (tokens, K) for FC1 (top_k > 1) or (routes, K) for FC2 (top_k = 1); out is
@@ -69,7 +69,7 @@ class Epilogue(str, Enum):
 @dataclass(frozen=True)
 class GemmSpec(SpecKey):
     FAMILY = "w4a16_moe_gemm"
-    VERSION = 1
+    VERSION = 2  # 2: the bias parameter(s) joined the ABI
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -82,6 +82,8 @@ class GemmSpec(SpecKey):
             ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = empty)"),
             ptr("route_count", Pointee.I32, "int32[1] packed slot count"),
             ptr("topk_weights", Pointee.F32, "(routes,) float32 router weights (read if mul_topk_weights)"),
+            ptr("bias", Pointee.ELEM, "(E, n_out) dtype per-expert bias, added before the router weight "
+                "and relu2 (read if bias)"),
             ptr("c_tmp", Pointee.F32, "float32 split-K partials, lock_slots * 16*m_blocks * tile_n"),
             ptr("locks", Pointee.I32, "int32[lock_slots] split-K turn counters, zero between launches"),
             i32("tokens", "M, the number of token rows routed (routes = M * top_k)"),
@@ -115,6 +117,9 @@ class GemmSpec(SpecKey):
     # and each route's row is added with red.add into out[route // sum_topk] (zeroed beforehand).
     sum_topk: int = 0
     mainloop: Mainloop = Mainloop.MMA_SYNC
+    # Per-expert bias (gpt-oss): bias[e, :n_out] added to each output row before the router weight
+    # and relu2, in float32 on the rounded product (one extra rounding to dtype).
+    bias: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
