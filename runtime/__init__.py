@@ -26,7 +26,9 @@ from .kernels import (
 )
 from .manifest import verify_bundle
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
-from .parallel import ParallelMoeLayer, ep_partition, ep_select, tp_shard_w2, tp_shard_w13
+from .parallel import (
+    ParallelMoeLayer, ep_partition, ep_select, tp_shard_bias2, tp_shard_bias13, tp_shard_w2, tp_shard_w13,
+)
 from .types import Activation, DType
 from .weights import (
     PackedNvfp4, W13Order, pack_nvfp4, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4, unpack_nvfp4,
@@ -51,6 +53,8 @@ __all__ = [
     "ep_select",
     "tp_shard_w13",
     "tp_shard_w2",
+    "tp_shard_bias13",
+    "tp_shard_bias2",
     "Activation",
     "DType",
     "DeviceProfile",

@@ -30,8 +30,8 @@ from .types import Activation
 from .weights import SCALE_GROUP_K, PackedNvfp4, W13Order
 
 
-__all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "ep_partition", "ep_select",
-           "ParallelMoeLayer"]
+__all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "tp_shard_bias13", "tp_shard_bias2",
+           "ep_partition", "ep_select", "ParallelMoeLayer"]
 
 
 class ModelOptTensors(NamedTuple):
@@ -133,6 +133,31 @@ def tp_shard_w2(w2: ModelOptTensors, rank: int, world: int) -> ModelOptTensors:
         scale[:, :, s.start // SCALE_GROUP_K: s.stop // SCALE_GROUP_K].contiguous(),
         scale_2,
     )
+
+
+def tp_shard_bias13(bias: torch.Tensor, rank: int, world: int, *, activation: Activation | str,
+                    order: W13Order | str | None = None) -> torch.Tensor:
+    """This rank's entries of W13's bias (E, rows): the columns of `tp_shard_w13`'s rows, gate|up order."""
+    act = _activation(activation)
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 2:
+        raise BadInputError(f"the W13 bias must be a (E, rows) tensor, got {getattr(bias, 'shape', type(bias))}")
+    if act.is_gated:
+        take = _gated_rows(bias.shape[1], rank, world, W13Order.GATE_UP if order is None else order, act)
+    elif order is not None:
+        raise BadInputError(f"{act.value} is not gated: order={order!r} has no meaning; leave order out")
+    else:
+        s = tp_slice(bias.shape[1], rank, world)
+        take = torch.arange(s.start, s.stop)
+    return bias.index_select(1, take.to(bias.device))
+
+
+def tp_shard_bias2(bias: torch.Tensor, rank: int, world: int) -> torch.Tensor | None:
+    """W2's bias (E, H) on rank 0 and None elsewhere: the all-reduce sums the ranks' FC2 outputs, so
+    the bias must be added once (a layer without a W2 bias adds zeros)."""
+    _check_shard(rank, world)
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 2:
+        raise BadInputError(f"the W2 bias must be a (E, H) tensor, got {getattr(bias, 'shape', type(bias))}")
+    return bias if rank == 0 else None
 
 
 def ep_partition(num_experts: int, rank: int, world: int, device=None) -> tuple[torch.Tensor, range]:

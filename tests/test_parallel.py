@@ -196,3 +196,29 @@ def test_ep_ranks_sum_to_the_whole_layer(layer, world):
 def test_parallel_layer_needs_torch_distributed():
     with pytest.raises(BadInputError, match="torch.distributed"):
         ParallelMoeLayer(None, None, None, top_k=2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("order", ["gate_up", "interleaved"])
+def test_tp_shards_with_biases_sum_to_the_whole_layer(layer, world, order):
+    """FC1's bias follows the rank's rows; FC2's bias is added on rank 0 only (the all-reduce sums)."""
+    from cuteaot.runtime.parallel import tp_shard_bias2, tp_shard_bias13
+
+    w13, w2, x, weights, ids = layer
+    g = torch.Generator().manual_seed(21)
+    b13, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)  # b13 [gate | up]
+    stored13 = w13 if order == "gate_up" else ModelOptTensors(
+        *(torch.stack((t[:, :I], t[:, I:]), dim=2).flatten(1, 2) for t in w13[:2]), w13.weight_scale_2)
+    stored_b13 = b13 if order == "gate_up" else torch.stack((b13[:, :I], b13[:, I:]), dim=2).flatten(1, 2)
+    full, _, _ = moe_reference(x, dequantize_modelopt(*w13), dequantize_modelopt(*w2), weights, ids, "silu",
+                               b13=b13, b2=b2)
+    total = torch.zeros_like(full)
+    for rank in range(world):
+        s13 = tp_shard_w13(stored13, rank, world, activation="silu", order=order)
+        sb13 = tp_shard_bias13(stored_b13, rank, world, activation="silu", order=order)
+        sb2 = tp_shard_bias2(b2, rank, world)
+        assert (sb2 is None) == (rank > 0) and sb13.shape == (E, 2 * I // world)
+        part, _, _ = moe_reference(x, dequantize_modelopt(*s13), dequantize_modelopt(*tp_shard_w2(w2, rank, world)),
+                                   weights, ids, "silu", b13=sb13, b2=sb2)
+        total += part
+    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)

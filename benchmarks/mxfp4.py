@@ -1,0 +1,127 @@
+"""gpt-oss in its checkpoint format (MXFP4 + expert biases) against the same layer in NVFP4, on the H200.
+
+    python -m benchmarks.mxfp4 --bundle generated/moe-models [--models gpt-oss-120b,gpt-oss-20b]
+                               [--m 1,8,64,256,1024,4096] [--json docs/results/mxfp4-<date>.json]
+
+Per model and M, in one process on one routing (uniform top-k):
+
+* `nvfp4`       MoeLayer on random ModelOpt NVFP4 weights, no biases (what the peer benchmark runs);
+* `mxfp4+bias`  MoeLayer on random MXFP4 blocks/scales with gpt-oss's interleaved gate/up rows and
+                bf16 biases, packed by prepare_w13_mxfp4 / prepare_w2_mxfp4.
+
+Timing as in benchmarks/peers.py: CUDA-graph replay of (L2 flush, layer call), the flush's own time
+subtracted, median of 11 reps.  At one M (--check-m) both outputs are compared with the float32
+reference (tests/reference/moe.py) after poisoning.  Issue 15's target: MXFP4 within 5 % of NVFP4 at
+every M (the packed bytes per weight are the same, 4.5 bits; the biases add one 16-byte load per
+stored output chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import device_us
+from tests.reference.moe import moe_reference
+from tests.reference.moe_elementwise import relative_error
+from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
+from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"gpt-oss-120b": (2880, 2880, 128, 4), "gpt-oss-20b": (2880, 2880, 32, 4)}  # H, I, E, top_k
+OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
+FLUSH_BYTES = 256 << 20  # several times the H200's L2 (peers.py's default)
+
+
+def _layers(bundle, h, i, e, top_k, g):
+    from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
+
+    q13, q2 = random_nvfp4(e, 2 * i, h, g), random_nvfp4(e, h, i, g)
+    nvfp4 = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation="swigluoai")
+    ref_nv = (dequantize_modelopt(*q13), dequantize_modelopt(*q2), None, None)
+    del q13, q2
+    b13, s13 = random_mxfp4(e, 2 * i, h, g, spread=5, center=120)
+    b2, s2 = random_mxfp4(e, h, i, g, spread=5, center=120)
+    bias13 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    bias2 = (torch.randn(e, h, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    mx = MoeLayer(bundle, prepare_w13_mxfp4(b13, s13, "bf16", bias=bias13),
+                  prepare_w2_mxfp4(b2, s2, "bf16", bias=bias2), top_k=top_k, activation="swigluoai")
+    w13 = dequantize_mxfp4(b13, s13)
+    ref_mx = (torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1), dequantize_mxfp4(b2, s2),
+              torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1), bias2)
+    return {"nvfp4": (nvfp4, ref_nv), "mxfp4+bias": (mx, ref_mx)}
+
+
+def run(bundle, models, ms, check_m) -> list[dict]:
+    buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = buf.sum  # reads: clean lines leave L2 for free, no write-back lands in the timed call (as peers.py)
+    flush_us = device_us(flush)
+    rows = []
+    for name in models:
+        h, i, e, top_k = MODELS[name]
+        g = torch.Generator(device="cuda").manual_seed(len(name))
+        layers = _layers(bundle, h, i, e, top_k, g)
+        for m in sorted(set(ms) | {check_m}):
+            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+            w = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+            for impl, (layer, ref_w) in layers.items():
+                out = torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe()}
+                if m == check_m:
+                    layer(x, w, ids, out=out)
+                    ref, _, _ = moe_reference(x, ref_w[0], ref_w[1], w, ids, "swigluoai", b13=ref_w[2], b2=ref_w[3],
+                                              **OAI)
+                    err = relative_error(out, ref)
+                    row["rel_err"] = err if math.isfinite(err) else None
+                if m in ms:
+                    row["us"] = device_us(lambda: (flush(), layer(x, w, ids, out=out))) - flush_us
+                rows.append(row)
+                us = f"{row['us']:9.1f} us" if "us" in row else " " * 12
+                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
+                print(f"{name:14s} M={m:5d} {impl:11s} {us}{err}  {row['plan']}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    by = {(r["model"], r["M"], r["impl"]): r for r in rows}
+    lines = ["| model | M | NVFP4 µs | MXFP4 + bias µs | MXFP4 / NVFP4 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for model, m in dict.fromkeys((r["model"], r["M"]) for r in rows if "us" in r):
+        a, b = by[(model, m, "nvfp4")]["us"], by[(model, m, "mxfp4+bias")]["us"]
+        lines.append(f"| {model} | {m} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default=str(REPO / "generated" / "moe-models"))
+    p.add_argument("--models", default=",".join(MODELS), type=lambda s: [v for v in s.split(",") if v])
+    p.add_argument("--m", default="1,8,64,256,1024,4096", type=lambda s: [int(v) for v in s.split(",") if v])
+    p.add_argument("--check-m", type=int, default=64)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
+    from cuteaot.runtime import load_bundle
+
+    rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m)
+    print(table(rows))
+    path = Path(args.json or REPO / "docs" / "results" / f"mxfp4-{datetime.date.today().isoformat()}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": args.commit,
+                                "gpu": torch.cuda.get_device_name(), "method": __doc__, "rows": rows}, indent=1))
+    bad = [r for r in rows if r.get("rel_err") is not None and r["rel_err"] > 1e-2]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
