@@ -45,14 +45,27 @@ def test_decode_plan_qwen3_30b_single_token():
     assert p.decode and p.moe_block_size == 8
     assert p.fc1_tile == TileConfig(128, 128) and p.fc2_tile == TileConfig(64, 256)
     assert p.grid_x == 96 and p.max_route_slots == 64 and p.max_route_blocks == 8
+    assert p.whole_tiles_m8 and spec_of(p, *QWEN3_30B[:4], "silu").fc2_gemm.whole_tiles_m8
 
 
 def test_decode_plan_widens_fc1_when_it_saves_a_wave():
     p = plan_fused(2, *QWEN3_30B, True, H200)
     # 16 routes x 12 tiles = 192 > 132 SMs, 96 wide tiles fit one wave (the seed's wide-N override)
-    assert p.fc1_tile == TileConfig(64, 256) and p.grid_x == 96
+    assert p.fc1_tile == TileConfig(64, 256)
+    # ... but FC2's 16 x 8 = 128 wide tiles would need a second wave of 96: K is split over the grid
+    assert p.grid_x == p.max_grid_x == 264 and not p.whole_tiles_m8
     p4 = plan_fused(4, *QWEN3_30B, True, H200)  # past DECODE_MAX_M: route-packed
     assert not p4.decode and p4.moe_block_size == 8 and p4.fc1_tile == TileConfig(64, 128)
+
+
+def test_decode_splits_k_over_the_grid_where_whole_tiles_need_a_second_wave():
+    glm = (4096, 1408, 128, 8)
+    p = plan_fused(1, *glm, True, H200)  # FC1 8 x 11 wide tiles, FC2 8 x 16: 128 > 88 would be two waves
+    assert p.decode and p.grid_x == p.max_grid_x and not p.whole_tiles_m8
+    spec = spec_of(p, *glm, "silu")
+    assert not spec.fc1_gemm.whole_tiles_m8 and not spec.fc2_gemm.whole_tiles_m8
+    gpt_oss = plan_fused(1, 2880, 2880, 128, 4, True, H200)  # 180 FC1 and 92 FC2 tiles on 180 CTAs: one wave
+    assert gpt_oss.grid_x == 180 and gpt_oss.whole_tiles_m8
 
 
 def test_decode_ends_at_decode_max_m_and_with_expert_map_or_calibration():

@@ -11,9 +11,11 @@ Two regimes, as in the seed:
 * decode (M <= DECODE_MAX_M = 2, no expert_map, no amax calibration): every route is
   its own 8-row block read straight from topk_ids (no route packing); FC2 adds
   each route's row into its token's output row with red.add, so the top-k sum
-  is folded into the kernel and the output is zeroed in its prologue.  The grid
-  is right-sized to a whole number of FC1 tile waves, so each CTA owns whole-K
-  FC1 tiles (no split-K), and wide N tiles are chosen where they save a wave.
+  is folded into the kernel and the output is zeroed in its prologue.  Where one
+  wave of whole-K tiles covers both GEMMs, the grid is right-sized to FC1's tiles and
+  each CTA owns one whole tile (no split-K); where either GEMM would need a second
+  wave, K is split over every co-resident CTA instead (measured 0.76-0.94x on the
+  H200, see DECODE_ONE_WAVE).  Wide N tiles are chosen where they save a wave.
 * packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
   separate top-k sum kernel combines them; the grid is every co-resident CTA.
 """
@@ -70,6 +72,12 @@ from .planning import (
 # 75.3 us; gpt-oss-120b 208.3 vs 171.1 us): one route per block re-reads shared experts and its
 # whole-tile waves quantise badly.
 DECODE_MAX_M = 2
+# Decode keeps whole-K tiles on a right-sized grid only while one wave of them covers FC1 and FC2;
+# otherwise K is split over every co-resident CTA.  A/B on the H200 (benchmarks/compare_layer.py,
+# docs/benchmarks.md "Decode: split K over the grid"): splitting took 0.76-0.94x the time wherever
+# the whole-tile plan needed a second wave (GLM-4.5-Air, Qwen3-235B, gpt-oss-120b M = 2, Mixtral,
+# Nemotron M = 2) and 1.05-1.12x where one wave sufficed (Qwen3-30B and gpt-oss-120b at M = 1).
+DECODE_ONE_WAVE = "whole tiles while one wave covers both GEMMs"
 # The fused kernel's mma.sync loop with 64-row route blocks needs 255 registers and spills
 # 256-288 B of stack on sm_100a / sm_120a / sm_121a (every such kernel of specs/moe-models.yaml,
 # compiled 2026-12-01); 48-row blocks fit in 194-196 registers without spilling.  On sm_90a large
@@ -94,11 +102,9 @@ class FusedPlan:
     max_route_slots: int
     max_route_blocks: int
     mainloop: str = "mma_sync"  # "wgmma": both GEMMs run the sm_90a warpgroup-MMA loop
-
-    @property
-    def whole_tiles_m8(self) -> bool:
-        """8-row blocks take one whole-K tile per CTA when the tiles fit the grid (the seed's fused choice)."""
-        return self.moe_block_size == 8
+    # 8-row blocks take one whole-K tile per CTA when the tiles fit the grid (the seed's fused
+    # choice); multi-wave decode plans split K over the grid instead
+    whole_tiles_m8: bool = False
 
     @property
     def lock_words(self) -> int:
@@ -158,7 +164,7 @@ def plan_fused(
         slots = max_packed_route_slots(routes, block, num_experts)
         return FusedPlan(m=m, decode=False, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
                          grid_x=cap, max_grid_x=cap, max_route_slots=slots, max_route_blocks=slots // block,
-                         mainloop="wgmma")
+                         mainloop="wgmma", whole_tiles_m8=False)
 
     def per_sm(n: int, tile: TileConfig) -> int:
         return blocks_per_sm(m, n, top_k, block, tile, _SCALE, profile, estimated_registers(tile, block))
@@ -169,21 +175,27 @@ def plan_fused(
         t1 = t2 = PACKED_M8_TILE
         bps = packed_m8_blocks_per_sm(profile)
     cap = profile.sm_count * bps
-    grid_x = cap
+    grid_x, whole_tiles = cap, block == 8
     if decode:
-        # the fewest whole FC1 waves that fit the co-resident grid, one whole tile per CTA a wave
-        fc1_tiles = routes * (n1 // t1.tile_n)
-        waves = -(-fc1_tiles // cap)
-        if fc1_tiles % waves == 0:
-            grid_x = fc1_tiles // waves
+        grid_x, whole_tiles = _decode_grid(routes * (n1 // t1.tile_n), routes * (n2 // t2.tile_n), cap)
         slots, blocks = routes * block, routes
     else:
         slots = max_packed_route_slots(routes, block, num_experts)
         blocks = slots // block
     return FusedPlan(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
-        grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks,
+        grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks, whole_tiles_m8=whole_tiles,
     )
+
+
+def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int) -> tuple[int, bool]:
+    """(grid, whole tiles) of a decode launch: one whole tile per CTA while one wave covers both GEMMs
+    (the grid right-sized to FC1's tiles), else split K over all `cap` co-resident CTAs (DECODE_ONE_WAVE)."""
+    waves = -(-fc1_tiles // cap)
+    grid = fc1_tiles // waves if fc1_tiles % waves == 0 else cap
+    if max(-(-fc1_tiles // grid), -(-fc2_tiles // grid)) > 1:
+        return cap, False
+    return grid, True
 
 
 def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile):
