@@ -221,8 +221,13 @@ def blocks_per_sm(
     scale_format: ScaleFormat,
     profile: DeviceProfile,
     registers: int,
+    cap: int | None = None,
 ) -> int:
     """Persistent CTAs per SM: what registers, shared memory and threads allow, then the seed's caps.
+
+    `cap` (a measured count for this block size) replaces the register estimate and the seed's
+    caps; shared memory and threads still bound it, and the kernel's launch bound makes ptxas
+    fit the registers (a spill fails a default build).
 
     Block size 8 (the decode path) runs M8_BLOCKS_PER_SM CTAs per SM whatever the
     register estimate says: the kernel's launch bound makes ptxas fit the registers
@@ -235,6 +240,8 @@ def blocks_per_sm(
     drops so the grid is not mostly idle.
     """
     limit = _resident_blocks(moe_block_size, tile, scale_format, profile, registers)
+    if cap is not None:
+        limit = max(min(cap, _resource_blocks(moe_block_size, tile, scale_format, profile)), 1)
     work_ctas = (n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
@@ -250,12 +257,10 @@ def _resident_blocks(moe_block_size: int, tile: TileConfig, scale_format: ScaleF
         raise BadInputError(f"registers must be in [1, {_MAX_REGISTERS_PER_THREAD}] per thread, got {registers!r}")
     unit = _REGISTER_UNIT_PER_THREAD
     registers_per_block = -(-registers // unit) * unit * tile.threads
-    smem = shared_memory_footprint(moe_block_size, tile, scale_format)
-    smem_limit = profile.max_shared_memory_per_block_optin // (smem + _RESIDENT_SHARED_MEMORY_PER_BLOCK)
-    threads_limit = profile.max_threads_per_sm // tile.threads
-    limit = min(profile.registers_per_sm // registers_per_block, smem_limit, threads_limit)
+    resources = _resource_blocks(moe_block_size, tile, scale_format, profile)
+    limit = min(profile.registers_per_sm // registers_per_block, resources)
     if moe_block_size == 8:
-        limit = max(min(M8_BLOCKS_PER_SM, smem_limit, threads_limit), 1)
+        limit = max(min(M8_BLOCKS_PER_SM, resources), 1)
     elif cta_m_blocks(moe_block_size) == 1:
         limit = max(min(limit, _MAX_BLOCKS_PER_SM_ONE_M_BLOCK), 1)
     else:
@@ -263,6 +268,14 @@ def _resident_blocks(moe_block_size: int, tile: TileConfig, scale_format: ScaleF
     return limit
 
 @functools.cache
+def _resource_blocks(moe_block_size: int, tile: TileConfig, scale_format: ScaleFormat,
+                     profile: DeviceProfile) -> int:
+    """CTAs per SM that shared memory and the thread count allow (registers aside)."""
+    smem = shared_memory_footprint(moe_block_size, tile, scale_format)
+    smem_limit = profile.max_shared_memory_per_block_optin // (smem + _RESIDENT_SHARED_MEMORY_PER_BLOCK)
+    return min(smem_limit, profile.max_threads_per_sm // tile.threads)
+
+
 def packed_m8_blocks_per_sm(profile: DeviceProfile) -> int:
     """CTAs per SM of PACKED_M8_TILE: PACKED_M8_BLOCKS_PER_SM where shared memory and threads allow."""
     smem = shared_memory_footprint(8, PACKED_M8_TILE, ScaleFormat.E4M3_K16) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
