@@ -322,3 +322,13 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
                         lambda fn, threads, smem: (driver.CUresult.CUDA_SUCCESS, 1))
     with pytest.raises(LaunchError, match="only 1 CTAs per SM fit on h200.*needs 4.*deadlock"):
         gemm.PersistentLaunch(bundle, spec.key().digest)
+
+
+def test_measured_ctas_per_sm_of_16_and_32_row_blocks_apply_where_measured():
+    """sm_90a runs 4 CTAs/SM for 16-row and 3 for 32-row packed blocks (measured faster, no spills);
+    sm_100a keeps the estimate (the same launch bound spills there); sm_12x is bounded by shared memory."""
+    assert plan_fused(256, *QWEN3_30B, True, H200).blocks_per_sm == 3  # 32-row blocks
+    assert plan_fused(256, *QWEN3_30B, True, PROFILES["b200"]).blocks_per_sm == 2
+    assert plan_fused(256, *QWEN3_30B, True, GB10).blocks_per_sm == 2
+    sixteen = plan_fused(256, 2880, 2880, 128, 4, True, H200)  # gpt-oss: 1024 routes, 16-row blocks
+    assert (sixteen.moe_block_size, sixteen.blocks_per_sm) == (16, 4)

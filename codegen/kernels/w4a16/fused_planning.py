@@ -83,12 +83,13 @@ DECODE_ONE_WAVE = "whole tiles while one wave covers both GEMMs"
 # compiled 2026-12-01); 48-row blocks fit in 194-196 registers without spilling.  On sm_90a large
 # blocks take the wgmma loop instead.
 FUSED_MMA_SYNC_MAX_BLOCK = 48
-# CTAs per SM of the fused kernel's packed mma.sync loop by route block, replacing the register
-# estimate and the seed's cap (2 for blocks of two MMA rows): ptxas fits 16-row blocks in 126
-# registers at 4/SM and 32-row blocks in 162 at 3/SM without spilling.  A/B on the H200
-# (benchmarks/compare_layer.py, docs/benchmarks.md "One more CTA per SM"): 0.93-0.95x the time at
-# M = 256-384 on Qwen3-30B, Qwen3-235B, GLM-4.5-Air and Nemotron, no slower elsewhere (<= 1.005).
-FUSED_PACKED_BLOCKS_PER_SM = {16: 4, 32: 3}
+# CTAs per SM of the fused kernel's packed mma.sync loop by arch and route block, replacing the
+# register estimate and the seed's cap (2 for blocks of two MMA rows).  sm_90a: ptxas fits 16-row
+# blocks in 126 registers at 4/SM and 32-row blocks in 162 at 3/SM without spilling; A/B on the
+# H200 (benchmarks/compare_layer.py, docs/benchmarks.md "One more CTA per SM"): 0.93-0.95x the time
+# at M = 256-384 on Qwen3-30B, Qwen3-235B, GLM-4.5-Air and Nemotron, no slower elsewhere (<= 1.005).
+# Not on sm_100a: there the same launch bounds spill (168 registers + 32-40 B of stack).
+FUSED_PACKED_BLOCKS_PER_SM = {"sm_90a": {16: 4, 32: 3}}
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
 _SCALE = ScaleFormat.E4M3_K16
 
@@ -173,7 +174,7 @@ def plan_fused(
                          mainloop="wgmma", whole_tiles_m8=False)
 
     def per_sm(n: int, tile: TileConfig) -> int:
-        cap = None if decode else FUSED_PACKED_BLOCKS_PER_SM.get(block)
+        cap = None if decode else FUSED_PACKED_BLOCKS_PER_SM.get(profile.arch, {}).get(block)
         return blocks_per_sm(m, n, top_k, block, tile, _SCALE, profile, estimated_registers(tile, block), cap)
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
