@@ -176,6 +176,10 @@ class MoeLayer:
             raise BadInputError(f"top_k={top_k} exceeds the {self.route_experts} experts")
         self.deterministic = bool(deterministic)
         self.w13_bias, self.w2_bias = self._biases(w13, w2)
+        # the bias pointers every launch passes, resolved once; kernels built without bias never
+        # read theirs, so the weights' own global scale stands in as a valid address
+        self._bias13_ptr, self._bias2_ptr = (b.data_ptr() if b is not None else w.global_scale.data_ptr()
+                                             for b, w in ((self.w13_bias, w13), (self.w2_bias, w2)))
         self.facts = MoeLayerFacts(
             dtype=self.dtype, hidden_size=self.hidden_size, intermediate_size=inter, num_experts=self.route_experts,
             top_k=top_k, activation=self.activation, fast_math=fast_math, swiglu_alpha=swiglu_alpha,
@@ -354,7 +358,7 @@ class MoeLayer:
             w13_global_scale=self.w13.global_scale.data_ptr(), w2_global_scale=self.w2.global_scale.data_ptr(),
             route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
             route_count=route_count.data_ptr(), topk_weights=topk_weights.data_ptr(),
-            w13_bias=self._bias_ptr(self.w13_bias, ws), w2_bias=self._bias_ptr(self.w2_bias, ws), c_tmp=ws.c_tmp.data_ptr(),
+            w13_bias=self._bias13_ptr, w2_bias=self._bias2_ptr, c_tmp=ws.c_tmp.data_ptr(),
             locks=ws.locks.data_ptr(), amax=(amax if amax is not None else ws.c_tmp).data_ptr(),
             layer=0 if layer_idx is None else layer_idx, tokens=m, num_experts=self.num_experts,
         )
@@ -372,7 +376,7 @@ class MoeLayer:
         r.kernels["fc1"].kernel.launch(
             r.launch.grid("fc1"), stream, a=x.data_ptr(), qweight=self.w13.qweight.data_ptr(),
             out=fc1_out.data_ptr(), scales=self.w13.scales.data_ptr(), global_scale=self.w13.global_scale.data_ptr(),
-            topk_weights=weight if on_input else ws.c_tmp.data_ptr(), bias=self._bias_ptr(self.w13_bias, ws),
+            topk_weights=weight if on_input else ws.c_tmp.data_ptr(), bias=self._bias13_ptr,
             tokens=m, **routing,
         )
         if gated:
@@ -384,14 +388,9 @@ class MoeLayer:
         r.kernels["fc2"].kernel.launch(
             r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
             out=ws.fc13.data_ptr(), scales=self.w2.scales.data_ptr(), global_scale=self.w2.global_scale.data_ptr(),
-            topk_weights=ws.c_tmp.data_ptr() if on_input else weight, bias=self._bias_ptr(self.w2_bias, ws),
+            topk_weights=ws.c_tmp.data_ptr() if on_input else weight, bias=self._bias2_ptr,
             tokens=routes, **routing,
         )
-
-    @staticmethod
-    def _bias_ptr(bias: torch.Tensor | None, ws: MoeWorkspace) -> int:
-        """The bias the kernels read, or any valid address for kernels built without bias (never read)."""
-        return bias.data_ptr() if bias is not None else ws.c_tmp.data_ptr()
 
     # ------------------------------------------------------------------ bound calls
 

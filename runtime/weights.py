@@ -240,22 +240,13 @@ def prepare_w13(
     multiplied by smaller / larger and re-rounded to e4m3 (lossy: up to half an e4m3 step, and
     re-rounding below e4m3's range gives zero); equal values are packed exactly.
     """
-    try:
-        row_order = W13Order(order)
-    except ValueError:
-        raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
+    row_order = _w13_order(order)
     elem = _check_dtype(dtype)
     if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] % 2:
         raise BadInputError(f"w13_weight has {weight.shape[1]} rows; [gate | up] needs an even count (2 * I)")
     num_experts, rows, k = _check_modelopt(weight, weight_scale, "w13_")
-    half = rows // 2
-    if row_order is W13Order.UP_GATE:
-        weight = torch.cat((weight[:, half:], weight[:, :half]), dim=1)
-        weight_scale = torch.cat((weight_scale[:, half:], weight_scale[:, :half]), dim=1)
-    elif row_order is W13Order.INTERLEAVED:  # de-interleave at preparation time: the kernels read [gate | up]
-        weight = torch.cat((weight[:, 0::2], weight[:, 1::2]), dim=1)
-        weight_scale = torch.cat((weight_scale[:, 0::2], weight_scale[:, 1::2]), dim=1)
-    global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, half)
+    weight, weight_scale = (_gate_up_rows(t, row_order) for t in (weight, weight_scale))
+    global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, rows // 2)
     bias = _check_bias(bias, "w13_bias", num_experts, rows, elem, weight.device, row_order)
     return _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_", bias)
 
@@ -308,17 +299,10 @@ def prepare_w13_mxfp4(
     block scales span more than the window of MXFP4_EXPONENT_WINDOW (30 octaves in bf16, 25 in
     fp16) is refused rather than rounded.
     """
-    try:
-        row_order = W13Order(order)
-    except ValueError:
-        raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
+    row_order = _w13_order(order)
     elem = _check_dtype(dtype)
     num_experts, rows, k = _check_mxfp4(blocks, scales, "w13_")  # rows % 8 == 0: [gate | up] halves exist
-    half = rows // 2
-    if row_order is W13Order.UP_GATE:
-        blocks, scales = (torch.cat((t[:, half:], t[:, :half]), dim=1) for t in (blocks, scales))
-    elif row_order is W13Order.INTERLEAVED:
-        blocks, scales = (torch.cat((t[:, 0::2], t[:, 1::2]), dim=1) for t in (blocks, scales))
+    blocks, scales = (_gate_up_rows(t, row_order) for t in (blocks, scales))
     bias = _check_bias(bias, "w13_bias", num_experts, rows, elem, blocks.device, row_order)
     return _pack_mxfp4(blocks, scales, elem, num_experts, rows, k, "w13_", bias)
 
@@ -493,6 +477,23 @@ def _pack_checked(weight, weight_scale, weight_scale_2, dtype, *, prefix: str, b
     return _pack(weight, weight_scale, global_2, elem, num_experts, n, k, prefix, bias)
 
 
+def _w13_order(order: W13Order | str) -> W13Order:
+    try:
+        return W13Order(order)
+    except ValueError:
+        raise BadInputError(f"order must be one of {[o.value for o in W13Order]}, got {order!r}") from None
+
+
+def _gate_up_rows(t: torch.Tensor, order: W13Order) -> torch.Tensor:
+    """W13 rows (dim 1) stored in `order` -> [gate | up], the order the kernels read."""
+    half = t.shape[1] // 2
+    if order is W13Order.UP_GATE:
+        return torch.cat((t[:, half:], t[:, :half]), dim=1)
+    if order is W13Order.INTERLEAVED:  # gpt-oss: gate rows at even indices
+        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+    return t
+
+
 def _check_bias(bias: object, name: str, num_experts: int, n: int, dtype: DType, device: torch.device,
                 order: W13Order = W13Order.GATE_UP) -> torch.Tensor | None:
     """A checkpoint bias (E, N) of any float dtype -> (E, N) `dtype`, rows in the kernels' order."""
@@ -506,12 +507,7 @@ def _check_bias(bias: object, name: str, num_experts: int, n: int, dtype: DType,
                             f"got {tuple(bias.shape)}")
     if bias.device != device:
         raise BadInputError(f"{name} is on {bias.device}, the weight on {device}; use one device")
-    half = n // 2
-    if order is W13Order.UP_GATE:
-        bias = torch.cat((bias[:, half:], bias[:, :half]), dim=1)
-    elif order is W13Order.INTERLEAVED:
-        bias = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1)
-    out = bias.to(dtype.torch).contiguous()
+    out = _gate_up_rows(bias, order).to(dtype.torch).contiguous()
     if not bool(torch.isfinite(out).all()):
         raise BadInputError(f"{name} must be finite in {dtype.value}, got {int((~torch.isfinite(out)).sum())} "
                             f"non-finite value(s) (max |bias| {float(bias.abs().max()):g})")

@@ -51,6 +51,22 @@ def test_bundle_serves_every_listed_model(bundle):
     assert {row["problem"] for row in bundle.manifest["resolution"]} == set(PROBLEMS)
 
 
+def _assert_matches_reference(layer, label, g, h, e, top_k, act, w13_f, w2_f, **bias):
+    """Every M of TOKENS: fresh inputs, output poisoned, rel err <= 1e-2 against the float32 reference."""
+    worst = 0.0
+    for m in TOKENS:
+        x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+        weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+        out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}), **bias)
+        assert not out.isnan().any(), f"{label} M={m}: NaN in the output"
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"{label} M={m}: rel err {err:.2e}"
+        worst = max(worst, err)
+    print(f"\n{label:24s} worst rel err {worst:.2e} over M in {TOKENS}")
+
+
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_model_layer_matches_reference(bundle, name):
     h, i, e, top_k, act = PROBLEMS[name]
@@ -58,19 +74,7 @@ def test_model_layer_matches_reference(bundle, name):
     q13 = random_nvfp4(e, 2 * i if act != "relu2" else i, h, g)
     q2 = random_nvfp4(e, h, i, g)
     layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
-    w13_f, w2_f = dequantize_modelopt(*q13), dequantize_modelopt(*q2)
-    worst = 0.0
-    for m in TOKENS:
-        x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-        ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-        weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
-        out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}))
-        assert not out.isnan().any(), f"M={m}: NaN in the output"
-        err = float((out.float() - ref).norm() / ref.norm())
-        assert err <= 1e-2, f"{name} M={m}: rel err {err:.2e}"
-        worst = max(worst, err)
-    print(f"\n{name:24s} worst rel err {worst:.2e} over M in {TOKENS}")
+    _assert_matches_reference(layer, name, g, h, e, top_k, act, dequantize_modelopt(*q13), dequantize_modelopt(*q2))
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b"])
@@ -90,16 +94,5 @@ def test_gpt_oss_mxfp4_with_biases_matches_reference(bundle, name):
     w13_f = dequantize_mxfp4(blocks13, scales13)
     w13_f = torch.cat((w13_f[:, 0::2], w13_f[:, 1::2]), dim=1)
     b13 = torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1)
-    w2_f = dequantize_mxfp4(blocks2, scales2)
-    worst = 0.0
-    for m in TOKENS:
-        x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-        ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-        weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
-        out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, b13=b13, b2=bias2, **OAI)
-        assert not out.isnan().any(), f"M={m}: NaN in the output"
-        err = float((out.float() - ref).norm() / ref.norm())
-        assert err <= 1e-2, f"{name} mxfp4 M={m}: rel err {err:.2e}"
-        worst = max(worst, err)
-    print(f"\n{name + ' mxfp4+bias':24s} worst rel err {worst:.2e} over M in {TOKENS}")
+    _assert_matches_reference(layer, f"{name} mxfp4+bias", g, h, e, top_k, act, w13_f,
+                              dequantize_mxfp4(blocks2, scales2), b13=b13, b2=bias2)
