@@ -18,6 +18,7 @@ from .devices import PROFILES, DeviceProfile, match_profile
 from .errors import (
     ArchNotInBundleError,
     BundleError,
+    LaunchArgumentError,
     LaunchError,
     NoDeviceError,
     UnknownSpecializationError,
@@ -82,6 +83,10 @@ class LoadedKernel:
         self._tls.buf = ArgBuffer(self._signature)
         return self._tls.buf
 
+    def prepare(self, variables: tuple[str, ...], **constants: int | float) -> "PreparedLaunch":
+        """A launch of this kernel with `constants` fixed; each call passes only `variables`, in order."""
+        return PreparedLaunch(self, variables, constants)
+
     def launch(self, grid_x: int, stream: int, /, **values: int | float) -> None:
         """Launch on `stream` with a (grid_x, 1, 1) grid; `values` by the parameter names of `bind`'s signature.
 
@@ -99,6 +104,10 @@ class LoadedKernel:
         if recording is not None:  # binding a call: keep the launch, issue nothing (runtime/bound.py)
             recording.append(RecordedLaunch(self, grid_x, stream, ordered))
             return
+        self._issue(grid_x, stream, ordered)
+
+    def _issue(self, grid_x: int, stream: int, ordered) -> None:
+        """Pack the values (declaration order) into this thread's buffer and launch."""
         try:
             buf = self._tls.buf
         except AttributeError:
@@ -111,6 +120,39 @@ class LoadedKernel:
 
 
 _RECORDING = threading.local()  # .launches: a list while a call is being bound on this thread
+
+
+class PreparedLaunch:
+    """A kernel's launch with the arguments that do not change between calls already in place.
+
+    `LoadedKernel.prepare(variables, **constants)`: every declared parameter is named once,
+    either as a constant or as a variable (LaunchArgumentError otherwise), and a call passes
+    only the variables' values, positionally in the order given.  For the per-step launches of
+    a layer, whose weight and workspace pointers are fixed: a call then copies one list, sets a
+    few slots and packs, instead of looking up every parameter by name.
+    """
+
+    __slots__ = ("kernel", "_template", "_slots")
+
+    def __init__(self, kernel: LoadedKernel, variables: tuple[str, ...], constants: dict):
+        signature = kernel._signature
+        twice = sorted(set(variables) & set(constants)) + sorted({v for v in variables if variables.count(v) > 1})
+        if twice:
+            raise LaunchArgumentError(f"a prepared launch names each parameter once; named twice: {twice}")
+        named = dict(constants, **dict.fromkeys(variables, 0))
+        self._template = list(signature.order(named))  # LaunchArgumentError unless every name is there once
+        self._slots = tuple(signature.names.index(v) for v in variables)
+        self.kernel = kernel
+
+    def launch(self, grid_x: int, stream: int, /, *values: int | float) -> None:
+        ordered = self._template.copy()
+        for slot, value in zip(self._slots, values, strict=True):
+            ordered[slot] = value
+        recording = getattr(_RECORDING, "launches", None)
+        if recording is not None:  # binding a call: keep the launch, issue nothing
+            recording.append(RecordedLaunch(self.kernel, grid_x, stream, tuple(ordered)))
+            return
+        self.kernel._issue(grid_x, stream, ordered)
 
 
 class RecordedLaunch:

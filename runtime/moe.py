@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from .bundle import Bundle, RecordedLaunch, current_stream_handle, recording_launches
+from .bundle import Bundle, PreparedLaunch, RecordedLaunch, current_stream_handle, recording_launches
 from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.w4a16.geometry import BARRIER_WORDS
@@ -42,7 +42,7 @@ from .kernels.route_pack import (
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
 from .kernels.topk_sum import moe_topk_sum
-from .tensors import check_rank, check_tensor
+from .tensors import check_rank, check_tensor, conforms
 from .types import Activation
 from .weights import PackedNvfp4
 from .workspace import WorkspaceShape, capturing
@@ -102,11 +102,10 @@ class Resolved:
 
     launch: Launch  # grid, route handling and kernels the build chose for this M
     kernels: Mapping[str, PersistentLaunch]
+    decode: bool = dataclasses.field(init=False)  # direct routes, top-k sum folded into FC2 (small M)
 
-    @property
-    def decode(self) -> bool:
-        """Direct routes with the top-k sum folded into FC2 (the small-M regime)."""
-        return self.launch.direct
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode", self.launch.direct)  # read several times per call
 
     def describe(self) -> str:
         launch = self.launch
@@ -162,6 +161,7 @@ class MoeLayer:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise BadInputError(f"top_k must be a positive int, got {top_k!r}")
         self.bundle, self.device, self.dtype = bundle, bundle.device, w13.dtype
+        self.device_index: int = bundle.device_index
         self.w13, self.w2 = w13, w2
         self.hidden_size, self.intermediate_size, self.top_k = w13.k, inter, top_k
         self.fc1_width = w13.n
@@ -193,6 +193,7 @@ class MoeLayer:
             raise BadInputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         self.validate_ids = validate_ids
         self._resolved: dict[tuple[int, bool], Resolved] = {}
+        self._prepared: dict[tuple[int, int], tuple[MoeWorkspace, PreparedLaunch]] = {}
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
                 for digest in launch.kernels.values():
@@ -313,20 +314,26 @@ class MoeLayer:
             out = torch.empty((m, self.hidden_size), dtype=self.dtype.torch, device=self.device)
         if m == 0:
             return out
-        ws = self.workspace()
+        stream = current_stream_handle(self.device_index)
+        ws = self.bundle.workspaces.get(self.shape, stream)
+        if m <= self.max_tokens:  # one launch sequence: no slicing (a view costs as much as a launch)
+            self._launch(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx, ws, stream)
+            return out
         for start in range(0, m, self.max_tokens):
             stop = min(m, start + self.max_tokens)
             self._launch(hidden_states[start:stop], topk_weights[start:stop], topk_ids[start:stop],
-                         out[start:stop], activation_amax, layer_idx, ws)
+                         out[start:stop], activation_amax, layer_idx, ws, stream)
         return out
 
-    def _launch(self, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace) -> None:
+    def _launch(self, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace, stream: int) -> None:
         m = x.shape[0]
         r = self.resolve(m, amax is not None)
         routes = m * self.top_k
         if r.decode:  # int64 ids are narrowed through the workspace: a call never allocates
-            ids = direct_route_ids(topk_ids, self.route_experts, wide=ws.ids64[:routes].view(m, self.top_k),
-                                   out=ws.ids32[:routes].view(m, self.top_k))
+            ids = topk_ids
+            if ids.dtype is not torch.int32:
+                ids = direct_route_ids(topk_ids, self.route_experts, wide=ws.ids64[:routes].view(m, self.top_k),
+                                       out=ws.ids32[:routes].view(m, self.top_k))
             route_indices = block_experts = route_count = ids
         else:
             block = r.launch.route_block
@@ -338,34 +345,51 @@ class MoeLayer:
                 workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
             )
         if r.launch.split:
-            self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws)
+            self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws, stream)
         else:
-            self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx, ws)
+            self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
+                               ws, stream)
         if not r.decode:
             fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
             # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
             moe_topk_sum(self.bundle, fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
 
+    # the fused kernel's arguments that change between calls; every other one is fixed per workspace
+    _FUSED_VARIABLES = ("a", "fc2_out", "route_indices", "block_experts", "route_count", "topk_weights", "amax",
+                        "layer", "tokens")
+
+    def _prepared_fused(self, kernel: PersistentLaunch, ws: MoeWorkspace) -> PreparedLaunch:
+        """The fused kernel's launch with the weight and workspace pointers packed in (cached)."""
+        key = (id(kernel), id(ws))
+        found = self._prepared.get(key)
+        if found is not None and found[0] is ws:
+            return found[1]
+        prepared = kernel.kernel.prepare(
+            self._FUSED_VARIABLES,
+            w13=self.w13.qweight.data_ptr(), w2=self.w2.qweight.data_ptr(), fc1_out=ws.fc13.data_ptr(),
+            activated=ws.activated.data_ptr(), w13_scales=self.w13.scales.data_ptr(),
+            w2_scales=self.w2.scales.data_ptr(), w13_global_scale=self.w13.global_scale.data_ptr(),
+            w2_global_scale=self.w2.global_scale.data_ptr(), w13_bias=self._bias13_ptr, w2_bias=self._bias2_ptr,
+            c_tmp=ws.c_tmp.data_ptr(), locks=ws.locks.data_ptr(), num_experts=self.num_experts,
+        )
+        self._prepared[key] = (ws, prepared)  # holds ws, so its id is not reused while the entry lives
+        return prepared
+
     def _launch_fused(self, r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
-                      ws: MoeWorkspace) -> None:
-        m = x.shape[0]
-        fc2_target = out if r.decode else ws.fc13
-        r.kernels["fused"].kernel.launch(
-            r.launch.grid_x, current_stream_handle(self.device.index),
-            a=x.data_ptr(), w13=self.w13.qweight.data_ptr(), w2=self.w2.qweight.data_ptr(),
-            fc1_out=ws.fc13.data_ptr(), activated=ws.activated.data_ptr(), fc2_out=fc2_target.data_ptr(),
-            w13_scales=self.w13.scales.data_ptr(), w2_scales=self.w2.scales.data_ptr(),
-            w13_global_scale=self.w13.global_scale.data_ptr(), w2_global_scale=self.w2.global_scale.data_ptr(),
-            route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
-            route_count=route_count.data_ptr(), topk_weights=topk_weights.data_ptr(),
-            w13_bias=self._bias13_ptr, w2_bias=self._bias2_ptr, c_tmp=ws.c_tmp.data_ptr(),
-            locks=ws.locks.data_ptr(), amax=(amax if amax is not None else ws.c_tmp).data_ptr(),
-            layer=0 if layer_idx is None else layer_idx, tokens=m, num_experts=self.num_experts,
+                      ws: MoeWorkspace, stream: int) -> None:
+        routes = route_indices.data_ptr()
+        self._prepared_fused(r.kernels["fused"], ws).launch(
+            r.launch.grid_x, stream,
+            x.data_ptr(), (out if r.decode else ws.fc13).data_ptr(),
+            routes, routes if block_experts is route_indices else block_experts.data_ptr(),
+            routes if route_count is route_indices else route_count.data_ptr(), topk_weights.data_ptr(),
+            (amax if amax is not None else ws.c_tmp).data_ptr(), 0 if layer_idx is None else layer_idx, x.shape[0],
         )
 
-    def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, ws: MoeWorkspace) -> None:
+    def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, ws: MoeWorkspace,
+                      stream: int) -> None:
         """FC1 and FC2 as grouped-GEMM launches on the packed routes, the activation between them."""
-        m, stream = x.shape[0], current_stream_handle(self.device.index)
+        m = x.shape[0]
         routes, gated, on_input = m * self.top_k, self.activation.is_gated, self.facts.router_weight_on_input
         routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
                        route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
@@ -416,12 +440,27 @@ class MoeLayer:
             raise BadInputError(f"bind() serves 1..max_tokens={self.max_tokens} tokens in one launch sequence, got {m}")
         stream = current_stream_handle(self.device.index)
         with recording_launches() as launches:
-            self._launch(hidden_states, topk_weights, topk_ids, out, None, None, self.workspace(stream))
+            self._launch(hidden_states, topk_weights, topk_ids, out, None, None, self.workspace(stream), stream)
         return BoundMoeCall(self, tuple(launches), stream, (hidden_states, topk_weights, topk_ids, out))
 
     # ------------------------------------------------------------------ validation
 
     def _check(self, x, topk_weights, topk_ids, out, amax, layer_idx) -> int:
+        """M of a valid call; BadInputError naming the problem otherwise."""
+        try:  # the common call, in one cheap expression; anything else takes the checks that explain
+            m, ids_dtype = x.shape[0], topk_ids.dtype
+        except (AttributeError, IndexError, TypeError):
+            m, ids_dtype = None, None
+        if (m is not None and amax is None and layer_idx is None and not self.validate_ids
+                and (ids_dtype is torch.int32 or ids_dtype is torch.int64)
+                and conforms(x, self.dtype.torch, (m, self.hidden_size), self.device_index)
+                and conforms(topk_ids, ids_dtype, (m, self.top_k), self.device_index, 4)
+                and conforms(topk_weights, torch.float32, (m, self.top_k), self.device_index, 4)
+                and (out is None or conforms(out, self.dtype.torch, (m, self.hidden_size), self.device_index))):
+            return m
+        return self._check_explained(x, topk_weights, topk_ids, out, amax, layer_idx)
+
+    def _check_explained(self, x, topk_weights, topk_ids, out, amax, layer_idx) -> int:
         check_rank(x, "hidden_states", 2, f"(M, {self.hidden_size})")
         m = x.shape[0]
         dt = self.dtype.torch

@@ -19,7 +19,7 @@ last one is gone, so deleting a model gives its memory back to torch's allocator
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Generic, Hashable, TypeVar
 
 import torch
@@ -50,6 +50,13 @@ class WorkspaceShape:
     lock_words: int
     route_slots: int
     route_blocks: int
+
+    def __hash__(self) -> int:  # looked up on every call: hash the fields once
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            return value
 
     @property
     def routes(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
+from cuteaot.runtime.bundle import PreparedLaunch
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
@@ -51,3 +52,12 @@ class StubLaunch:
     def launch(self, grid_x, stream, /, **values):
         (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)
         type(self).calls.append(("fused", grid_x, values))
+
+    # the fused kernel's prepared launches (MoeLayer) run the runtime's own PreparedLaunch on this stub
+    _signature = FusedSpec.SIGNATURE
+
+    def prepare(self, variables, **constants):
+        return PreparedLaunch(self, variables, constants)
+
+    def _issue(self, grid_x, stream, ordered):
+        type(self).calls.append(("fused", grid_x, dict(zip(self._signature.names, ordered, strict=True))))

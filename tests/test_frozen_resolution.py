@@ -106,8 +106,10 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     class Launch:
         def __init__(self, bundle, digest):
             self.digest, self.kernel = digest, self
-        def launch(self, grid_x, stream, **values):
+        def launch(self, grid_x, stream, *values, **named):
             calls.append((self.digest, grid_x))
+        def prepare(self, variables, **constants):
+            return self
 
     moe.persistent_launch = Launch
     moe.current_stream_handle = lambda index: 0

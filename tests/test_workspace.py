@@ -143,6 +143,42 @@ def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
             assert torch.equal(ws.ids32[: m * TOP_K].view(m, TOP_K), ids.to(torch.int32))
 
 
+def test_prepared_fused_launch_passes_this_calls_pointers(stubbed):
+    """The fused launch is prepared once per workspace; each call still passes its own inputs."""
+    bundle = stub_bundle()
+    w13, w2 = _weights()
+    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    ws = layer.workspace()
+    for m in (1, 1, 37, 1):  # the decode kernel twice on new tensors, the packed path, decode again
+        x, w, ids = _inputs(m, torch.int32, seed=m + len(stubbed))
+        out = torch.empty(m, H, dtype=torch.bfloat16)
+        stubbed.clear()
+        layer(x, w, ids, out=out)
+        (values,) = [c[2] for c in stubbed if c[0] == "fused"]
+        decode = layer.resolve(m).decode
+        assert values["a"] == x.data_ptr() and values["topk_weights"] == w.data_ptr() and values["tokens"] == m
+        assert values["fc2_out"] == (out if decode else ws.fc13).data_ptr()
+        assert values["route_indices"] == (ids if decode else ws.route_indices).data_ptr()
+        assert values["block_experts"] == (ids if decode else ws.block_experts).data_ptr()
+        assert values["w13"] == w13.qweight.data_ptr() and values["w2_scales"] == w2.scales.data_ptr()
+        assert values["locks"] == ws.locks.data_ptr() and values["num_experts"] == E
+
+
+def test_prepared_launch_names_every_parameter_once():
+    from cuteaot.runtime.errors import LaunchArgumentError
+    from tests.stub_bundle import StubLaunch
+
+    names = StubLaunch._signature.names
+    kernel = StubLaunch(None, "d")
+    with pytest.raises(LaunchArgumentError, match="missing"):
+        kernel.prepare(("a",), **dict.fromkeys(names[2:], 0))
+    with pytest.raises(LaunchArgumentError, match="named twice: \\['a'\\]"):
+        kernel.prepare(("a",), **dict.fromkeys(names, 0))
+    prepared = kernel.prepare(("tokens", "a"), **dict.fromkeys(set(names) - {"a", "tokens"}, 7))
+    with pytest.raises(ValueError):  # one value per variable
+        prepared.launch(1, 0, 5)
+
+
 def test_int64_ids_out_of_int32_range_stay_dropped(stubbed):
     bundle = stub_bundle()
     layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K)
