@@ -230,57 +230,44 @@ def dequant_e8m0x4_f16(q: Uint32, *, loc=None, ip=None):
     return _u32(out)
 
 
-def nf3_codebook_pools(codebook) -> tuple[int, int, int, int]:
-    """Eight bf16 code points -> four u32 byte pools for `dequant_nf3x8_bf16` (host side).
+@dsl_user_op
+def nf3_gather(x0: Uint32, x1: Uint32, x2: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The fourth NF3 decode word of a 16-k row, from the leftover bits {4, 6} of each byte of x0..x2."""
+    from cuteaot.runtime.nf3 import GATHER_MASKS
 
-    pool0/pool1 hold the low bytes of entries 0-3 / 4-7, pool2/pool3 the high
-    bytes, so `prmt(pool0, pool1, c)` is the low byte of entry c (c < 8).
-    """
-    import struct
-
-    if len(codebook) != 8:
-        raise ValueError(f"an NF3 codebook has 8 entries, got {len(codebook)}")
-    bits = []
-    for v in codebook:
-        f = struct.unpack("<I", struct.pack("<f", float(v)))[0]
-        # round to nearest even bf16
-        f += 0x7FFF + ((f >> 16) & 1)
-        bits.append((f >> 16) & 0xFFFF)
-    lo = [b & 0xFF for b in bits]
-    hi = [b >> 8 for b in bits]
-    word = lambda bs: bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24  # noqa: E731
-    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+    m0, m1, m2 = GATHER_MASKS
+    out = _asm(
+        1, T.i32, _ir([Uint32(x0), Uint32(x1), Uint32(x2)], loc, ip),
+        "{\n .reg .b32 a, b;\n"
+        f" shr.b32 a, $1, 4;\n and.b32 a, a, {m0:#010x};\n"
+        f" shr.b32 b, $2, 3;\n and.b32 b, b, {m1:#010x};\n or.b32 a, a, b;\n"
+        f" shl.b32 b, $3, 1;\n and.b32 b, b, {m2:#010x};\n or.b32 $0, a, b;\n}}",
+        "=r,r,r,r", effects=False, loc=loc, ip=ip,
+    )
+    return _u32(out)
 
 
 @dsl_user_op
-def dequant_nf3x8_bf16(lo16: Uint32, hi8: Uint32, pool0, pool1, pool2, pool3, *, loc=None, ip=None):
-    """Eight 3-bit codes -> four bf16x2 codebook values (c0,c1), (c2,c3), (c4,c5), (c6,c7).
+def dequant_nf3_word_bf16(y: Uint32, *, loc=None, ip=None):
+    """One NF3 decode word (8 codes) -> four bf16x2 R0..R3 holding the code points themselves.
 
-    Code i = (bit i of hi8) << 2 | (bits 2i..2i+1 of lo16).  The codes are
-    spread into prmt selector nibbles and looked up in the byte pools of
-    `nf3_codebook_pools` (low and high bytes separately), then interleaved.
+    Per bit group r (0, then 2) the word is shifted right by r; then for each unit u (byte) the
+    magnitude m sits on bits 0..1 and the sign on bit 5.  t = (y & 0x23..) | 0x40.. and
+    t + 8 * (y & 0x02..) make each byte a pair of prmt selector nibbles, (m, 4 + (m >> 1) + 2 * sign):
+    the low byte of the bf16 code point from POOL_A, its high byte from POOL_B
+    (runtime/nf3.py).  Units 0, 1 give R0 (R2), units 2, 3 give R1 (R3).
     """
-    args = _ir([Uint32(lo16), Uint32(hi8), Uint32(pool0), Uint32(pool1), Uint32(pool2), Uint32(pool3)], loc, ip)
+    from cuteaot.runtime.nf3 import POOL_A, POOL_B
+
     out = _asm(
-        4, T.i32, args,
-        "{\n .reg .b32 l, h, s0, s1, t, a, b, c, d;\n"
-        # spread 8 two-bit fields of lo16 into the low 2 bits of 8 nibbles
-        " and.b32 l, $4, 0xFFFF;\n"
-        " shl.b32 t, l, 8;\n or.b32 l, l, t;\n and.b32 l, l, 0x00FF00FF;\n"
-        " shl.b32 t, l, 4;\n or.b32 l, l, t;\n and.b32 l, l, 0x0F0F0F0F;\n"
-        " shl.b32 t, l, 2;\n or.b32 l, l, t;\n and.b32 l, l, 0x33333333;\n"
-        # spread 8 bits of hi8 into bit 2 of 8 nibbles
-        " and.b32 h, $5, 0xFF;\n"
-        " shl.b32 t, h, 12;\n or.b32 h, h, t;\n and.b32 h, h, 0x000F000F;\n"
-        " shl.b32 t, h, 6;\n or.b32 h, h, t;\n and.b32 h, h, 0x03030303;\n"
-        " shl.b32 t, h, 3;\n or.b32 h, h, t;\n and.b32 h, h, 0x11111111;\n"
-        " shl.b32 h, h, 2;\n or.b32 s0, l, h;\n"
-        " shr.b32 s1, s0, 16;\n"
-        " prmt.b32 a, $6, $7, s0;\n prmt.b32 b, $8, $9, s0;\n"
-        " prmt.b32 c, $6, $7, s1;\n prmt.b32 d, $8, $9, s1;\n"
-        " prmt.b32 $0, a, b, 0x5140;\n prmt.b32 $1, a, b, 0x7362;\n"
-        " prmt.b32 $2, c, d, 0x5140;\n prmt.b32 $3, c, d, 0x7362;\n}",
-        "=r,=r,=r,=r,r,r,r,r,r,r", effects=False, loc=loc, ip=ip,
+        4, T.i32, _ir([Uint32(y), Uint32(POOL_A), Uint32(POOL_B)], loc, ip),
+        "{\n .reg .b32 w, t, u, s;\n"
+        " and.b32 t, $4, 0x23232323;\n or.b32 t, t, 0x40404040;\n and.b32 u, $4, 0x02020202;\n"
+        " mad.lo.u32 s, u, 8, t;\n prmt.b32 $0, $5, $6, s;\n shr.b32 s, s, 16;\n prmt.b32 $1, $5, $6, s;\n"
+        " shr.b32 w, $4, 2;\n"
+        " and.b32 t, w, 0x23232323;\n or.b32 t, t, 0x40404040;\n and.b32 u, w, 0x02020202;\n"
+        " mad.lo.u32 s, u, 8, t;\n prmt.b32 $2, $5, $6, s;\n shr.b32 s, s, 16;\n prmt.b32 $3, $5, $6, s;\n}",
+        "=r,=r,=r,=r,r,r,r", effects=False, loc=loc, ip=ip,
     )
     return _u32(out)
 

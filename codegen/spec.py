@@ -17,6 +17,7 @@ name the file, the line, the field and what is allowed.
         dtype: [bf16, fp16]         # one value or a list to enumerate
         fast_math: true             # one value or a list to enumerate
         bias: false                 # per-expert FC1/FC2 biases (gpt-oss); a value or a list (fused layers)
+        weights: nvfp4              # nvfp4 | nf3 (bf16 only); a value or a list (fused layers)
         tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending, at most MAX_TOKENS (65,536)
         gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing
         tp: [1, 2]                  # optional: one problem per tensor-parallel degree, named
@@ -48,7 +49,7 @@ from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.kernels.route_pack import IdsDType
-from cuteaot.runtime.types import Activation, DType
+from cuteaot.runtime.types import Activation, DType, WeightFormat
 
 from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer
 from .kernels.w4a16.planning import gemm_spec_for, plan_for
@@ -84,6 +85,7 @@ class MoeProblem:
     # fused MoE variants to build: (router_weight_on_input, expert_map, calibration) triples
     fused: tuple[tuple[bool, bool, bool], ...] = ()
     biases: tuple[bool, ...] = (False,)  # layer variants without / with per-expert biases
+    weights: tuple[WeightFormat, ...] = (WeightFormat.NVFP4,)  # weight formats of the fused layers
 
     @property
     def fc1_n(self) -> int:
@@ -111,15 +113,15 @@ class MoeProblem:
         deterministic=True replaces the decode regime (bf16 atomics) by the packed path; expert-map
         and calibration variants never take the decode regime, so they have no deterministic twin.
         """
-        for dtype, fast_math, (on_input, expert_map, calibration), bias in itertools.product(
-                self.dtypes, self.fast_math, self.fused, self.biases):
+        for dtype, fast_math, (on_input, expert_map, calibration), bias, weights in itertools.product(
+                self.dtypes, self.fast_math, self.fused, self.biases, self.weights):
             for deterministic in (False, True) if not (expert_map or calibration) else (False,):
                 yield MoeLayerFacts(
                     dtype=dtype, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                     num_experts=self.num_experts, top_k=self.top_k, activation=self.activation,
                     fast_math=fast_math, swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
                     swiglu_limit=self.swiglu_limit, router_weight_on_input=on_input, expert_map=expert_map,
-                    calibration=calibration, deterministic=deterministic, bias=bias,
+                    calibration=calibration, deterministic=deterministic, bias=bias, weights=weights,
                 )
 
     def fused_specs(self, m: int, profile: DeviceProfile) -> dict[MoeLayerFacts, FusedSpec]:
@@ -245,7 +247,7 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
     m = r.mapping(
         node, field,
         required={"name", "hidden_size", "intermediate_size", "num_experts", "top_k", "activation", "dtype", "tokens"},
-        optional={"swiglu", "fast_math", "gemm", "fused", "tp", "bias"},
+        optional={"swiglu", "fast_math", "gemm", "fused", "tp", "bias", "weights"},
     )
     activation = r.choice(m["activation"], f"{field}.activation", Activation)
     swiglu: dict[str, float] = {}
@@ -294,7 +296,19 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         gemm=r.boolean(m["gemm"], f"{field}.gemm") if "gemm" in m else False,
         fused=_fused_variants(r, m["fused"], f"{field}.fused") if "fused" in m else (),
         biases=r.one_or_list(m["bias"], f"{field}.bias", r.boolean) if "bias" in m else (False,),
+        weights=(r.one_or_list(m["weights"], f"{field}.weights", lambda n, f: r.choice(n, f, WeightFormat))
+                 if "weights" in m else (WeightFormat.NVFP4,)),
     )
+    if problem.weights != (WeightFormat.NVFP4,):
+        if WeightFormat.NF3 in problem.weights and problem.dtypes != (DType.BF16,):
+            raise r.fail(m["weights"], f"{field}.weights", "NF3 weights serve bf16 activations only; "
+                         f"dtype is {[d.value for d in problem.dtypes]}")
+        if problem.gemm:
+            raise r.fail(m["weights"], f"{field}.weights", "the standalone GEMMs (gemm: true) read NVFP4; "
+                         "layers of other weight formats run through the fused kernels (fused: ...)")
+        if not problem.fused:
+            raise r.fail(m["weights"], f"{field}.weights", "weight formats other than nvfp4 need fused layers "
+                         "(fused: true)")
     if problem.gemm or problem.fused:
         _check_int32_routes(r, tokens_node, f"{field}.tokens", problem)
     # The kernel families' own validity checks decide what combinations can be built.

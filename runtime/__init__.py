@@ -25,11 +25,13 @@ from .kernels import (
     GemmRoutes, GemmWorkspace, moe_activation, moe_topk_sum, pack_gemm_routes, pack_routes, w4a16_moe_gemm,
 )
 from .manifest import verify_bundle
+from .hybrid import HybridMoeLayer
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
 from .parallel import (
     ParallelMoeLayer, ep_partition, ep_select, tp_shard_bias2, tp_shard_bias13, tp_shard_w2, tp_shard_w13,
 )
-from .types import Activation, DType
+from .nf3 import PackedNf3, pack_nf3, prepare_w2_nf3, prepare_w13_nf3, quantize_nf3, unpack_nf3
+from .types import Activation, DType, WeightFormat
 from .weights import (
     PackedNvfp4, W13Order, pack_nvfp4, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4, unpack_nvfp4,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "GemmRoutes",
     "GemmWorkspace",
     "MoeLayer",
+    "HybridMoeLayer",
     "MoeWorkspace",
     "run_w4a16_moe",
     "ParallelMoeLayer",
@@ -80,6 +83,13 @@ __all__ = [
     "prepare_w2",
     "prepare_w13_mxfp4",
     "prepare_w2_mxfp4",
+    "PackedNf3",
+    "WeightFormat",
+    "quantize_nf3",
+    "pack_nf3",
+    "unpack_nf3",
+    "prepare_w13_nf3",
+    "prepare_w2_nf3",
     "CheckpointError",
     "CheckpointFiles",
     "CheckpointLayout",

@@ -185,6 +185,7 @@ class MoeLayer:
             top_k=top_k, activation=self.activation, fast_math=fast_math, swiglu_alpha=swiglu_alpha,
             swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit, router_weight_on_input=router_weight_on_input,
             expert_map=expert_map is not None, deterministic=deterministic, bias=self.w13_bias is not None,
+            weights=w13.weights,
         )
         # the build's decisions for this layer: options the bundle cannot serve fail here, naming the nearest
         self.entry: Entry = bundle.resolution.find(MOE_LAYER, self.facts)
@@ -208,9 +209,13 @@ class MoeLayer:
     def _check_weights(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4) -> None:
         for name, w in (("w13", w13), ("w2", w2)):
             if not isinstance(w, PackedNvfp4):
-                raise BadInputError(f"{name} must be a PackedNvfp4 (prepare_{name}), got {type(w).__name__}")
+                raise BadInputError(f"{name} must be packed weights (prepare_{name}, prepare_{name}_mxfp4 or "
+                                    f"prepare_{name}_nf3), got {type(w).__name__}")
             if w.device != bundle.device:
                 raise BadInputError(f"{name} is on {w.device}, the bundle on {bundle.device}")
+        if w13.weights is not w2.weights:
+            raise BadInputError(f"w13 holds {w13.weights.value} weights and w2 {w2.weights.value}; a layer has one "
+                                "format (the NVFP4/NF3 hybrid is two layers with complementary expert maps)")
         if w13.dtype != w2.dtype:
             raise BadInputError(f"w13 was prepared for {w13.dtype.value}, w2 for {w2.dtype.value}")
         if w13.num_experts != w2.num_experts:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping, Optional
 
 from .errors import BadInputError, SchemaMismatchError, UnknownSpecializationError
-from .types import Activation, DType
+from .types import Activation, DType, WeightFormat
 
 MOE_LAYER = "moe_layer"
 GEMM = "gemm"
@@ -52,9 +52,11 @@ class MoeLayerFacts:
     calibration: bool = False  # the per-call activation-amax variant
     deterministic: bool = False
     bias: bool = False  # per-expert FC1 and FC2 biases (gpt-oss)
+    weights: WeightFormat = WeightFormat.NVFP4  # how the expert weights are stored
 
     def __post_init__(self) -> None:
         act = Activation(self.activation)
+        object.__setattr__(self, "weights", WeightFormat(self.weights))
         object.__setattr__(self, "dtype", DType(self.dtype))
         object.__setattr__(self, "activation", act)
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -74,6 +76,8 @@ class MoeLayerFacts:
         if self.bias and self.router_weight_on_input:
             raise BadInputError("bias with router_weight_on_input is not defined: the router weight would "
                                 "scale FC1's bias but not FC2's")
+        if self.weights is WeightFormat.NF3 and self.dtype is not DType.BF16:
+            raise BadInputError(f"NF3 weights serve bf16 activations only, got {self.dtype.value}")
         if self.deterministic and (self.expert_map or self.calibration):
             object.__setattr__(self, "deterministic", False)  # those variants never take the atomic path
 

@@ -37,6 +37,21 @@ class Activation(str, Enum):
         return fc1_width(intermediate_size, self.is_gated)
 
 
+class WeightFormat(str, Enum):
+    """How a layer's expert weights are stored for the kernels (a layer fact and a key fact)."""
+
+    NVFP4 = "nvfp4"  # e2m1 codes, e4m3 scale per 16 k, the "packed" layout (MXFP4 is packed into it)
+    NF3 = "nf3"  # 3-bit codebook codes, e4m3 scale per 32 k, the "nf3" layout; bf16 only
+
+    @property
+    def layout(self) -> str:
+        return "packed" if self is WeightFormat.NVFP4 else "nf3"
+
+    @property
+    def scale_format(self) -> str:
+        return "e4m3_k16" if self is WeightFormat.NVFP4 else "e4m3_k32"
+
+
 def fc1_width(intermediate_size: int, gated: bool) -> int:
     """FC1's output width: gate and up halves (2I) for gated activations, I for relu2."""
     return intermediate_size * (2 if gated else 1)

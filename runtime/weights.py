@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from .errors import BadInputError
-from .types import DType
+from .types import DType, WeightFormat
 
 # ---- geometry of mma.sync.m16n8k16 and of the packed words -------------------------------------
 SCALE_GROUP_K = 16  # k per e4m3 block scale == k of one m16n8k16 MMA: a packed row is one k-group
@@ -125,6 +125,7 @@ class PackedNvfp4:
 
     layout: ClassVar[str] = "packed"
     scale_format: ClassVar[str] = "e4m3_k16"
+    weights: ClassVar[WeightFormat] = WeightFormat.NVFP4
 
     qweight: torch.Tensor  # (E, Ks/16, 2Ns) i32, (Ns, Ks) = stored_dims(n, k)
     scales: torch.Tensor  # (E, Ks/16, Ns) u8, S0E5M3
@@ -145,25 +146,31 @@ class PackedNvfp4:
     def k_stored(self) -> int:
         return stored_dims(self.n, self.k)[1]
 
+    # one scale (and, in this layout, one packed row) per this many k
+    scale_group_k: ClassVar[int] = SCALE_GROUP_K
+
+    def _qweight_shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, self.k_stored // SCALE_GROUP_K, 2 * self.n_stored)
+
     def __post_init__(self):
-        e, kg, n = self.num_experts, self.k_stored // SCALE_GROUP_K, self.n_stored
+        e, n, cls = self.num_experts, self.n_stored, type(self).__name__
         expected = {
-            "qweight": (self.qweight, torch.int32, (e, kg, 2 * n)),
-            "scales": (self.scales, torch.uint8, (e, kg, n)),
+            "qweight": (self.qweight, torch.int32, self._qweight_shape()),
+            "scales": (self.scales, torch.uint8, (e, self.k_stored // self.scale_group_k, n)),
             "global_scale": (self.global_scale, torch.float32, (e,)),
         }
         for name, (tensor, dtype, shape) in expected.items():
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 given = (tensor.dtype, tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor)
                 raise BadInputError(
-                    f"PackedNvfp4.{name} must be a {dtype} tensor of shape {shape} "
+                    f"{cls}.{name} must be a {dtype} tensor of shape {shape} "
                     f"(E={e}, N={n}, K={self.k}), got {given}"
                 )
         if not isinstance(self.dtype, DType):
-            raise BadInputError(f"PackedNvfp4.dtype must be a DType, got {self.dtype!r}")
-        if self.n % VECTOR_ELEMENTS or self.k % SCALE_GROUP_K:
+            raise BadInputError(f"{cls}.dtype must be a DType, got {self.dtype!r}")
+        if self.n % VECTOR_ELEMENTS or self.k % self.scale_group_k:
             raise BadInputError(
-                f"PackedNvfp4 needs N % {VECTOR_ELEMENTS} == 0 and K % {SCALE_GROUP_K} == 0, got N={self.n}, K={self.k}"
+                f"{cls} needs N % {VECTOR_ELEMENTS} == 0 and K % {self.scale_group_k} == 0, got N={self.n}, K={self.k}"
             )
         devices = {self.qweight.device, self.scales.device, self.global_scale.device}
         if self.bias is not None:

@@ -3,6 +3,8 @@
 #   bash benchmarks/scripts/serving_session.sh tests        # every GPU test + memcheck of the bad-id paths
 #   bash benchmarks/scripts/serving_session.sh bench        # layer benchmarks: moe, large-M study, decoder example
 #   bash benchmarks/scripts/serving_session.sh peers        # benchmarks/scripts/peers.sh (carry .whl)
+#   bash benchmarks/scripts/serving_session.sh nf3          # NF3 vs NVFP4 (bench-nf3), memcheck of the NF3
+#                                                           # layer, host cost of a layer call (moe-models)
 # Carry generated/ (tiny, probes, tiny-gemm, tiny-fused, moe-models, bench-large-m). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -30,6 +32,16 @@ bench)
   timeout 140 python3 -m examples.moe_decoder --bundle generated/moe-models --layers 4 --reps 30 \
     --json "$OUT/moe_decoder.json" > "$OUT/moe_decoder.txt" 2>&1
   echo "moe_decoder rc=$?"; tail -25 "$OUT/moe_decoder.txt"
+  ;;
+nf3)
+  timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=60 tests/gpu/test_intrinsics_gpu.py -k nf3 2>&1 | tail -3
+  timeout 240 python3 -m benchmarks.nf3 --bundle generated/bench-nf3 --json "$OUT/nf3.json" > "$OUT/nf3.txt" 2>&1
+  echo "nf3 rc=$?"; tail -12 "$OUT/nf3.txt"
+  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_moe_fused_gpu.py -k "nf3_layer_matches and silu" > "$OUT/memcheck_nf3.log" 2>&1
+  echo "memcheck nf3 rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_nf3.log" | tail -3
+  timeout 120 python3 -m benchmarks.layer_overhead --bundle generated/moe-models --json "$OUT/layer_overhead.json"
+  echo "layer_overhead rc=$?"
   ;;
 peers)
   shift

@@ -18,7 +18,6 @@ from cuteaot.runtime.kernels.probe import (
     MAX_WORDS,
     MMA_A_WORDS,
     MMA_BT_WORDS,
-    NF3_CODEBOOK,
     THREAD_BLOCK,
     Probe,
     ProbeSpec,
@@ -106,10 +105,12 @@ class ProbeKernel:
         self._pairs(s, d, i, I.dequant_e8m0x4_f16)
 
     def _nf3_bf16(self, s, d, i):
-        pools = [Uint32(p) for p in I.nf3_codebook_pools(NF3_CODEBOOK)]
-        out = I.dequant_nf3x8_bf16(s.u32[2 * i], s.u32[2 * i + 1], *pools)
-        for j in range(4):
-            d.u32[4 * i + j] = out[j]
+        words = [s.u32[3 * i + x] for x in range(3)]
+        words.append(I.nf3_gather(*words))
+        for jj, y in enumerate(words):
+            out = I.dequant_nf3_word_bf16(y)
+            for j in range(4):
+                d.u32[16 * i + 4 * jj + j] = out[j]
 
     # ------------------------------------------------------------------ pair arithmetic
 

@@ -29,6 +29,7 @@ from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, current_stream_handle
 from ..errors import BadInputError, BundleError
 from ..keys import SpecKey
+from ..nf3 import NF3_CODEBOOK  # noqa: F401  (the probe tests' code points)
 from ..tensors import check_tensor
 
 THREAD_BLOCK = 128  # threads per CTA of a THREAD probe
@@ -38,7 +39,6 @@ MAX_WORDS = 1 << 30  # the kernels index src / dst with 32-bit word offsets
 MMA_A_WORDS, MMA_BT_WORDS, MMA_C_WORDS = 128, 64, 128  # A 16x16 b16, B^T 8x16 b16, C 16x8 f32
 TILE_WORDS = 128  # a 16x16 b16 tile, row-major
 # The NF3 codebook of the seed (bf16-rounded on both sides: device pools and torch).
-NF3_CODEBOOK = (-1.0, -0.6047, -0.3563, -0.1275, 0.1275, 0.3563, 0.6047, 1.0)
 
 
 class ProbeUnit(str, Enum):
@@ -103,7 +103,7 @@ LAYOUTS: dict[Probe, ProbeLayout] = {
     Probe.E8M0_BF16: ProbeLayout(_T, 1, 2, _DECODE + " (dequant_e8m0x4_bf16)"),
     Probe.E8M0_F16: ProbeLayout(_T, 1, 2, _DECODE + " (dequant_e8m0x4_f16)"),
     Probe.NF3_BF16: ProbeLayout(
-        _T, 2, 4, "src[i] = (lo16, hi8); dst = the four bf16x2 of dequant_nf3x8_bf16 with the pools of NF3_CODEBOOK"
+        _T, 3, 16, "src[i] = (x0, x1, x2); dst = R0..R3 of dequant_nf3_word_bf16 of x0, x1, x2 and nf3_gather(x0, x1, x2)"
     ),
     Probe.MMA_BF16: ProbeLayout(
         _W, MMA_A_WORDS + MMA_BT_WORDS + MMA_C_WORDS, 128,

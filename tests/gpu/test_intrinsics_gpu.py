@@ -224,22 +224,30 @@ def test_s0e5m3_f16_is_the_byte_shifted():
 
 
 def test_nf3_decode(bundle, capsys):
+    """Every bit pattern of three NF3 words decodes to the code points docs/layouts.md places there."""
+    from cuteaot.runtime.nf3 import GATHER_SOURCES, GROUP_SHIFTS, UNIT_FIELD_BITS
+
     g = torch.Generator().manual_seed(3)
-    j, i = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
-    structured = (j + 3 * i) % 8  # every code in every position
-    codes = torch.cat([structured, torch.randint(0, 8, (8192, 8), generator=g)]).to(torch.int64)
-    shifts = torch.arange(8, dtype=torch.int64)
-    lo16 = ((codes & 3) << (2 * shifts)).sum(1) | (_random_words(codes.shape[0], g) << 16)  # high bits: garbage
-    hi8 = ((codes >> 2) << shifts).sum(1) | (_random_words(codes.shape[0], g) << 8)
-    # code i = (bit i of hi8) << 2 | bits 2i..2i+1 of lo16 -- recomputed from the words, as documented
-    decoded = (((hi8[:, None] >> shifts) & 1) << 2) | ((lo16[:, None] >> (2 * shifts)) & 3)
-    assert torch.equal(decoded, codes)
+    n = 8192
+    words = torch.stack([_random_words(n, g) for _ in range(3)], dim=1)  # (n, 3) u32
+    words[:256, 0] = torch.arange(256) * 0x01010101  # every byte value in every byte of x0
+    bit = lambda w, p: (w >> p) & 1  # noqa: E731
+    y3 = sum(bit(words[:, x], p + d) << p for p in range(32) if p % 8 in GATHER_SOURCES
+             for x, d in [GATHER_SOURCES[p % 8]])  # bits {4, 6} of each byte stay 0
+    decode = torch.cat([words, y3[:, None]], dim=1)  # the four decode words
     book = _bits16(torch.tensor(NF3_CODEBOOK, dtype=torch.float32).to(torch.bfloat16))
-    vals = book[codes]
-    want = torch.stack([_pair(vals[:, 2 * k], vals[:, 2 * k + 1]) for k in range(4)], dim=1)
-    src = torch.stack([lo16, hi8], dim=1).flatten()
-    got = _run(bundle, Probe.NF3_BF16, _i32(src), codes.shape[0])
-    _check(capsys, "nf3_bf16", got, want, inputs=torch.stack([lo16, hi8], dim=1) & 0xFFFFFFFF)
+    want = []
+    for jj in range(4):
+        for j in range(4):
+            halves = []
+            for half in range(2):
+                base = 8 * (2 * (j % 2) + half) + GROUP_SHIFTS[j // 2]
+                m0, m1, sign = (bit(decode[:, jj], base + f) for f in UNIT_FIELD_BITS)
+                m = m0 | m1 << 1
+                halves.append(book[torch.where(sign.bool(), 3 - m, 4 + m)])
+            want.append(_pair(*halves))
+    got = _run(bundle, Probe.NF3_BF16, _i32(words.flatten()), n)
+    _check(capsys, "nf3_bf16", got, torch.stack(want, dim=1), inputs=words)
 
 
 # ----------------------------------------------------------------------------- tensor cores

@@ -17,6 +17,7 @@ from cuteaot.runtime.errors import BadInputError, UnknownSpecializationError
 from cuteaot.runtime.moe import MoeLayer, run_w4a16_moe
 from tests.reference.moe import moe_reference
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
+from tests.reference.nf3 import dequantize_nf3
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -29,6 +30,9 @@ PROBLEMS = {
     "relu2": (512, 384, 8, 3, "relu2", "bf16"),
     "relu2-bias-fp16": (512, 384, 8, 3, "relu2", "fp16"),  # built with biases only
 }
+# the NF3 problems (weights: nf3; swigluoai with biases and logical tails)
+NF3_PROBLEMS = {"silu": (512, 256, 16, 4), "swigluoai": (736, 352, 8, 2), "relu2": (512, 384, 8, 3)}
+NF3_TOKENS = (1, 2, 7, 37, 64, 129, 1000, 3000)
 TOKENS = (1, 2, 3, 4, 8, 16, 37, 64, 512, 1000, 4096)
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)  # the swigluoai defaults
 TOL = 1e-2
@@ -330,3 +334,112 @@ def test_bias_layer_needs_bias_kernels(bundle):
     w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
     with pytest.raises(UnknownSpecializationError, match="bias"):
         MoeLayer(bundle, w13, model.w2, top_k=model.top_k, activation=model.activation)
+
+
+def _nf3_layer(bundle, activation: str, seed: int):
+    """Random float weights quantized with quantize_nf3; the reference dequantizes its output tensors."""
+    from cuteaot.runtime import prepare_w2_nf3, prepare_w13_nf3, quantize_nf3
+
+    h, i, e, top_k = NF3_PROBLEMS[activation]
+    g = torch.Generator().manual_seed(seed)
+    n1 = i if activation == "relu2" else 2 * i
+    q13 = quantize_nf3(torch.randn(e, n1, h, generator=g) * 0.05)
+    q2 = quantize_nf3(torch.randn(e, h, i, generator=g) * 0.05)
+    kw = {}
+    if activation == "swigluoai":
+        kw = dict(b13=(torch.randn(e, n1, generator=g) * 0.2).to(torch.bfloat16),
+                  b2=(torch.randn(e, h, generator=g) * 0.2).to(torch.bfloat16))
+    w13 = prepare_w13_nf3(*q13, bias=kw.get("b13")).to("cuda")
+    w2 = prepare_w2_nf3(*q2, bias=kw.get("b2")).to("cuda")
+    layer = MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation)
+    ref = dict(w13=dequantize_nf3(*q13).cuda(), w2=dequantize_nf3(*q2).cuda(),
+               kw={k: v.cuda() for k, v in kw.items()} | (OAI if activation == "swigluoai" else {}))
+    return layer, ref, g
+
+
+@pytest.mark.parametrize("activation", list(NF3_PROBLEMS))
+def test_nf3_layer_matches_reference(bundle, check, activation):
+    """NF3 weights (quantize_nf3) through every path the table picks up to 3000 tokens, against the
+    float32 reference on the dequantized NF3 tensors (tests/reference/nf3.py)."""
+    layer, ref, g = _nf3_layer(bundle, activation, seed=51)
+    assert layer.facts.weights.value == "nf3"
+    h, _, e, top_k = NF3_PROBLEMS[activation]
+    for m in NF3_TOKENS:
+        x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).cuda()
+        out = layer(x, w, ids, out=poisoned(m, h, "bf16"))
+        want, _, _ = moe_reference(x, ref["w13"], ref["w2"], w, ids, activation, **ref["kw"])
+        check(out, want, f"nf3 {activation} M={m} ({layer.resolve(m).describe()})", f"nf3 {activation}")
+        assert_clean(layer.workspace())
+
+
+def test_nf3_graph_replay_equals_eager(bundle):
+    layer, _, g = _nf3_layer(bundle, "silu", seed=52)
+    h, _, e, top_k = NF3_PROBLEMS["silu"]
+    for m in (1, 64):
+        x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).cuda()
+        eager = layer(x, w, ids)
+        out = poisoned(m, h, "bf16")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x, w, ids, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        tol = 0 if m > 2 else 5e-3  # decode sums the top-k rows with bf16 atomics (order varies)
+        assert rel_err(out, eager.float()) <= tol, m
+
+
+def test_nf3_layer_refuses_mixed_formats(bundle):
+    from cuteaot.runtime import prepare_w2_nf3, quantize_nf3
+
+    model = Model("silu-bf16", seed=53)
+    h, i, e, _ = NF3_PROBLEMS["silu"]
+    w2 = prepare_w2_nf3(*quantize_nf3(torch.randn(e, h, i))).to("cuda")
+    with pytest.raises(BadInputError, match="one format"):
+        MoeLayer(bundle, model.w13, w2, top_k=4)
+
+
+
+def test_nvfp4_nf3_hybrid_layer(bundle, check):
+    """Half the experts NVFP4, half NF3 (interleaved ids): against the float32 reference on the
+    experts' dequantized weights, against the sum of its parts, and replayed from a CUDA graph."""
+    from cuteaot.runtime import HybridMoeLayer, prepare_w2_nf3, prepare_w13_nf3, quantize_nf3
+
+    h, i, e, top_k = NF3_PROBLEMS["silu"]
+    g = torch.Generator().manual_seed(54)
+    fp4_ids, nf3_ids = list(range(0, e, 2)), list(range(1, e, 2))
+    q13, q2 = (quantize_nvfp4(torch.randn(e // 2, n, k, generator=g) * 0.05) for n, k in ((2 * i, h), (h, i)))
+    n13, n2 = (quantize_nf3(torch.randn(e // 2, n, k, generator=g) * 0.05) for n, k in ((2 * i, h), (h, i)))
+    fp4 = (prepare_w13(*q13, "bf16").to("cuda"), prepare_w2(*q2, "bf16").to("cuda"))
+    nf3 = (prepare_w13_nf3(*n13).to("cuda"), prepare_w2_nf3(*n2).to("cuda"))
+    layer = HybridMoeLayer(bundle, [(*fp4, fp4_ids), (*nf3, nf3_ids)], top_k=top_k, activation="silu")
+    w13_f = torch.empty(e, 2 * i, h)
+    w2_f = torch.empty(e, h, i)
+    w13_f[fp4_ids], w2_f[fp4_ids] = dequantize_modelopt(*q13), dequantize_modelopt(*q2)
+    w13_f[nf3_ids], w2_f[nf3_ids] = dequantize_nf3(*n13), dequantize_nf3(*n2)
+    w13_f, w2_f = w13_f.cuda(), w2_f.cuda()
+    for m in (1, 7, 64, 129, 3000):
+        x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).cuda()
+        out = layer(x, w, ids, out=poisoned(m, h, "bf16"))
+        want, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
+        check(out, want, f"hybrid nvfp4+nf3 M={m}", "hybrid nvfp4+nf3")
+        parts = [part(x, w, ids) for part in layer.parts]
+        assert torch.equal(out, parts[0] + parts[1]), m  # the parts' outputs, summed in bf16
+    x = (torch.randn(64, h, generator=g) * 2).to(torch.bfloat16).cuda()
+    ids = torch.rand(64, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(64, top_k, generator=g), dim=1).cuda()
+    eager = layer(x, w, ids)
+    out = poisoned(64, h, "bf16")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, w, ids, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

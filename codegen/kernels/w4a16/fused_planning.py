@@ -29,6 +29,7 @@ from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop
 from cuteaot.runtime.resolution import MoeLayerFacts
+from cuteaot.runtime.types import WeightFormat
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     BARRIER_WORDS,
@@ -91,7 +92,6 @@ FUSED_MMA_SYNC_MAX_BLOCK = 48
 # Not on sm_100a: there the same launch bounds spill (168 registers + 32-40 B of stack).
 FUSED_PACKED_BLOCKS_PER_SM = {"sm_90a": {16: 4, 32: 3}}
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
-_SCALE = ScaleFormat.E4M3_K16
 
 
 @dataclass(frozen=True)
@@ -136,12 +136,15 @@ def plan_fused(
     expert_map: bool = False,
     collect_amax: bool = False,
     deterministic: bool = False,
+    scale_format: ScaleFormat = ScaleFormat.E4M3_K16,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
 
     `deterministic` rules out the decode regime, whose top-k sum adds rows with bf16 atomics
-    in no fixed order; every other step sums in a fixed order.
+    in no fixed order; every other step sums in a fixed order.  `scale_format` is the weights'
+    (NF3: e4m3_k32, which only the mma.sync loop decodes).
     """
+    scale = ScaleFormat(scale_format)
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                     ("num_experts", num_experts), ("top_k", top_k)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -155,16 +158,16 @@ def plan_fused(
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
     routes = m * top_k
 
-    t1, _ = select_tile(m, n1, k1, top_k, block, _SCALE, profile)
-    t2, _ = select_tile(m, n2, k2, top_k, block, _SCALE, profile)
+    t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile)
+    t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile)
     if t1.threads != t2.threads:
         threads = min(t1.threads, t2.threads)
-        t1, _ = select_tile(m, n1, k1, top_k, block, _SCALE, profile, threads=threads)
-        t2, _ = select_tile(m, n2, k2, top_k, block, _SCALE, profile, threads=threads)
+        t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile, threads=threads)
+        t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile, threads=threads)
     if decode:
-        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile)
+        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale)
 
-    wg = None if decode else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile)
+    wg = None if decode else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile, scale)
     if wg is not None:
         block, t1, t2, bps = wg
         cap = profile.sm_count * bps
@@ -175,10 +178,10 @@ def plan_fused(
 
     def per_sm(n: int, tile: TileConfig) -> int:
         cap = None if decode else FUSED_PACKED_BLOCKS_PER_SM.get(profile.arch, {}).get(block)
-        return blocks_per_sm(m, n, top_k, block, tile, _SCALE, profile, estimated_registers(tile, block), cap)
+        return blocks_per_sm(m, n, top_k, block, tile, scale, profile, estimated_registers(tile, block), cap)
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
-    if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, _SCALE, profile) is None
+    if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, scale, profile) is None
                                          for n, k in ((n1, k1), (n2, k2))):
         t1 = t2 = PACKED_M8_TILE
         bps = packed_m8_blocks_per_sm(profile)
@@ -206,7 +209,7 @@ def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int) -> tuple[int, bool]:
     return grid, True
 
 
-def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile):
+def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale_format):
     """(block, FC1 tile, FC2 tile, CTAs/SM) when both GEMMs can run the wgmma loop, else None.
 
     The same rule as the standalone GEMM (planning.py `plan_gemm`): 64-row blocks take the
@@ -214,10 +217,11 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile):
     kernel runs both phases, so the grid is what both phases' register and shared-memory use let
     co-reside.
     """
-    tall = all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, _SCALE, profile)[0] is not None for n, k in (fc1_dims, fc2_dims))
+    tall = all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None
+               for n, k in (fc1_dims, fc2_dims))
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and tall and m * top_k >= WGMMA_TALL_BLOCK * num_experts:
         block = WGMMA_TALL_BLOCK
-    tiles = [wgmma_tile(n, k, block, _SCALE, profile)[0] for n, k in (fc1_dims, fc2_dims)]
+    tiles = [wgmma_tile(n, k, block, scale_format, profile)[0] for n, k in (fc1_dims, fc2_dims)]
     if None in tiles:
         return None
     per_sm = min(wgmma_blocks_per_sm(m, n, top_k, block, t, profile, WGMMA_REGISTERS_SM90[(block, t.tile_n)])
@@ -225,7 +229,7 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile):
     return block, tiles[0], tiles[1], per_sm
 
 
-def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile) -> tuple[TileConfig, TileConfig]:
+def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format) -> tuple[TileConfig, TileConfig]:
     """The seed's decode overrides: 256-wide N tiles where they remove a persistent wave.
 
     FC1 widens only when the default tile needs two waves of SMs and the wide one
@@ -234,7 +238,7 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile) -> tuple[TileCon
     seed's further 512x32 FC2 tile is not ported (tiles here are multiples of 64).
     """
     def fits(n, k):
-        return tile_misfit(n, k, 8, WIDE_TILE, _SCALE, profile) is None
+        return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile) is None
 
     sms = profile.sm_count
     default_tiles = routes * (n1 // t1.tile_n)
@@ -290,7 +294,7 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         collect_amax=facts.calibration, fast_math=facts.fast_math, swiglu_alpha=facts.swiglu_alpha,
         swiglu_beta=facts.swiglu_beta, swiglu_limit=facts.swiglu_limit, whole_tiles_m8=plan.whole_tiles_m8,
         amax_experts=(amax_experts or facts.num_experts) if facts.calibration else 0,
-        mainloop=Mainloop(plan.mainloop), bias=facts.bias,
+        mainloop=Mainloop(plan.mainloop), bias=facts.bias, weights=facts.weights,
     )
 
 
@@ -298,7 +302,7 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
     """plan_fused for a layer described by its facts."""
     return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
-                      deterministic=facts.deterministic)
+                      deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format))
 
 
 @dataclass(frozen=True)
@@ -319,8 +323,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     Both GEMMs must read one packing of the routes (the same block).  Expert maps and
     calibration keep the fused kernel (it zeroes remote experts' rows and collects amax).
     """
-    if facts.expert_map or facts.calibration:
-        return None
+    if facts.expert_map or facts.calibration or facts.weights is not WeightFormat.NVFP4:
+        return None  # (NF3 has no wgmma loop, the split's reason to exist)
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile)

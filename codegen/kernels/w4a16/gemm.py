@@ -25,11 +25,16 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Routes
+from cuteaot.runtime.kernels.w4a16.geometry import ScaleFormat
+from cuteaot.runtime.nf3 import SLAB_ROW_WORDS, X2_BASE
 from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from .epilogue import EpilogueMixin
 from .mainloop import MainloopMixin
+
+
+NF3_SLAB_ROW_BYTES = 4 * SLAB_ROW_WORDS  # one slab (64 columns) of one 32-k NF3 row
 
 
 class _Operands:
@@ -53,6 +58,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         self.m8 = spec.moe_block_size == 8
         self.relu2 = spec.epilogue is Epilogue.RELU2
         self.direct = spec.routes is Routes.DIRECT
+        self.nf3 = spec.nf3
+        self.scale_group = ScaleFormat(spec.scale_format).group_size
 
     @cute.jit
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
@@ -270,15 +277,18 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         lane = tid & Int32(31)
         a_row = tid // Int32(s.a_sh_stride)
         lanes_per_row = 8 if self.m8 else 16
-        b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(s.b_sh_stride) * Int64(n_tile)
-                   + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2) + tid % Int32(s.b_sh_stride)))
+        if cutlass.const_expr(s.nf3):  # the tile's slice of the expert's first 32-k row (int4)
+            b_gl_rd = Int64(s.n * s.k * 3 // 128) * Int64(expert) + Int64(s.nf3_row_int4) * Int64(n_tile)
+        else:
+            b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(s.b_sh_stride) * Int64(n_tile)
+                       + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2) + tid % Int32(s.b_sh_stride)))
         t = _Tile(
             n_tile=n_tile,
             a_gl_rd_row=a_row,
             a_gl_rd_col0=tid - a_row * Int32(s.a_sh_stride),
             a_sh_wr=Int32(s.a_sh_stride) * a_row + (tid - a_row * Int32(s.a_sh_stride)),
             b_gl_rd=b_gl_rd,
-            scales_base=Int64(s.n * s.k // 256) * Int64(expert),
+            scales_base=Int64(s.n * s.k // (16 * self.scale_group)) * Int64(expert),
         )
         # Shared-memory read addresses of this thread, hoisted out of the main loop (stage, row and
         # MMA row block only add constants to them): B words, scale pairs, swizzled A rows.
@@ -287,8 +297,18 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         s_sh_rd = Int32(8) * (warp % Int32(s.n_warps)) + lane // Int32(4)
         a_sh_rd = (Int32(s.a_sh_stride) * (lane % Int32(lanes_per_row)) + lane // Int32(lanes_per_row)
                    + Int32(2 * s.b_sh_wr_iters) * warp_row)
-        t.b_rd = smem + b_sh_rd * Int32(16)
-        t.s_rd = smem + Int32(s.sh_s_off * 16) + (s_sh_rd + Int32(s.b_sh_wr_iters * 2 * s.s_sh_stride) * warp_row) * Int32(8)
+        if cutlass.const_expr(s.nf3):
+            # this warp's slab of its 32-k row: lane words (x0, x1) of row kk at + 256 kk + 8 lane,
+            # x2 at + 512 + 128 kk + 4 lane (runtime/nf3.py); one scale row per 32-k row
+            slab = (smem + Int32(s.sh_b_off * 16) + warp_row * Int32(s.nf3_row_int4 * 16)
+                    + (warp % Int32(s.n_warps)) * Int32(NF3_SLAB_ROW_BYTES))
+            t.b_rd = slab + lane * Int32(8)
+            t.b_rd2 = slab + Int32(4 * X2_BASE) + lane * Int32(4)
+            t.s_rd = smem + Int32(s.sh_s_off * 16) + (s_sh_rd + Int32(2 * s.s_sh_stride) * warp_row) * Int32(8)
+        else:
+            t.b_rd = smem + b_sh_rd * Int32(16)
+            t.s_rd = (smem + Int32(s.sh_s_off * 16)
+                      + (s_sh_rd + Int32(s.b_sh_wr_iters * 2 * s.s_sh_stride) * warp_row) * Int32(8))
         t.a_rd = [smem + self._a_swizzle(Int32(2 * kk) + a_sh_rd) * Int32(16) for kk in range(s.b_sh_wr_iters)]
         if cutlass.const_expr(self.m8):
             acc = cute.make_rmem_tensor((4, 4), Float32)

@@ -21,6 +21,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Int32, Int64, Uint32
 
+from cuteaot.runtime.nf3 import LANES as NF3_LANES
+from cuteaot.runtime.nf3 import NF3_BLOCK_K
+
 from ... import intrinsics as I
 
 
@@ -29,6 +32,8 @@ class MainloopMixin:
 
     @cute.jit
     def _dequant_weights(self, x: Uint32):
+        if cutlass.const_expr(self.nf3):
+            return I.dequant_nf3_word_bf16(x)
         if cutlass.const_expr(self.is_fp16):
             return I.dequant_e2m1x8_f16(x)
         return I.dequant_e2m1x8_bf16(x)
@@ -84,8 +89,19 @@ class MainloopMixin:
             t.a_ok.append(row < valid_rows)
             t.a_in_stage.append(row < Int32(16 * s.m_blocks))
             t.a_dst.append(smem + (Int32(s.sh_a_off) + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr)) * Int32(16))
-        t.b_src = ops.qweight + t.b_gl_rd * Int64(16)
-        t.b_dst = smem + (Int32(s.sh_b_off) + tid) * Int32(16)
+        if cutlass.const_expr(s.nf3):
+            # a stage is tile_k/32 rows of nf3_row_int4 chunks, copied verbatim: chunk c = tid + i * threads
+            t.b_src, t.b_dst, t.b_ok = [], [], []
+            for i in cutlass.range_constexpr(s.b_copies):
+                c = tid + Int32(i * s.threads)
+                row = c // Int32(s.nf3_row_int4)
+                t.b_src.append(ops.qweight + (t.b_gl_rd + Int64(row) * Int64(s.n * 3 // 4)
+                                              + Int64(c - row * Int32(s.nf3_row_int4))) * Int64(16))
+                t.b_dst.append(smem + (Int32(s.sh_b_off) + c) * Int32(16))
+                t.b_ok.append(c < Int32(s.b_sh_stage))
+        else:
+            t.b_src = ops.qweight + t.b_gl_rd * Int64(16)
+            t.b_dst = smem + (Int32(s.sh_b_off) + tid) * Int32(16)
         t.s_ok = tid < Int32(s.s_sh_stage)
         n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
         t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
@@ -110,12 +126,21 @@ class MainloopMixin:
                     I.cp_async_16_zfill(dst, src, load.to(Int32))
             else:
                 I.cp_async_16_zfill(dst, src, load.to(Int32))
-        b_row = s.threads // s.b_sh_stride  # 16-k rows one pass of the CTA covers
-        for i in cutlass.range_constexpr(s.b_sh_wr_iters):
-            I.cp_async_16(t.b_dst + Int32((pipe * s.b_sh_stage + i * s.threads) * 16),
-                          t.b_src + k64 * Int64(s.k_blocks * (s.n // 2) * 16) + Int64(i * b_row * (s.n // 2) * 16))
+        if cutlass.const_expr(s.nf3):
+            for i in cutlass.range_constexpr(s.b_copies):
+                src = t.b_src[i] + k64 * Int64(s.tile_k // NF3_BLOCK_K * (s.n * 3 // 4) * 16)
+                if cutlass.const_expr((i + 1) * s.threads <= s.b_sh_stage):
+                    I.cp_async_16(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), src)
+                elif t.b_ok[i]:
+                    I.cp_async_16(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), src)
+        else:
+            b_row = s.threads // s.b_sh_stride  # 16-k rows one pass of the CTA covers
+            for i in cutlass.range_constexpr(s.b_sh_wr_iters):
+                I.cp_async_16(t.b_dst + Int32((pipe * s.b_sh_stage + i * s.threads) * 16),
+                              t.b_src + k64 * Int64(s.k_blocks * (s.n // 2) * 16) + Int64(i * b_row * (s.n // 2) * 16))
+        scale_rows = s.tile_k // self.scale_group  # scale rows a k-tile holds
         if t.s_ok:
-            I.cp_async_16(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16))
+            I.cp_async_16(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(scale_rows * (s.n // 16) * 16))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -173,16 +198,26 @@ class MainloopMixin:
         two registers per set instead of four decoded pairs.
         """
         s = self.s
-        q0, q1, q2, q3 = I.ld_shared_v4_u32(
-            t.b_rd + Int32((s.sh_b_off + pipe * s.b_sh_stage + s.b_sh_stride * kk) * 16)
-        )
-        p0, p1 = I.ld_shared_v2_u32(t.s_rd + Int32(pipe * s.s_sh_stage * 16 + kk * 2 * s.s_sh_stride * 8))
-        regs[0] = q0
-        regs[1] = q1
-        regs[2] = q2
-        regs[3] = q3
-        regs[4] = p0
-        regs[5] = p1
+        if cutlass.const_expr(s.nf3):  # x0, x1, x2 of row kk (regs[3] unused); both rows share a scale row
+            x0, x1 = I.ld_shared_v2_u32(t.b_rd + Int32(pipe * s.b_sh_stage * 16 + kk * 8 * NF3_LANES))
+            regs[0] = x0
+            regs[1] = x1
+            regs[2] = I.ld_shared_u32(t.b_rd2 + Int32(pipe * s.b_sh_stage * 16 + kk * 4 * NF3_LANES))
+            if cutlass.const_expr(kk == 0):  # row 1 reuses row 0's decoded scale pairs
+                p0, p1 = I.ld_shared_v2_u32(t.s_rd + Int32(pipe * s.s_sh_stage * 16))
+                regs[4] = p0
+                regs[5] = p1
+        else:
+            q0, q1, q2, q3 = I.ld_shared_v4_u32(
+                t.b_rd + Int32((s.sh_b_off + pipe * s.b_sh_stage + s.b_sh_stride * kk) * 16)
+            )
+            p0, p1 = I.ld_shared_v2_u32(t.s_rd + Int32(pipe * s.s_sh_stage * 16 + kk * 2 * s.s_sh_stride * 8))
+            regs[0] = q0
+            regs[1] = q1
+            regs[2] = q2
+            regs[3] = q3
+            regs[4] = p0
+            regs[5] = p1
 
     @cute.jit
     def _load_next(self, bs_next, a_next, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int],
@@ -198,25 +233,38 @@ class MainloopMixin:
                 self._load_a_regs(a_next, t, (pipe + 1) % self.s.stages, 0)
 
     @cute.jit
-    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, p: Uint32, jj: cutlass.Constexpr[int]):
-        """One packed word -> b0/b1 fragments of two 8-column blocks, times their scales.
+    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, s_c0: Uint32, s_c1: Uint32):
+        """One packed word -> b0/b1 fragments of two 8-column blocks, times their scale pairs.
 
-        frag[0, *] is column block c0, frag[1, *] block c1 = c0 + 8; their scales are bytes
-        jj % 2 and jj % 2 + 2 of the raw scale word p (SCALE_BYTE_ORDER).  frag[x, 0] holds
+        frag[0, *] is column block c0, frag[1, *] block c1 = c0 + 8.  frag[x, 0] holds
         k = 2t, 2t+1 and frag[x, 1] k = 2t+8, 2t+9 (docs/layouts.md).
         """
         c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q)
-        s_c0 = self._scale_pair(p, jj % 2)
-        s_c1 = self._scale_pair(p, jj % 2 + 2)
         frag[0, 0] = self._pair_mul(c0_b0, s_c0)
         frag[0, 1] = self._pair_mul(c0_b1, s_c0)
         frag[1, 0] = self._pair_mul(c1_b0, s_c1)
         frag[1, 1] = self._pair_mul(c1_b1, s_c1)
 
     @cute.jit
-    def _mma_row(self, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor):
+    def _mma_row(self, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor,
+                 pairs: cute.Tensor, kk: cutlass.Constexpr[int]):
+        """The MMAs of 16-k row kk: word jj's weights scaled by bytes jj % 2 (column block c0) and
+        jj % 2 + 2 (c1) of raw scale word jj // 2 (SCALE_BYTE_ORDER).  NF3: the two rows of a 32-k
+        row share one scale row, so row 0 decodes the eight scale pairs into `pairs` and row 1
+        reuses them; the fourth decode word is gathered from the other three."""
+        words = [bs[0], bs[1], bs[2], bs[3]]
+        if cutlass.const_expr(self.nf3):
+            words[3] = I.nf3_gather(bs[0], bs[1], bs[2])
         for jj in cutlass.range_constexpr(4):
-            self._scaled_weight_fragment(frag, bs[jj], bs[4 + jj // 2], jj)
+            if cutlass.const_expr(self.nf3 and kk == 1):
+                s_c0, s_c1 = pairs[2 * jj], pairs[2 * jj + 1]
+            else:
+                s_c0 = self._scale_pair(bs[4 + jj // 2], jj % 2)
+                s_c1 = self._scale_pair(bs[4 + jj // 2], jj % 2 + 2)
+                if cutlass.const_expr(self.nf3):
+                    pairs[2 * jj] = s_c0
+                    pairs[2 * jj + 1] = s_c1
+            self._scaled_weight_fragment(frag, words[jj], s_c0, s_c1)
             if cutlass.const_expr(self.m8):
                 # Weights as the 16-row A operand (16 output columns), activations as B (8 tokens).
                 d0, d1, d2, d3 = self._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
@@ -253,6 +301,7 @@ class MainloopMixin:
         a_regs = [cute.make_rmem_tensor(a_shape, Uint32), cute.make_rmem_tensor(a_shape, Uint32)]
         bs_regs = [cute.make_rmem_tensor((6,), Uint32), cute.make_rmem_tensor((6,), Uint32)]
         frag = cute.make_rmem_tensor((2, 2), Uint32)
+        pairs = cute.make_rmem_tensor((8 if self.nf3 else 1,), Uint32)  # NF3: a 32-k row's scale pairs
         self._load_bs_regs(bs_regs[0], t, 0, 0)
         self._load_a_regs(a_regs[0], t, 0, 0)
 
@@ -264,7 +313,7 @@ class MainloopMixin:
                         self._load_next(bs_regs[1 - kk], a_regs[1 - kk], t, pipe, kk, tile_idx, k_tiles)
                         if cutlass.const_expr(kk == 0):
                             self._prefetch_lookahead(ops, t, pipe, tile_idx, k_tiles, k_start)
-                        self._mma_row(acc, a_regs[kk], bs_regs[kk], frag)
+                        self._mma_row(acc, a_regs[kk], bs_regs[kk], frag, pairs, kk)
                     tile_idx += Int32(1)
             cute.arch.sync_threads()
             if tile_idx < k_tiles:

@@ -32,7 +32,7 @@ from typing import Optional
 from ...abi import Pointee, Signature, i32, ptr
 from ...errors import BadInputError
 from ...keys import SpecKey
-from ...types import Activation, DType
+from ...types import Activation, DType, WeightFormat
 from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
 from ..activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
@@ -42,6 +42,7 @@ from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 2  # 2: the bias parameter(s) joined the ABI
+    KEY_OMITS_NONE = frozenset({"weights"})  # NVFP4 kernels: the keys they had before NF3
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -94,9 +95,14 @@ class FusedSpec(SpecKey):
     amax_experts: int = 0  # collect_amax: experts in the weights (rows of the amax table); else 0
     mainloop: Mainloop = Mainloop.MMA_SYNC  # both GEMM phases (wgmma: sm_90a, 64/128-row blocks)
     bias: bool = False  # per-expert biases in FC1's and FC2's epilogues (gpt-oss)
+    # both GEMMs' weight format (NF3: mma.sync loop, bf16); None = NVFP4, kept out of the key so
+    # that the NVFP4 kernels keep the digests they had before NF3 existed
+    weights: Optional[WeightFormat] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
+        weights = None if self.weights is None else WeightFormat(self.weights)
+        object.__setattr__(self, "weights", None if weights is WeightFormat.NVFP4 else weights)
         object.__setattr__(self, "activation", Activation(self.activation))
         object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         if self.decode and (self.expert_map or self.collect_amax or self.moe_block_size != 8):
@@ -119,6 +125,10 @@ class FusedSpec(SpecKey):
     # --------------------------------------------------------------- parts
 
     @property
+    def weight_format(self) -> WeightFormat:
+        return WeightFormat.NVFP4 if self.weights is None else self.weights
+
+    @property
     def gated(self) -> bool:
         return self.activation.is_gated
 
@@ -133,7 +143,8 @@ class FusedSpec(SpecKey):
             k_in=None if logical_k == k else logical_k, tile_n=tile_n, tile_k=tile_k,
             moe_block_size=self.moe_block_size, blocks_per_sm=self.blocks_per_sm,
             routes=Routes.DIRECT if self.decode else Routes.PACKED, whole_tiles_m8=self.whole_tiles_m8,
-            mainloop=self.mainloop, bias=self.bias, **facts,
+            mainloop=self.mainloop, bias=self.bias, layout=self.weight_format.layout,
+            scale_format=self.weight_format.scale_format, **facts,
         )
 
     @property

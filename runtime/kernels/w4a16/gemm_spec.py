@@ -31,14 +31,18 @@ from .geometry import (
     WGMMA_BLOCK_SIZES,
     WGMMA_THREADS,
     wgmma_tiles,
+    ScaleFormat,
     TileConfig,
     cta_m_blocks,
     route_metadata_bytes,
     wgmma_shared_memory_footprint,
     wgmma_stage_parts,
 )
+from ...nf3 import NF3_BLOCK_K
 from ...types import DType
 
+# (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it) and NF3
+WEIGHT_FORMATS = (("packed", "e4m3_k16"), ("nf3", "e4m3_k32"))
 
 
 class Routes(str, Enum):
@@ -126,10 +130,14 @@ class GemmSpec(SpecKey):
         object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         object.__setattr__(self, "routes", Routes(self.routes))
         object.__setattr__(self, "epilogue", Epilogue(self.epilogue))
-        if self.layout != "packed" or self.scale_format != "e4m3_k16":
+        if (self.layout, self.scale_format) not in WEIGHT_FORMATS:
             raise BadInputError(
-                f"only layout 'packed' with scale_format 'e4m3_k16' is implemented, got {self.layout!r}/{self.scale_format!r}"
+                f"layout/scale_format must be one of {[f'{a}/{b}' for a, b in WEIGHT_FORMATS]}, "
+                f"got {self.layout!r}/{self.scale_format!r}"
             )
+        if self.nf3 and (self.dtype is not DType.BF16 or self.mainloop is not Mainloop.MMA_SYNC):
+            raise BadInputError(f"NF3 weights are decoded by the mma.sync loop for bf16 activations, got "
+                                f"{self.dtype.value} / {self.mainloop.value}")
         for name in ("n", "k", "top_k", "tile_n", "tile_k", "moe_block_size", "blocks_per_sm"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -237,22 +245,40 @@ class GemmSpec(SpecKey):
     def a_sh_wr_iters(self) -> int:
         return -(-self.a_sh_stage // self.a_sh_wr_delta)
 
-    # B (weights): a 16-k row of the tile is tile_n * 16 / 8 words = tile_n / 2 int4.
+    @property
+    def nf3(self) -> bool:
+        return self.layout == "nf3"
+
+    # B (weights): a 16-k row of the tile is tile_n * 16 / 8 words = tile_n / 2 int4.  NF3: a 32-k
+    # row is tile_n * 12 bytes (runtime/nf3.py), 3/4 of the two 16-k rows it replaces.
     @property
     def b_sh_stride(self) -> int:
         return self.tile_n // 2
 
     @property
     def b_sh_stage(self) -> int:
+        if self.nf3:
+            return self.nf3_row_int4 * (self.tile_k // NF3_BLOCK_K)
         return self.b_sh_stride * self.k_blocks
 
     @property
-    def b_sh_wr_iters(self) -> int:
-        """16-k rows each thread consumes per stage (= cp.async B copies per thread per stage).
+    def nf3_row_int4(self) -> int:
+        """int4 of one 32-k row of an NF3 tile (tile_n * 12 bytes)."""
+        return self.tile_n * 3 // 4
 
-        Always 2: (tile_n/2 * tile_k/16) / (tile_n * tile_k / 64); the main loop relies on it.
+    @property
+    def b_copies(self) -> int:
+        """cp.async B copies per thread per stage (rounded up: NF3 stages are 1.5 copies a thread)."""
+        return -(-self.b_sh_stage // self.threads)
+
+    @property
+    def b_sh_wr_iters(self) -> int:
+        """16-k rows each thread consumes per stage (NVFP4: = cp.async B copies per thread per stage).
+
+        Always 2: (tile_n/2 * tile_k/16) / (tile_n * tile_k / 64); the main loop relies on it (an
+        NF3 thread's two rows are one 32-k row: one scale row).
         """
-        rows = self.b_sh_stage // self.threads
+        rows = self.b_sh_stride * self.k_blocks // self.threads
         assert rows == 2, rows
         return rows
 
@@ -263,7 +289,7 @@ class GemmSpec(SpecKey):
 
     @property
     def s_sh_stage(self) -> int:
-        return self.k_blocks * self.s_sh_stride
+        return self.tile_k // ScaleFormat(self.scale_format).group_size * self.s_sh_stride
 
     # Shared-memory map (int4 offsets).  Route metadata first, then one region
     # reused by the B pipeline and the epilogue reduction, then scales, then A.

@@ -1,0 +1,152 @@
+"""NF3 against NVFP4 on the same models, on the H200 (issue 15: NF3 moves 3/4 of NVFP4's code bytes).
+
+    python -m benchmarks.nf3 --bundle generated/bench-nf3 [--models qwen3-30b-a3b,gpt-oss-120b]
+                             [--m 1,8,64,256] [--json docs/results/nf3-<date>.json]
+
+Per model and M, in one process, on one routing (uniform top-k) and one input:
+
+* `nvfp4`  MoeLayer on random ModelOpt NVFP4 weights (prepare_w13 / prepare_w2);
+* `nf3`    MoeLayer on random NF3 tensors of the same shapes (prepare_w13_nf3 / prepare_w2_nf3).
+
+gpt-oss layers carry bf16 expert biases in both.  Timing as benchmarks/mxfp4.py (CUDA-graph replay
+of (L2 flush, layer call), the flush's own time subtracted, medians over interleaved rounds).  Beside
+each time: the weight bytes the routing touches (the distinct routed experts' packed codes and
+scales of W13 and W2, from the packed tensors themselves) and that many bytes at the measured copy
+bandwidth (`floor`).  At --check-m both outputs are compared with the float32 reference after
+poisoning.  Target: NF3 >= 1.2x faster than NVFP4 at M <= 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import device_us, hbm_copy_bandwidth
+from tests.reference.moe import moe_reference
+from tests.reference.moe_elementwise import relative_error
+from tests.reference.nf3 import dequantize_nf3, random_nf3
+from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
+
+REPO = Path(__file__).resolve().parents[1]
+# H, I, E, top_k, activation, biases
+MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8, "silu", False), "gpt-oss-120b": (2880, 2880, 128, 4, "swigluoai", True)}
+OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
+FLUSH_BYTES = 256 << 20
+
+
+def _expert_bytes(w) -> int:
+    return (w.qweight.numel() * 4 + w.scales.numel()) // w.num_experts
+
+
+def _layers(bundle, h, i, e, top_k, activation, biases, g):
+    from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_nf3, prepare_w13, prepare_w13_nf3
+
+    b13 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.5).to(torch.bfloat16) if biases else None
+    b2 = (torch.randn(e, h, generator=g, device="cuda") * 0.5).to(torch.bfloat16) if biases else None
+    out = {}
+    q13, q2 = random_nvfp4(e, 2 * i, h, g), random_nvfp4(e, h, i, g)
+    w13, w2 = prepare_w13(*q13, "bf16", bias=b13), prepare_w2(*q2, "bf16", bias=b2)
+    out["nvfp4"] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation),
+                    (dequantize_modelopt(*q13), dequantize_modelopt(*q2)), _expert_bytes(w13) + _expert_bytes(w2))
+    del q13, q2
+    q13, q2 = random_nf3(e, 2 * i, h, g, scale_2=2e-4), random_nf3(e, h, i, g, scale_2=2e-4)
+    w13, w2 = prepare_w13_nf3(*q13, bias=b13), prepare_w2_nf3(*q2, bias=b2)
+    out["nf3"] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation),
+                  (dequantize_nf3(*q13), dequantize_nf3(*q2)), _expert_bytes(w13) + _expert_bytes(w2))
+    return out, (b13, b2)
+
+
+def run(bundle, models, ms, check_m, rounds) -> list[dict]:
+    warm = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
+    for _ in range(50):
+        warm.normal_()
+    del warm
+    bandwidth = hbm_copy_bandwidth()
+    buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = buf.sum
+    flush_us = device_us(flush)
+    rows = []
+    for name in models:
+        h, i, e, top_k, activation, biases = MODELS[name]
+        g = torch.Generator(device="cuda").manual_seed(len(name))
+        layers, (b13, b2) = _layers(bundle, h, i, e, top_k, activation, biases, g)
+        kw = dict(b13=b13, b2=b2, **(OAI if activation == "swigluoai" else {}))
+        for m in sorted(set(ms) | {check_m}):
+            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+            w = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+            experts = int(ids.unique().numel())
+            outs = {impl: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for impl in layers}
+            found = {}
+            for impl, (layer, _, per_expert) in layers.items():
+                touched = experts * per_expert
+                found[impl] = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(),
+                               "experts": experts, "weight_bytes": touched, "floor_us": touched / bandwidth * 1e6}
+            if m == check_m:
+                for impl, (layer, ref_w, _) in layers.items():
+                    layer(x, w, ids, out=outs[impl])
+                    ref, _, _ = moe_reference(x, ref_w[0], ref_w[1], w, ids, activation, **kw)
+                    err = relative_error(outs[impl], ref)
+                    found[impl]["rel_err"] = err if math.isfinite(err) else None
+            if m in ms:
+                samples = {impl: [] for impl in layers}
+                for _ in range(rounds):
+                    for impl, (layer, _, _) in layers.items():
+                        call = (lambda layer=layer, out=outs[impl]: (flush(), layer(x, w, ids, out=out)))
+                        samples[impl].append(device_us(call) - flush_us)
+                for impl in layers:
+                    found[impl]["us"] = statistics.median(samples[impl])
+            for row in found.values():
+                rows.append(row)
+                us = f"{row['us']:9.1f} us (floor {row['floor_us']:6.1f})" if "us" in row else " " * 26
+                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
+                print(f"{name:14s} M={m:5d} {row['impl']:6s} {us}{err}  {row['plan']}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    by = {(r["model"], r["M"], r["impl"]): r for r in rows}
+    lines = ["| model | M | NVFP4 µs | NVFP4 floor µs | NF3 µs | NF3 floor µs | NVFP4 / NF3 time |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for model, m in dict.fromkeys((r["model"], r["M"]) for r in rows if "us" in r):
+        a, b = by[(model, m, "nvfp4")], by[(model, m, "nf3")]
+        lines.append(f"| {model} | {m} | {a['us']:.1f} | {a['floor_us']:.1f} | {b['us']:.1f} | {b['floor_us']:.1f} "
+                     f"| {a['us'] / b['us']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default=str(REPO / "generated" / "bench-nf3"))
+    p.add_argument("--models", default=",".join(MODELS), type=lambda s: [v for v in s.split(",") if v])
+    p.add_argument("--m", default="1,8,64,256", type=lambda s: [int(v) for v in s.split(",") if v])
+    p.add_argument("--check-m", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
+    from cuteaot.runtime import load_bundle
+
+    rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m, args.rounds)
+    print(table(rows))
+    path = Path(args.json or REPO / "docs" / "results" / f"nf3-{datetime.date.today().isoformat()}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": args.commit,
+                                "gpu": torch.cuda.get_device_name(), "method": __doc__, "rows": rows}, indent=1))
+    bad = [r for r in rows if r.get("rel_err") is not None and r["rel_err"] > 1e-2]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

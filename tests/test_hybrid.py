@@ -1,0 +1,67 @@
+"""HybridMoeLayer on the CPU (stubbed launches): expert maps, refusals, what a call launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuteaot.runtime.moe as moe
+from cuteaot.runtime.errors import BadInputError
+from cuteaot.runtime.hybrid import HybridMoeLayer
+from cuteaot.runtime.nf3 import prepare_w2_nf3, prepare_w13_nf3
+from cuteaot.runtime.weights import prepare_w2, prepare_w13
+from tests.reference.nf3 import random_nf3
+from tests.reference.nvfp4 import random_nvfp4
+from tests.stub_bundle import StubLaunch, stub_bundle
+
+H, I, E, TOP_K = 512, 256, 16, 4  # tiny-fused-silu / tiny-fused-nf3-silu
+
+
+@pytest.fixture()
+def calls(monkeypatch):
+    recorded: list = []
+    monkeypatch.setattr(StubLaunch, "calls", recorded)
+    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
+    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr("cuteaot.runtime.hybrid.current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(moe, "pack_routes", lambda bundle, ids, e, block, **b: (
+        b["packed_route_indices"], b["block_expert_ids"], b["packed_route_count"]))
+    monkeypatch.setattr(moe, "moe_topk_sum", lambda *a, **k: None)
+    return recorded
+
+
+def _parts(fp4_ids, nf3_ids):
+    g = torch.Generator().manual_seed(0)
+    n_fp4, n_nf3 = len(fp4_ids), len(nf3_ids)
+    fp4 = (prepare_w13(*random_nvfp4(n_fp4, 2 * I, H, g), "bf16"), prepare_w2(*random_nvfp4(n_fp4, H, I, g), "bf16"))
+    nf3 = (prepare_w13_nf3(*random_nf3(n_nf3, 2 * I, H, g)), prepare_w2_nf3(*random_nf3(n_nf3, H, I, g)))
+    return [(*fp4, fp4_ids), (*nf3, nf3_ids)]
+
+
+def test_parts_get_complementary_expert_maps(calls):
+    fp4_ids, nf3_ids = [0, 3, 5, 6, 9, 10, 12, 15], [1, 2, 4, 7, 8, 11, 13, 14]
+    layer = HybridMoeLayer(stub_bundle(), _parts(fp4_ids, nf3_ids), top_k=TOP_K)
+    maps = [p.expert_map.tolist() for p in layer.parts]
+    assert [m[e] for e in fp4_ids for m in maps[:1]] == list(range(8))
+    assert [maps[1][e] for e in nf3_ids] == list(range(8))
+    assert all((a == -1) != (b == -1) for a, b in zip(*maps))  # every expert in exactly one part
+    assert [p.facts.weights.value for p in layer.parts] == ["nvfp4", "nf3"]
+    x, w = torch.zeros(5, H, dtype=torch.bfloat16), torch.full((5, TOP_K), 0.25)
+    ids = (torch.arange(5 * TOP_K, dtype=torch.int32) % E).view(5, TOP_K)
+    out = layer(x, w, ids)
+    assert out.shape == (5, H)
+    fused = [values for kind, _, values in calls if kind == "fused"]
+    assert len(fused) == 2 and fused[0]["w13"] != fused[1]["w13"]
+
+
+def test_refusals(calls):
+    bundle = stub_bundle()
+    with pytest.raises(BadInputError, match="exactly one part"):
+        HybridMoeLayer(bundle, _parts(list(range(8)), [7] + list(range(9, 16))), top_k=TOP_K)
+    with pytest.raises(BadInputError, match=r"ids in \[0, 16\)"):
+        HybridMoeLayer(bundle, _parts(list(range(8)), list(range(9, 17))), top_k=TOP_K)
+    parts = _parts(list(range(8)), list(range(8, 16)))
+    with pytest.raises(BadInputError, match="global ids of its 8"):
+        HybridMoeLayer(bundle, [parts[0], (*parts[1][:2], list(range(8, 15)))], top_k=TOP_K)
+    with pytest.raises(BadInputError, match="expert maps"):
+        HybridMoeLayer(bundle, _parts(list(range(8)), list(range(8, 16))), top_k=TOP_K, expert_map=None)
