@@ -28,7 +28,8 @@ from .manifest import verify_bundle
 from .hybrid import HybridMoeLayer
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
 from .parallel import (
-    ParallelMoeLayer, ep_partition, ep_select, tp_shard_bias2, tp_shard_bias13, tp_shard_w2, tp_shard_w13,
+    ParallelMoeLayer, ep_partition, ep_select, tp_shard_bias2, tp_shard_bias13, tp_shard_w2, tp_shard_w2_mxfp4,
+    tp_shard_w13, tp_shard_w13_mxfp4,
 )
 from .nf3 import PackedNf3, pack_nf3, prepare_w2_nf3, prepare_w13_nf3, quantize_nf3, unpack_nf3
 from .types import Activation, DType, WeightFormat
@@ -58,6 +59,8 @@ __all__ = [
     "tp_shard_w2",
     "tp_shard_bias13",
     "tp_shard_bias2",
+    "tp_shard_w13_mxfp4",
+    "tp_shard_w2_mxfp4",
     "Activation",
     "DType",
     "DeviceProfile",

@@ -12,6 +12,10 @@ E % w ranks one more than the others (uneven counts are allowed); `expert_map` m
 expert id to its local index or -1.  Every rank sees every token (replicated), computes the
 routes of its own experts (the others contribute 0) and the all-reduce adds the ranks.
 
+MXFP4 (gpt-oss) checkpoints shard with tp_shard_w13_mxfp4 / tp_shard_w2_mxfp4 the same way; their
+scales cover 32 k, so W2's slice of I must be a multiple of 32: 2880 splits 2 ways (1440) but not
+4 (720 = 22.5 blocks), which is refused.
+
 Both take the ModelOpt tensors of one layer (`weight` u8, `weight_scale` e4m3, `weight_scale_2`
 f32, as prepare_w13 / prepare_w2 accept) and return the local ones; the combine goes through
 `torch.distributed.all_reduce` on the caller's process group (NCCL across GPUs).
@@ -27,11 +31,11 @@ from .bundle import Bundle
 from .errors import BadInputError
 from .moe import MoeLayer
 from .types import Activation
-from .weights import SCALE_GROUP_K, PackedNvfp4, W13Order
+from .weights import MXFP4_BLOCK_K, SCALE_GROUP_K, PackedNvfp4, W13Order
 
 
 __all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "tp_shard_bias13", "tp_shard_bias2",
-           "ep_partition", "ep_select", "ParallelMoeLayer"]
+           "tp_shard_w13_mxfp4", "tp_shard_w2_mxfp4", "ep_partition", "ep_select", "ParallelMoeLayer"]
 
 
 class ModelOptTensors(NamedTuple):
@@ -133,6 +137,35 @@ def tp_shard_w2(w2: ModelOptTensors, rank: int, world: int) -> ModelOptTensors:
         scale[:, :, s.start // SCALE_GROUP_K: s.stop // SCALE_GROUP_K].contiguous(),
         scale_2,
     )
+
+
+def tp_shard_w13_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, rank: int, world: int, *,
+                       order: W13Order | str = W13Order.INTERLEAVED) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of an MXFP4 W13 (gate_up_proj_blocks (E, 2I, H/32, 16), _scales (E, 2I, H/32)),
+    in gate|up order: pass them to prepare_w13_mxfp4 with order="gate_up" (and the bias from
+    tp_shard_bias13 with the checkpoint's order, which comes back gate|up too)."""
+    if not isinstance(blocks, torch.Tensor) or not isinstance(scales, torch.Tensor) or blocks.dim() != 4 \
+            or scales.dim() != 3 or blocks.shape[:3] != scales.shape:
+        raise BadInputError(f"MXFP4 W13 must be blocks (E, 2I, H/32, 16) and scales (E, 2I, H/32), got "
+                            f"{tuple(getattr(blocks, 'shape', ()))} and {tuple(getattr(scales, 'shape', ()))}")
+    take = _gated_rows(blocks.shape[1], rank, world, order, Activation.SWIGLUOAI).to(blocks.device)
+    return blocks.index_select(1, take), scales.index_select(1, take)
+
+
+def tp_shard_w2_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, rank: int,
+                      world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's K blocks of an MXFP4 W2 (down_proj_blocks (E, H, I/32, 16), _scales (E, H, I/32))."""
+    if not isinstance(blocks, torch.Tensor) or not isinstance(scales, torch.Tensor) or blocks.dim() != 4 \
+            or scales.dim() != 3 or blocks.shape[:3] != scales.shape:
+        raise BadInputError(f"MXFP4 W2 must be blocks (E, H, I/32, 16) and scales (E, H, I/32), got "
+                            f"{tuple(getattr(blocks, 'shape', ()))} and {tuple(getattr(scales, 'shape', ()))}")
+    inter = blocks.shape[2] * MXFP4_BLOCK_K
+    s = tp_slice(inter, rank, world)
+    if s.start % MXFP4_BLOCK_K or s.stop % MXFP4_BLOCK_K:
+        raise BadInputError(f"intermediate_size {inter} / {world} = {inter // world} is not a multiple of the MXFP4 "
+                            f"block ({MXFP4_BLOCK_K}): the shard boundary would cut a scale block; use fewer ranks")
+    b = slice(s.start // MXFP4_BLOCK_K, s.stop // MXFP4_BLOCK_K)
+    return blocks[:, :, b].contiguous(), scales[:, :, b].contiguous()
 
 
 def tp_shard_bias13(bias: torch.Tensor, rank: int, world: int, *, activation: Activation | str,

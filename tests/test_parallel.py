@@ -222,3 +222,50 @@ def test_tp_shards_with_biases_sum_to_the_whole_layer(layer, world, order):
                                    weights, ids, "silu", b13=sb13, b2=sb2)
         total += part
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mxfp4_tp_shards_sum_to_the_whole_layer(world):
+    """gpt-oss tensors as stored (MXFP4, interleaved gate/up rows, biases): the ranks' packed shards,
+    dequantized the way the kernels see them, sum to the whole layer."""
+    from cuteaot.runtime.parallel import tp_shard_bias2, tp_shard_bias13, tp_shard_w2_mxfp4, tp_shard_w13_mxfp4
+    from cuteaot.runtime.weights import prepare_w2_mxfp4, prepare_w13_mxfp4, unpack_nvfp4
+    from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
+
+    h, i, e = 64, 128, 4  # I / 2 = 64: two MXFP4 blocks a rank
+    g = torch.Generator().manual_seed(22)
+    b13_blocks, b13_scales = random_mxfp4(e, 2 * i, h, g, spread=3, center=120)
+    b2_blocks, b2_scales = random_mxfp4(e, h, i, g, spread=3, center=120)
+    # interleaved, as stored; bf16 values, as the packing keeps them
+    bias13, bias2 = (torch.randn(e, n, generator=g).to(torch.bfloat16).float() for n in (2 * i, h))
+    x = torch.randn(5, h, generator=g)
+    ids = torch.rand(5, e, generator=g).topk(2, dim=1).indices
+    weights = torch.softmax(torch.randn(5, 2, generator=g), dim=1)
+    w13_f = dequantize_mxfp4(b13_blocks, b13_scales)
+    gate_up = torch.cat((w13_f[:, 0::2], w13_f[:, 1::2]), dim=1)
+    b13 = torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1)
+    full, _, _ = moe_reference(x, gate_up, dequantize_mxfp4(b2_blocks, b2_scales), weights, ids, "swigluoai",
+                               b13=b13, b2=bias2, alpha=1.702, beta=1.0, limit=7.0)
+    total = torch.zeros_like(full)
+    for rank in range(world):
+        s13 = tp_shard_w13_mxfp4(b13_blocks, b13_scales, rank, world)
+        s2 = tp_shard_w2_mxfp4(b2_blocks, b2_scales, rank, world)
+        sb13 = tp_shard_bias13(bias13, rank, world, activation="swigluoai", order="interleaved")
+        p13 = prepare_w13_mxfp4(*s13, "bf16", order="gate_up", bias=sb13)
+        p2 = prepare_w2_mxfp4(*s2, "bf16", bias=tp_shard_bias2(bias2, rank, world))
+        assert (p13.n, p13.k, p2.n, p2.k) == (2 * i // world, h, h, i // world)
+        part, _, _ = moe_reference(x, dequantize_modelopt(*unpack_nvfp4(p13)), dequantize_modelopt(*unpack_nvfp4(p2)),
+                                   weights, ids, "swigluoai", b13=p13.bias.float(),
+                                   b2=None if p2.bias is None else p2.bias.float(), alpha=1.702, beta=1.0, limit=7.0)
+        total += part
+    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_tp_refuses_a_cut_scale_block():
+    from cuteaot.runtime.parallel import tp_shard_w2_mxfp4
+    from tests.reference.mxfp4 import random_mxfp4
+
+    blocks, scales = random_mxfp4(2, 64, 2880, torch.Generator().manual_seed(0))
+    assert tp_shard_w2_mxfp4(blocks, scales, 1, 2)[0].shape == (2, 64, 45, 16)
+    with pytest.raises(BadInputError, match="720 is not a multiple of the MXFP4 block"):
+        tp_shard_w2_mxfp4(blocks, scales, 0, 4)
