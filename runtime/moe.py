@@ -96,6 +96,17 @@ class MoeWorkspace:
 
 
 @dataclass(frozen=True)
+class _PackedViews:
+    """Slices of a workspace for one token count on the packed path (MoeLayer._packed_views)."""
+
+    ws: MoeWorkspace  # held: the cache key's id(ws) stays unique while the entry lives
+    route_indices: torch.Tensor
+    block_experts: torch.Tensor
+    route_pack: torch.Tensor
+    fc2: torch.Tensor  # (M, top_k, H) FC2 rows per route
+
+
+@dataclass(frozen=True)
 class Resolved:
     """An m-token call's launch: the resolution table's decision and its checked kernels by role
     ("fused", or "fc1" and "fc2" for a layer run as two grouped-GEMM launches)."""
@@ -195,6 +206,7 @@ class MoeLayer:
         self.validate_ids = validate_ids
         self._resolved: dict[tuple[int, bool], Resolved] = {}
         self._prepared: dict[tuple[int, int], tuple[MoeWorkspace, PreparedLaunch]] = {}
+        self._views: dict[tuple[int, int, int], _PackedViews] = {}
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
                 for digest in launch.kernels.values():
@@ -341,13 +353,11 @@ class MoeLayer:
                                        out=ws.ids32[:routes].view(m, self.top_k))
             route_indices = block_experts = route_count = ids
         else:
-            block = r.launch.route_block
-            slots = max_packed_route_slots(routes, block, self.route_experts)  # what this M can fill
+            views = self._packed_views(ws, m, r.launch.route_block)
             route_indices, block_experts, route_count = pack_routes(
-                self.bundle, topk_ids, self.route_experts, block, expert_map=self.expert_map,
-                packed_route_indices=ws.route_indices[:slots], block_expert_ids=ws.block_experts[: slots // block],
-                packed_route_count=ws.route_count,
-                workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
+                self.bundle, topk_ids, self.route_experts, r.launch.route_block, expert_map=self.expert_map,
+                packed_route_indices=views.route_indices, block_expert_ids=views.block_experts,
+                packed_route_count=ws.route_count, workspace=views.route_pack,
             )
         if r.launch.split:
             self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws, stream)
@@ -355,9 +365,27 @@ class MoeLayer:
             self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
                                ws, stream)
         if not r.decode:
-            fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
             # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
-            moe_topk_sum(self.bundle, fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
+            moe_topk_sum(self.bundle, views.fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
+
+    _VIEW_CACHE = 64  # token counts whose workspace views a layer keeps (a view costs about a launch to make)
+
+    def _packed_views(self, ws: MoeWorkspace, m: int, block: int) -> "_PackedViews":
+        """The workspace slices an m-token call on the packed path hands to the route packing and the
+        top-k sum, made once per (workspace, M) and kept for the most recent token counts."""
+        key = (id(ws), m, block)
+        found = self._views.get(key)
+        if found is not None and found.ws is ws:
+            return found
+        routes = m * self.top_k
+        slots = max_packed_route_slots(routes, block, self.route_experts)  # what this M can fill
+        views = _PackedViews(ws, ws.route_indices[:slots], ws.block_experts[: slots // block],
+                             ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
+                             ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size))
+        if len(self._views) >= self._VIEW_CACHE:
+            self._views.pop(next(iter(self._views)))  # the oldest
+        self._views[key] = views
+        return views
 
     # the fused kernel's arguments that change between calls; every other one is fixed per workspace
     _FUSED_VARIABLES = ("a", "fc2_out", "route_indices", "block_experts", "route_count", "topk_weights", "amax",
