@@ -257,16 +257,19 @@ def dequant_nf3_word_bf16(y: Uint32, *, loc=None, ip=None):
     the low byte of the bf16 code point from POOL_A, its high byte from POOL_B
     (runtime/nf3.py).  Units 0, 1 give R0 (R2), units 2, 3 give R1 (R3).
     """
-    from cuteaot.runtime.nf3 import POOL_A, POOL_B
+    from cuteaot.runtime.nf3 import (
+        DECODE_INFO_MASK, DECODE_M1_COPY, DECODE_M1_MASK, DECODE_POOL_B_INDEX, GROUP_SHIFTS, POOL_A, POOL_B,
+    )
+
+    def group(w: str, r0: int, r1: int) -> str:  # registers $r0 (units 0, 1) and $r1 (units 2, 3) from word w
+        return (f" and.b32 t, {w}, {DECODE_INFO_MASK:#010x};\n or.b32 t, t, {DECODE_POOL_B_INDEX:#010x};\n"
+                f" and.b32 u, {w}, {DECODE_M1_MASK:#010x};\n mad.lo.u32 s, u, {DECODE_M1_COPY}, t;\n"
+                f" prmt.b32 ${r0}, $5, $6, s;\n shr.b32 s, s, 16;\n prmt.b32 ${r1}, $5, $6, s;\n")
 
     out = _asm(
         4, T.i32, _ir([Uint32(y), Uint32(POOL_A), Uint32(POOL_B)], loc, ip),
-        "{\n .reg .b32 w, t, u, s;\n"
-        " and.b32 t, $4, 0x23232323;\n or.b32 t, t, 0x40404040;\n and.b32 u, $4, 0x02020202;\n"
-        " mad.lo.u32 s, u, 8, t;\n prmt.b32 $0, $5, $6, s;\n shr.b32 s, s, 16;\n prmt.b32 $1, $5, $6, s;\n"
-        " shr.b32 w, $4, 2;\n"
-        " and.b32 t, w, 0x23232323;\n or.b32 t, t, 0x40404040;\n and.b32 u, w, 0x02020202;\n"
-        " mad.lo.u32 s, u, 8, t;\n prmt.b32 $2, $5, $6, s;\n shr.b32 s, s, 16;\n prmt.b32 $3, $5, $6, s;\n}",
+        "{\n .reg .b32 w, t, u, s;\n" + group("$4", 0, 1)
+        + f" shr.b32 w, $4, {GROUP_SHIFTS[1]};\n" + group("w", 2, 3) + "}",
         "=r,=r,=r,=r,r,r,r", effects=False, loc=loc, ip=ip,
     )
     return _u32(out)

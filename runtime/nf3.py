@@ -73,7 +73,16 @@ POOL_B = 0x3E | 0x3F << 8 | 0xBE << 16 | 0xBF << 24  # high bytes by (m >> 1) + 
 # x0, x1, x2, hold y3 (GATHER_SOURCES).
 UNIT_FIELD_BITS = (0, 1, 5)  # m bit 0, m bit 1, sign, within a unit of group 0
 GROUP_SHIFTS = (0, 2)
+# The decode (codegen/intrinsics.dequant_nf3_word_bf16), per byte of a word shifted by its group:
+# t = (y & INFO) | POOL_B_INDEX keeps m and the sign and sets the high nibble's pool-B bit;
+# sel = t + (y & M1) * M1_COPY copies m's high bit to bit 4, giving the nibbles (m, 4 + (m >> 1) + 2 * sign).
+_EVERY_BYTE = 0x01010101
+DECODE_INFO_MASK = sum(1 << b for b in UNIT_FIELD_BITS) * _EVERY_BYTE  # 0x23232323
+DECODE_POOL_B_INDEX = 0x40 * _EVERY_BYTE  # bit 2 of the high nibble: index 4..7 = pool B
+DECODE_M1_MASK = (1 << UNIT_FIELD_BITS[1]) * _EVERY_BYTE  # 0x02020202
+DECODE_M1_COPY = 1 << (4 - UNIT_FIELD_BITS[1])  # bit 1 -> bit 4 (the high nibble's index bit 0)
 WORDS_PER_ROW = 3  # stored words per lane per 16-k row
+NF3_COLUMN_BYTES = NF3_BLOCK_K * 3 // 8  # 12: one column of one 32-k row, 3 bits a code
 # y3 bit p comes from x0 bit p + 4 (p % 8 in {0, 2}), x1 bit p + 3 ({1, 3}) or x2 bit p - 1 ({5, 7})
 GATHER_SOURCES = {0: (0, 4), 2: (0, 4), 1: (1, 3), 3: (1, 3), 5: (2, -1), 7: (2, -1)}
 GATHER_MASKS = (0x05050505, 0x0A0A0A0A, 0xA0A0A0A0)  # y3 = (x0 >> 4 & M0) | (x1 >> 3 & M1) | (x2 << 1 & M2)

@@ -33,8 +33,8 @@ def _decode_word(y: int) -> list[int]:
     """codegen/intrinsics.dequant_nf3_word_bf16, instruction by instruction."""
     regs = []
     for w in (y, y >> 2):
-        t = (w & 0x23232323) | 0x40404040
-        s = ((w & 0x02020202) * 8 + t) & 0xFFFFFFFF
+        t = (w & 0x23232323) | 0x40404040  # m bits 0, 1 and the sign kept; the high nibble's pool-B bit
+        s = ((w & 0x02020202) * 8 + t) & 0xFFFFFFFF  # m's high bit copied to bit 4
         regs += [_prmt(POOL_A, POOL_B, s & 0xFFFF), _prmt(POOL_A, POOL_B, s >> 16)]
     return regs
 

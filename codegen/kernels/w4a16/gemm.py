@@ -278,7 +278,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         a_row = tid // Int32(s.a_sh_stride)
         lanes_per_row = 8 if self.m8 else 16
         if cutlass.const_expr(s.nf3):  # the tile's slice of the expert's first 32-k row (int4)
-            b_gl_rd = Int64(s.n * s.k * 3 // 128) * Int64(expert) + Int64(s.nf3_row_int4) * Int64(n_tile)
+            b_gl_rd = Int64(s.nf3_expert_int4) * Int64(expert) + Int64(s.nf3_tile_row_int4) * Int64(n_tile)
         else:
             b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(s.b_sh_stride) * Int64(n_tile)
                        + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2) + tid % Int32(s.b_sh_stride)))
@@ -300,7 +300,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         if cutlass.const_expr(s.nf3):
             # this warp's slab of its 32-k row: lane words (x0, x1) of row kk at + 256 kk + 8 lane,
             # x2 at + 512 + 128 kk + 4 lane (runtime/nf3.py); one scale row per 32-k row
-            slab = (smem + Int32(s.sh_b_off * 16) + warp_row * Int32(s.nf3_row_int4 * 16)
+            slab = (smem + Int32(s.sh_b_off * 16) + warp_row * Int32(s.nf3_tile_row_int4 * 16)
                     + (warp % Int32(s.n_warps)) * Int32(NF3_SLAB_ROW_BYTES))
             t.b_rd = slab + lane * Int32(8)
             t.b_rd2 = slab + Int32(4 * X2_BASE) + lane * Int32(4)

@@ -90,13 +90,13 @@ class MainloopMixin:
             t.a_in_stage.append(row < Int32(16 * s.m_blocks))
             t.a_dst.append(smem + (Int32(s.sh_a_off) + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr)) * Int32(16))
         if cutlass.const_expr(s.nf3):
-            # a stage is tile_k/32 rows of nf3_row_int4 chunks, copied verbatim: chunk c = tid + i * threads
+            # a stage is tile_k/32 rows of nf3_tile_row_int4 chunks, copied verbatim: chunk c = tid + i * threads
             t.b_src, t.b_dst, t.b_ok = [], [], []
             for i in cutlass.range_constexpr(s.b_copies):
                 c = tid + Int32(i * s.threads)
-                row = c // Int32(s.nf3_row_int4)
-                t.b_src.append(ops.qweight + (t.b_gl_rd + Int64(row) * Int64(s.n * 3 // 4)
-                                              + Int64(c - row * Int32(s.nf3_row_int4))) * Int64(16))
+                row = c // Int32(s.nf3_tile_row_int4)
+                t.b_src.append(ops.qweight + (t.b_gl_rd + Int64(row) * Int64(s.nf3_row_int4)
+                                              + Int64(c - row * Int32(s.nf3_tile_row_int4))) * Int64(16))
                 t.b_dst.append(smem + (Int32(s.sh_b_off) + c) * Int32(16))
                 t.b_ok.append(c < Int32(s.b_sh_stage))
         else:
@@ -128,7 +128,7 @@ class MainloopMixin:
                 I.cp_async_16_zfill(dst, src, load.to(Int32))
         if cutlass.const_expr(s.nf3):
             for i in cutlass.range_constexpr(s.b_copies):
-                src = t.b_src[i] + k64 * Int64(s.tile_k // NF3_BLOCK_K * (s.n * 3 // 4) * 16)
+                src = t.b_src[i] + k64 * Int64(s.tile_k // NF3_BLOCK_K * s.nf3_row_int4 * 16)
                 if cutlass.const_expr((i + 1) * s.threads <= s.b_sh_stage):
                     I.cp_async_16(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), src)
                 elif t.b_ok[i]:

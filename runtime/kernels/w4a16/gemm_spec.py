@@ -38,7 +38,7 @@ from .geometry import (
     wgmma_shared_memory_footprint,
     wgmma_stage_parts,
 )
-from ...nf3 import NF3_BLOCK_K
+from ...nf3 import NF3_BLOCK_K, NF3_COLUMN_BYTES
 from ...types import DType
 
 # (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it) and NF3
@@ -258,13 +258,22 @@ class GemmSpec(SpecKey):
     @property
     def b_sh_stage(self) -> int:
         if self.nf3:
-            return self.nf3_row_int4 * (self.tile_k // NF3_BLOCK_K)
+            return self.nf3_tile_row_int4 * (self.tile_k // NF3_BLOCK_K)
         return self.b_sh_stride * self.k_blocks
 
     @property
+    def nf3_tile_row_int4(self) -> int:
+        """int4 of a tile's slice of one 32-k NF3 row (tile_n * 12 bytes)."""
+        return self.tile_n * NF3_COLUMN_BYTES // 16
+
+    @property
     def nf3_row_int4(self) -> int:
-        """int4 of one 32-k row of an NF3 tile (tile_n * 12 bytes)."""
-        return self.tile_n * 3 // 4
+        """int4 of one whole 32-k NF3 row of the weight (n * 12 bytes)."""
+        return self.n * NF3_COLUMN_BYTES // 16
+
+    @property
+    def nf3_expert_int4(self) -> int:
+        return self.k // NF3_BLOCK_K * self.nf3_row_int4
 
     @property
     def b_copies(self) -> int:
