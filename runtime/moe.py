@@ -37,11 +37,11 @@ from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
-    MAX_EXPERTS, direct_route_ids, max_packed_route_slots, pack_routes, route_pack_workspace_elements,
+    MAX_EXPERTS, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements,
 )
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
-from .kernels.topk_sum import moe_topk_sum
+from .kernels.topk_sum import PreparedTopkSum
 from .tensors import check_rank, check_tensor, conforms
 from .types import Activation
 from .weights import PackedNvfp4
@@ -96,14 +96,12 @@ class MoeWorkspace:
 
 
 @dataclass(frozen=True)
-class _PackedViews:
-    """Slices of a workspace for one token count on the packed path (MoeLayer._packed_views)."""
+class _PackedSteps:
+    """The prepared launches around the GEMMs of one token count on the packed path."""
 
     ws: MoeWorkspace  # held: the cache key's id(ws) stays unique while the entry lives
-    route_indices: torch.Tensor
-    block_experts: torch.Tensor
-    route_pack: torch.Tensor
-    fc2: torch.Tensor  # (M, top_k, H) FC2 rows per route
+    route_pack: PreparedRoutePack
+    topk_sum: PreparedTopkSum
 
 
 @dataclass(frozen=True)
@@ -206,7 +204,7 @@ class MoeLayer:
         self.validate_ids = validate_ids
         self._resolved: dict[tuple[int, bool], Resolved] = {}
         self._prepared: dict[tuple[int, int], tuple[MoeWorkspace, PreparedLaunch]] = {}
-        self._views: dict[tuple[int, int, int], _PackedViews] = {}
+        self._steps: dict[tuple, _PackedSteps] = {}
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
                 for digest in launch.kernels.values():
@@ -353,12 +351,8 @@ class MoeLayer:
                                        out=ws.ids32[:routes].view(m, self.top_k))
             route_indices = block_experts = route_count = ids
         else:
-            views = self._packed_views(ws, m, r.launch.route_block)
-            route_indices, block_experts, route_count = pack_routes(
-                self.bundle, topk_ids, self.route_experts, r.launch.route_block, expert_map=self.expert_map,
-                packed_route_indices=views.route_indices, block_expert_ids=views.block_experts,
-                packed_route_count=ws.route_count, workspace=views.route_pack,
-            )
+            steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out)
+            route_indices, block_experts, route_count = steps.route_pack(topk_ids, stream)
         if r.launch.split:
             self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws, stream)
         else:
@@ -366,26 +360,34 @@ class MoeLayer:
                                ws, stream)
         if not r.decode:
             # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
-            moe_topk_sum(self.bundle, views.fc2, out, topk_ids=topk_ids, num_experts=self.route_experts)
+            steps.topk_sum(out, topk_ids, stream)
 
-    _VIEW_CACHE = 64  # token counts whose workspace views a layer keeps (a view costs about a launch to make)
+    _STEPS_CACHE = 64  # token counts whose packed-path launches a layer keeps prepared
 
-    def _packed_views(self, ws: MoeWorkspace, m: int, block: int) -> "_PackedViews":
-        """The workspace slices an m-token call on the packed path hands to the route packing and the
-        top-k sum, made once per (workspace, M) and kept for the most recent token counts."""
-        key = (id(ws), m, block)
-        found = self._views.get(key)
+    def _packed_steps(self, ws: MoeWorkspace, m: int, block: int, topk_ids: torch.Tensor,
+                      out: torch.Tensor) -> "_PackedSteps":
+        """The route packing and top-k sum of an m-token call on the packed path, with the workspace
+        slices they read and write packed in: prepared (and checked) once per (workspace, M, ids
+        dtype), kept for the most recent token counts.  A call's own inputs were checked by _check."""
+        key = (id(ws), m, block, topk_ids.dtype)
+        found = self._steps.get(key)
         if found is not None and found.ws is ws:
             return found
         routes = m * self.top_k
         slots = max_packed_route_slots(routes, block, self.route_experts)  # what this M can fill
-        views = _PackedViews(ws, ws.route_indices[:slots], ws.block_experts[: slots // block],
-                             ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)],
-                             ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size))
-        if len(self._views) >= self._VIEW_CACHE:
-            self._views.pop(next(iter(self._views)))  # the oldest
-        self._views[key] = views
-        return views
+        fc2 = ws.fc13[: routes * self.hidden_size].view(m, self.top_k, self.hidden_size)
+        steps = _PackedSteps(
+            ws,
+            PreparedRoutePack(self.bundle, topk_ids, self.route_experts, block, expert_map=self.expert_map,
+                              packed=ws.route_indices[:slots], block_ids=ws.block_experts[: slots // block],
+                              count=ws.route_count,
+                              workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)]),
+            PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts),
+        )
+        if len(self._steps) >= self._STEPS_CACHE:
+            self._steps.pop(next(iter(self._steps)))  # the oldest
+        self._steps[key] = steps
+        return steps
 
     # the fused kernel's arguments that change between calls; every other one is fixed per workspace
     _FUSED_VARIABLES = ("a", "fc2_out", "route_indices", "block_experts", "route_count", "topk_weights", "amax",

@@ -61,3 +61,40 @@ class StubLaunch:
 
     def _issue(self, grid_x, stream, ordered):
         type(self).calls.append(("fused", grid_x, dict(zip(self._signature.names, ordered, strict=True))))
+
+
+class StubRoutePack:
+    """PreparedRoutePack without a driver: records ("pack_routes", ids shape, block) in StubLaunch.calls."""
+
+    def __init__(self, bundle, topk_ids, num_experts, block_size, *, expert_map, packed, block_ids, count, workspace):
+        self.block_size, self.outputs = block_size, (packed, block_ids, count)
+
+    def __call__(self, topk_ids, stream):
+        StubLaunch.calls.append(("pack_routes", tuple(topk_ids.shape), self.block_size))
+        return self.outputs
+
+
+class StubTopkSum:
+    """PreparedTopkSum without a driver: records ("topk_sum", fc2 shape) in StubLaunch.calls."""
+
+    def __init__(self, bundle, fc2, out, topk_ids, num_experts):
+        self.fc2_shape = tuple(fc2.shape)
+
+    def __call__(self, out, topk_ids, stream):
+        StubLaunch.calls.append(("topk_sum", self.fc2_shape))
+
+
+def stub_launches(monkeypatch) -> list:
+    """Replace MoeLayer's kernel launches (fused or GEMM, route packing, top-k sum, activation) by
+    recorders; returns the list they append to."""
+    from cuteaot.runtime import moe
+
+    calls: list = []
+    monkeypatch.setattr(StubLaunch, "calls", calls)
+    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
+    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(moe, "PreparedRoutePack", StubRoutePack)
+    monkeypatch.setattr(moe, "PreparedTopkSum", StubTopkSum)
+    monkeypatch.setattr(moe, "moe_activation", lambda bundle, fc1, out, **kw: calls.append(("activation", fc1.shape)))
+    return calls
+

@@ -25,7 +25,7 @@ from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.errors import SchemaMismatchError, UnknownSpecializationError
 from cuteaot.runtime.manifest import SCHEMA_VERSION, read_manifest
 from cuteaot.runtime.resolution import MOE_LAYER, Entry, MoeLayerFacts, ResolutionTable
-from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
+from tests.stub_bundle import ROOT, StubLaunch, stub_bundle, stub_launches
 
 SPEC = ROOT / "specs" / "tiny-fused.yaml"
 FACTS = MoeLayerFacts(dtype="bf16", hidden_size=512, intermediate_size=256, num_experts=16, top_k=4,
@@ -113,9 +113,13 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
 
     moe.persistent_launch = Launch
     moe.current_stream_handle = lambda index: 0
-    moe.pack_routes = lambda bundle, ids, e, block, **b: (b["packed_route_indices"], b["block_expert_ids"],
-                                                          b["packed_route_count"])
-    moe.moe_topk_sum = lambda *a, **k: None
+    class Step:  # the prepared route packing / top-k sum: record nothing, return the output buffers
+        def __init__(self, *args, **buffers):
+            self.outputs = (buffers.get("packed"), buffers.get("block_ids"), buffers.get("count"))
+        def __call__(self, *args):
+            return self.outputs
+
+    moe.PreparedRoutePack = moe.PreparedTopkSum = Step
     moe.moe_activation = lambda *a, **k: None
     w = lambda n, k: pack_nvfp4(torch.zeros(16, n, k // 2, dtype=torch.uint8),
                                 torch.ones(16, n, k // 16).to(torch.float8_e4m3fn), torch.ones(16), "bf16")
@@ -165,14 +169,7 @@ def test_biased_layers_resolve_their_own_kernels_and_pass_the_biases(monkeypatch
     table = ResolutionTable([Entry.from_json(raw) for raw in _table()], "h200", "tiny-fused")
     bundle = stub_bundle()
     bundle.resolution = table
-    calls = StubLaunch.calls  # every launch, its argument names checked against the family's ABI
-
-    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
-    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(moe, "pack_routes", lambda bundle, ids, e, block, **b: (
-        b["packed_route_indices"], b["block_expert_ids"], b["packed_route_count"]))
-    monkeypatch.setattr(moe, "moe_topk_sum", lambda *a, **k: None)
-    monkeypatch.setattr(moe, "moe_activation", lambda *a, **k: None)
+    calls = stub_launches(monkeypatch)  # every launch, its argument names checked against the family's ABI
     g = torch.Generator().manual_seed(1)
     q13, q2 = random_nvfp4(8, 704, 736, g), random_nvfp4(8, 736, 352, g)
     b13, b2 = torch.randn(8, 704).to(torch.bfloat16), torch.randn(8, 736).to(torch.bfloat16)
@@ -186,8 +183,9 @@ def test_biased_layers_resolve_their_own_kernels_and_pass_the_biases(monkeypatch
             x = torch.zeros(m, 736, dtype=torch.bfloat16)
             ids = (torch.arange(m * 2, dtype=torch.int32) % 8).view(m, 2)
             layer(x, torch.full((m, 2), 0.5), ids, out=torch.empty(m, 736, dtype=torch.bfloat16))
-            assert calls
-            for _, _, values in calls:
+            fused = [c[2] for c in calls if c[0] == "fused"]  # the fused kernel or the two GEMMs
+            assert fused
+            for values in fused:
                 keys = [k for k in values if "bias" in k]
                 pointers = {values[k] for k in keys}
                 if layer is biased:

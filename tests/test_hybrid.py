@@ -5,29 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cuteaot.runtime.moe as moe
 from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.hybrid import HybridMoeLayer
 from cuteaot.runtime.nf3 import prepare_w2_nf3, prepare_w13_nf3
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
 from tests.reference.nf3 import random_nf3
 from tests.reference.nvfp4 import random_nvfp4
-from tests.stub_bundle import StubLaunch, stub_bundle
+from tests.stub_bundle import stub_bundle, stub_launches
 
 H, I, E, TOP_K = 512, 256, 16, 4  # tiny-fused-silu / tiny-fused-nf3-silu
 
 
 @pytest.fixture()
 def calls(monkeypatch):
-    recorded: list = []
-    monkeypatch.setattr(StubLaunch, "calls", recorded)
-    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
-    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
     monkeypatch.setattr("cuteaot.runtime.hybrid.current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(moe, "pack_routes", lambda bundle, ids, e, block, **b: (
-        b["packed_route_indices"], b["block_expert_ids"], b["packed_route_count"]))
-    monkeypatch.setattr(moe, "moe_topk_sum", lambda *a, **k: None)
-    return recorded
+    return stub_launches(monkeypatch)
 
 
 def _parts(fp4_ids, nf3_ids):
@@ -50,7 +42,7 @@ def test_parts_get_complementary_expert_maps(calls):
     ids = (torch.arange(5 * TOP_K, dtype=torch.int32) % E).view(5, TOP_K)
     out = layer(x, w, ids)
     assert out.shape == (5, H)
-    fused = [values for kind, _, values in calls if kind == "fused"]
+    fused = [c[2] for c in calls if c[0] == "fused"]
     assert len(fused) == 2 and fused[0]["w13"] != fused[1]["w13"]
 
 

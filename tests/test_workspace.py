@@ -21,7 +21,7 @@ from cuteaot.runtime.errors import CaptureError, UnknownSpecializationError
 from cuteaot.runtime.weights import prepare_w2, prepare_w13
 from cuteaot.runtime.workspace import WorkspacePool
 from tests.reference.nvfp4 import random_nvfp4
-from tests.stub_bundle import StubLaunch, stub_bundle
+from tests.stub_bundle import StubLaunch, stub_bundle, stub_launches
 
 H, I, E, TOP_K = 512, 256, 16, 4  # the tiny-fused-silu problem
 
@@ -67,19 +67,7 @@ def test_pool_refuses_to_allocate_under_capture(monkeypatch):
 
 @pytest.fixture()
 def stubbed(monkeypatch):
-    calls: list = []
-    monkeypatch.setattr(StubLaunch, "calls", calls)
-    monkeypatch.setattr(moe, "persistent_launch", StubLaunch)
-    monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
-
-    def pack_routes(bundle, topk_ids, num_experts, block_size, **buffers):
-        calls.append(("pack_routes", topk_ids.shape, block_size))
-        return buffers["packed_route_indices"], buffers["block_expert_ids"], buffers["packed_route_count"]
-
-    monkeypatch.setattr(moe, "pack_routes", pack_routes)
-    monkeypatch.setattr(moe, "moe_topk_sum", lambda bundle, fc2, out, **kw: calls.append(("topk_sum", fc2.shape)))
-    monkeypatch.setattr(moe, "moe_activation", lambda bundle, fc1, out, **kw: calls.append(("activation", fc1.shape)))
-    return calls
+    return stub_launches(monkeypatch)
 
 
 def _weights(seed: int = 0):

@@ -352,6 +352,44 @@ class _RoutePackPlan:
         self.kernel(RouteStage.SCATTER).launch(chunking.num_chunks, stream, **args)
 
 
+class PreparedRoutePack:
+    """pack_routes for one (token count, top_k, ids dtype, block size, expert map, output buffers),
+    checked once when built; a call passes only the ids, whose shape, dtype, device and contiguity
+    the caller guarantees to be those of the `topk_ids` it was built with (MoeLayer checks them per
+    call).  Every other argument is packed into the launches once (bundle.PreparedLaunch)."""
+
+    def __init__(self, bundle: Bundle, topk_ids: torch.Tensor, num_experts: int, block_size: int, *,
+                 expert_map: torch.Tensor | None, packed: torch.Tensor, block_ids: torch.Tensor,
+                 count: torch.Tensor, workspace: torch.Tensor):
+        p = _check_problem(topk_ids, num_experts, block_size, expert_map)
+        _check_devices(bundle.device, {"topk_ids": topk_ids, "expert_map": expert_map, "packed_route_indices": packed,
+                                       "block_expert_ids": block_ids, "packed_route_count": count,
+                                       "workspace": workspace})
+        _check_outputs(p, packed, block_ids, count, workspace)
+        plan = bundle.plans.route_pack.get(("moe_route_pack", topk_ids.dtype),
+                                           lambda: _RoutePackPlan(bundle, IdsDType.from_torch(topk_ids.dtype)))
+        chunking = RouteChunking.for_routes(p.routes)
+        unread = packed.data_ptr()  # a valid address for the pointers this launch does not read
+        constants = dict(
+            expert_map=unread if expert_map is None else expert_map.data_ptr(),
+            packed_route_indices=packed.data_ptr(), block_expert_ids=block_ids.data_ptr(),
+            packed_route_count=count.data_ptr(), workspace=unread if chunking.single else workspace.data_ptr(),
+            routes=p.routes, num_experts=p.num_experts, has_expert_map=0 if expert_map is None else 1,
+            block_size=p.block_size, capacity_slots=packed.shape[0], capacity_blocks=block_ids.shape[0],
+            chunk_routes=chunking.chunk_routes, num_chunks=chunking.num_chunks,
+        )
+        stages = ((RouteStage.SINGLE, 1),) if chunking.single else (
+            (RouteStage.COUNT, chunking.num_chunks), (RouteStage.SCAN, 1), (RouteStage.SCATTER, chunking.num_chunks))
+        self._launches = tuple((plan.kernel(stage).prepare(("topk_ids",), **constants), grid) for stage, grid in stages)
+        self.outputs = (packed, block_ids, count)
+
+    def __call__(self, topk_ids: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = topk_ids.data_ptr()
+        for launch, grid in self._launches:
+            launch.launch(grid, stream, ids)
+        return self.outputs
+
+
 def _new_outputs(p: _Problem, device: torch.device, packed, block_ids, count, workspace):
     new = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
     return (

@@ -107,6 +107,11 @@ class _TopKSumPlan(RowwisePlan):
     def masked(self, fc2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
         """Launch the masked variant: the plain checks, then the ids' (dtype is part of the plan's key)."""
         shape = fc2.shape
+        self.check_ids(fc2, shape, topk_ids, num_experts)
+        self(fc2, shape, out, topk_ids=topk_ids.data_ptr(), num_experts=num_experts)
+
+    def check_ids(self, fc2: torch.Tensor, shape: torch.Size, topk_ids, num_experts) -> None:
+        """One cheap pass over the ids of the masked variant; the detailed checks explain a failure."""
         if not (
             isinstance(topk_ids, torch.Tensor)
             and topk_ids.shape == shape[:2]
@@ -116,7 +121,6 @@ class _TopKSumPlan(RowwisePlan):
             and 0 < num_experts <= INT32_MAX
         ):
             self._explain_ids(fc2, topk_ids, num_experts)
-        self(fc2, shape, out, topk_ids=topk_ids.data_ptr(), num_experts=num_experts)
 
     def _explain_ids(self, fc2: torch.Tensor, topk_ids, num_experts) -> None:
         check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
@@ -126,6 +130,28 @@ class _TopKSumPlan(RowwisePlan):
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or not 0 < num_experts <= INT32_MAX:
             raise BadInputError(f"num_experts must be an int in [1, {INT32_MAX}], got {num_experts!r}")
         raise BadInputError("topk_ids failed validation")  # unreachable unless the two checks disagree
+
+
+class PreparedTopkSum:
+    """The masked top-k sum of fixed FC2 rows (`fc2`, (M, top_k, H)) into an (M, H) output, checked once
+    when built; a call passes the output and the ids, whose shape, dtype, device and contiguity the
+    caller guarantees to be those it was built with (MoeLayer checks them per call)."""
+
+    def __init__(self, bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor,
+                 num_experts: int):
+        key = ("moe_topk_sum", fc2.dtype, fc2.shape[1], fc2.shape[2], topk_ids.dtype)
+        plan = bundle.plans.rowwise.get(key, lambda: _TopKSumPlan(bundle, spec_for_call(fc2, topk_ids)))
+        plan.explain(fc2, out)  # the checks a call would run, now
+        plan.check_ids(fc2, fc2.shape, topk_ids, num_experts)
+        rows = fc2.shape[0]
+        if not rows:
+            raise BadInputError("a prepared top-k sum needs at least one token")
+        self._grid = (rows * plan.vectors_per_row + plan.threads - 1) // plan.threads
+        self._launch = plan.kernel.prepare(("out", "topk_ids"), fc2=fc2.data_ptr(), tokens=rows,
+                                           num_experts=num_experts)
+
+    def __call__(self, out: torch.Tensor, topk_ids: torch.Tensor, stream: int) -> None:
+        self._launch.launch(self._grid, stream, out.data_ptr(), topk_ids.data_ptr())
 
 
 def moe_topk_sum(bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor | None = None, *,
