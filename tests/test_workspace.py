@@ -154,7 +154,6 @@ def test_prepared_fused_launch_passes_this_calls_pointers(stubbed):
 
 def test_prepared_launch_names_every_parameter_once():
     from cuteaot.runtime.errors import LaunchArgumentError
-    from tests.stub_bundle import StubLaunch
 
     names = StubLaunch._signature.names
     kernel = StubLaunch(None, "d")

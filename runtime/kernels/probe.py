@@ -29,7 +29,6 @@ from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, current_stream_handle
 from ..errors import BadInputError, BundleError
 from ..keys import SpecKey
-from ..nf3 import NF3_CODEBOOK  # noqa: F401  (the probe tests' code points)
 from ..tensors import check_tensor
 
 THREAD_BLOCK = 128  # threads per CTA of a THREAD probe

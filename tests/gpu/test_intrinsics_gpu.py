@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from cuteaot.runtime import load_bundle
-from cuteaot.runtime.kernels.probe import ATOMIC_SLOTS, NF3_CODEBOOK, Probe, probe_words, run_probe
+from cuteaot.runtime.kernels.probe import ATOMIC_SLOTS, Probe, probe_words, run_probe
+from cuteaot.runtime.nf3 import NF3_CODEBOOK
 from cuteaot.runtime.types import DType
 from tests.reference.e2m1 import E2M1_VALUES, device_code_bits
 
