@@ -219,8 +219,9 @@ def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch
     The exact inverse of `pack_nvfp4`, except that a block whose scale is zero comes back with zero
     codes (the packed form stores them so; the dequantized weights are the same zeros).
     """
-    if not isinstance(packed, PackedNvfp4):
-        raise BadInputError(f"packed must be a PackedNvfp4, got {type(packed).__name__}")
+    if not isinstance(packed, PackedNvfp4) or packed.weights is not WeightFormat.NVFP4:
+        raise BadInputError(f"packed must be a PackedNvfp4 of NVFP4 weights, got {type(packed).__name__}"
+                            f"{' (use unpack_nf3)' if isinstance(packed, PackedNvfp4) else ''}")
     n, k = packed.n, packed.k
     codes = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored, packed.dtype)
     weight = _codes_to_bytes(codes)[:, :n, : k // 2].contiguous()

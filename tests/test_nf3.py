@@ -149,6 +149,10 @@ def test_refusals():
     with pytest.raises(BadInputError, match="K % 32"):
         pack_nf3(codes[..., :48].contiguous(), scales[..., :1].contiguous(), scale_2)
     packed = pack_nf3(codes, scales, scale_2)
+    from cuteaot.runtime.weights import unpack_nvfp4
+
+    with pytest.raises(BadInputError, match="use unpack_nf3"):
+        unpack_nvfp4(packed)
     with pytest.raises(BadInputError, match="bf16 activations only"):
         PackedNf3(packed.qweight, packed.scales, packed.global_scale, 1, 64, 64, DType.FP16)
 
