@@ -269,3 +269,61 @@ def test_declared_shared_memory_matches_the_compiled_kernel():
     ir = str(cute.compile(kernel, *args, options="--gpu-arch sm_90a").ir_module)
     sizes = {int(v) for v in re.findall(r"llvm\.mlir\.constant\((\d+) : i64\)", ir)}
     assert SMEM_BYTES in sizes, f"{SMEM_BYTES} bytes not found among the launcher's constants"
+
+
+class _RecordingKernel:
+    """A LoadedKernel without a driver: the real by-name and prepared launch paths, the packed
+    values recorded instead of launched."""
+
+    block = (512, 1, 1)
+
+    def __init__(self, key, issued):
+        self.key, self.issued = key, issued
+
+    def bind(self, signature):
+        self._signature = signature
+
+    def launch(self, grid_x, stream, /, **values):
+        self.issued.append((self.key.facts["stage"], grid_x, self._signature.order(values)))
+
+    def prepare(self, variables, **constants):
+        from cuteaot.runtime.bundle import PreparedLaunch
+
+        return PreparedLaunch(self, variables, constants)
+
+    def _issue(self, grid_x, stream, ordered):
+        self.issued.append((self.key.facts["stage"], grid_x, tuple(ordered)))
+
+
+@pytest.mark.parametrize("tokens, expert_map", [(7, False), (1000, False), (1000, True)])
+def test_prepared_route_pack_launches_what_pack_routes_launches(monkeypatch, tokens, expert_map):
+    """PreparedRoutePack (MoeLayer's per-step packing) passes the same stage values as pack_routes,
+    except the pointers pack_routes fills with the ids' address where a stage does not read them."""
+    import cuteaot.runtime.kernels.route_pack as rp
+
+    issued: list = []
+    bundle = SimpleNamespace(device=torch.device("cpu"), device_index=None, plans=BundlePlans(),
+                             kernel=lambda key: _RecordingKernel(key, issued))
+    monkeypatch.setattr(rp, "current_stream_handle", lambda index: 0)
+    e, top_k, block = 64, 8, 16
+    ids = (torch.arange(tokens * top_k, dtype=torch.int32) % e).view(tokens, top_k)
+    emap = torch.arange(e, dtype=torch.int32) if expert_map else None
+    routes = tokens * top_k
+    slots = max_packed_route_slots(routes, block, e)
+    buffers = dict(packed=torch.empty(slots, dtype=torch.int32), block_ids=torch.empty(slots // block, dtype=torch.int32),
+                   count=torch.empty(1, dtype=torch.int32),
+                   workspace=torch.empty(max(route_pack_workspace_elements(routes, e), 1), dtype=torch.int32))
+    rp.pack_routes(bundle, ids, e, block, expert_map=emap, packed_route_indices=buffers["packed"],
+                   block_expert_ids=buffers["block_ids"], packed_route_count=buffers["count"],
+                   workspace=buffers["workspace"])
+    by_name, issued[:] = list(issued), []
+    prepared = rp.PreparedRoutePack(bundle, ids, e, block, expert_map=emap, **buffers)
+    outputs = prepared(ids, stream=0)
+    assert outputs == (buffers["packed"], buffers["block_ids"], buffers["count"])
+    names = RoutePackSpec.SIGNATURE.names
+    single = RouteChunking.for_routes(routes).single
+    assert [(s, g) for s, g, _ in issued] == [(s, g) for s, g, _ in by_name] and len(issued) == (1 if single else 3)
+    for (_, _, got), (_, _, want) in zip(issued, by_name):
+        for name, a, b in zip(names, got, want):
+            unread = (name == "workspace" and single) or (name == "expert_map" and not expert_map)
+            assert a == b or unread, name

@@ -228,3 +228,43 @@ def test_a_bound_call_records_launches_and_replays_them_with_the_same_arguments(
     assert issued[0][:3] == issued[1][:3] == ("fn", 7, 99)
     replay, plain = launches[0].buffer, kernel._tls.buf
     assert ctypes.string_at(ctypes.addressof(replay._buffer), 20) == ctypes.string_at(ctypes.addressof(plain._buffer), 20)
+
+
+def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
+    """MoeLayer's per-step top-k sum passes moe_topk_sum's grid and values (fc2, out, tokens, ids, E)."""
+    from types import SimpleNamespace
+
+    import cuteaot.runtime.kernels.rowwise as rowwise
+    from cuteaot.runtime import moe_topk_sum
+    from cuteaot.runtime.bundle import PreparedLaunch
+    from cuteaot.runtime.kernels.topk_sum import PreparedTopkSum
+    from cuteaot.runtime.plans import BundlePlans
+
+    issued: list = []
+
+    class Kernel:
+        block = (256, 1, 1)
+
+        def bind(self, signature):
+            self._signature = signature
+
+        def launch(self, grid_x, stream, /, **values):
+            issued.append((grid_x, self._signature.order(values)))
+
+        def prepare(self, variables, **constants):
+            return PreparedLaunch(self, variables, constants)
+
+        def _issue(self, grid_x, stream, ordered):
+            issued.append((grid_x, tuple(ordered)))
+
+    bundle = SimpleNamespace(device=torch.device("cpu"), device_index=-1, plans=BundlePlans(),
+                             kernel=lambda key: Kernel())
+    monkeypatch.setattr(rowwise, "current_stream_handle", lambda index: 0)
+    fc2 = torch.empty(37, 4, 512, dtype=torch.bfloat16)
+    out = torch.empty(37, 512, dtype=torch.bfloat16)
+    ids = torch.zeros(37, 4, dtype=torch.int64)
+    moe_topk_sum(bundle, fc2, out, topk_ids=ids, num_experts=16)
+    PreparedTopkSum(bundle, fc2, out, ids, 16)(out, ids, stream=0)
+    assert len(issued) == 2 and issued[0] == issued[1]
+    with pytest.raises(BadInputError, match=r"topk_ids must have shape \(37, 4\)"):
+        PreparedTopkSum(bundle, fc2, out, ids[:, :3].contiguous(), 16)
