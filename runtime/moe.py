@@ -137,6 +137,8 @@ class MoeLayer:
 
     w13: prepare_w13(...) (N = 2I gate|up for silu/swigluoai, N = I for relu2; K = H)
     w2:  prepare_w2(...)  (N = H, K = I)
+        or their _mxfp4 / _nf3 forms; both of one format (the layer's `weights` fact; NF3 layers
+        need the bundle's `weights: nf3` kernels, experts of two formats a HybridMoeLayer).
         Biases given to prepare_w13 / prepare_w2 (`PackedNvfp4.bias`, gpt-oss) are added in the
         GEMM epilogues, before the activation and the router weight; the bundle must hold the
         layer's `bias: true` kernels.
