@@ -57,3 +57,19 @@ def test_refusals(calls):
         HybridMoeLayer(bundle, [parts[0], (*parts[1][:2], list(range(8, 15)))], top_k=TOP_K)
     with pytest.raises(BadInputError, match="expert maps"):
         HybridMoeLayer(bundle, _parts(list(range(8)), list(range(8, 16))), top_k=TOP_K, expert_map=None)
+
+
+def test_chunks_above_max_tokens_and_streams(calls):
+    """Calls above max_tokens run every part chunk by chunk; reserve() gives streams their scratch."""
+    layer = HybridMoeLayer(stub_bundle(), _parts(list(range(0, E, 2)), list(range(1, E, 2))), top_k=TOP_K,
+                           max_tokens=16)
+    assert layer.max_tokens == 16 and layer._scratch["default"].shape == (16, H)
+    m = 40
+    x, w = torch.zeros(m, H, dtype=torch.bfloat16), torch.full((m, TOP_K), 0.25)
+    ids = (torch.arange(m * TOP_K, dtype=torch.int32) % E).view(m, TOP_K)
+    out = layer(x, w, ids)
+    assert out.shape == (m, H)
+    fused = [c for c in calls if c[0] == "fused"]
+    assert [v["tokens"] for _, _, v in fused] == [16, 16, 8, 16, 16, 8]  # part 0's chunks, then part 1's
+    with pytest.raises(BadInputError, match="torch.cuda.Stream"):
+        layer.reserve(["not a stream"])
