@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import statistics
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
+
+FLUSH_BYTES = 256 << 20  # the L2 flush: several times the H200's L2 (peers.py's default)
 
 
 def host_us_per_call(fns: dict, calls: int = 2000, reps: int = 15) -> dict:
@@ -74,3 +80,51 @@ def hbm_copy_bandwidth(gib: float = 4.0) -> float:
         samples.append(a.elapsed_time(b) / 5 * 1e3)
     us = statistics.median(samples)
     return 2 * n * 2 / (us * 1e-6)
+
+
+class FlushedTimer:
+    """Layer timing as the peer benchmark does it, for same-process comparisons (benchmarks/mxfp4.py,
+    nf3.py, compare_layer.py): CUDA-graph replay of (L2 flush, call), the flush's own time
+    subtracted (`device_us`, median of its replays), in interleaved rounds (each round times every
+    call once, so clock drift hits all alike); the median over rounds is reported.  The flush reads
+    a buffer: clean lines leave L2 for free, no write-back lands in the timed call."""
+
+    def __init__(self, nbytes: int = FLUSH_BYTES):
+        warm = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
+        for _ in range(50):  # bring the clocks up before the first timing
+            warm.normal_()
+        del warm
+        self._buffer = torch.zeros(nbytes // 4, dtype=torch.int32, device="cuda")
+        self.flush = self._buffer.sum
+        self.flush_us = device_us(self.flush)
+
+    def us(self, calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                samples[name].append(device_us(lambda fn=fn: (self.flush(), fn())) - self.flush_us)
+        return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def uniform_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Generator):
+    """(x bf16 (m, hidden), router weights (m, top_k), int32 ids (m, top_k)): uniform top-k, on g's device."""
+    x = torch.randn(m, hidden, generator=g, device=g.device).to(torch.bfloat16)
+    ids = torch.rand(m, experts, generator=g, device=g.device).topk(top_k, dim=1).indices.to(torch.int32)
+    weights = torch.softmax(torch.randn(m, top_k, generator=g, device=g.device), dim=1)
+    return x, weights, ids
+
+
+def comma_list(cast=str) -> Callable[[str], list]:
+    """argparse type: "a,b" -> [cast(a), cast(b)] (empty items dropped)."""
+    return lambda text: [cast(v) for v in text.split(",") if v]
+
+
+def write_results(path: str | None, name: str, commit: str | None, method: str, rows: list[dict]) -> Path:
+    """Rows as docs/results/<name>-<date>.json (or `path`) with date, commit, GPU and method."""
+    today = datetime.date.today().isoformat()
+    out = Path(path or Path(__file__).resolve().parents[1] / "docs" / "results" / f"{name}-{today}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": today, "commit": commit, "gpu": torch.cuda.get_device_name(),
+                               "method": method, "rows": rows}, indent=1))
+    return out
+

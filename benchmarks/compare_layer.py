@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_us
+from benchmarks.common import FlushedTimer, comma_list, uniform_routing
 from tests.reference.nvfp4 import random_nvfp4
 
-FLUSH_BYTES = 256 << 20
 
 
 def _problems(bundle) -> dict[str, dict]:
@@ -54,9 +52,7 @@ def compare(base, new, models, ms, rounds) -> list[dict]:
     missing = sorted(set(models or []) - shared)
     if missing:
         raise SystemExit(f"not in both bundles: {missing}; shared: {sorted(shared)}")
-    buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    flush = buf.sum
-    flush_us = device_us(flush)
+    timer = FlushedTimer()
     rows = []
     for name in names:
         f = _problems(base)[name]
@@ -67,20 +63,14 @@ def compare(base, new, models, ms, rounds) -> list[dict]:
         w2 = prepare_w2(*random_nvfp4(e, h, i, g), "bf16")
         layers = {"base": _layer(base, f, w13, w2), "new": _layer(new, f, w13, w2)}
         for m in ms:
-            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.rand(m, e, generator=g, device="cuda").topk(k, dim=1).indices.to(torch.int32)
-            w = torch.softmax(torch.randn(m, k, generator=g, device="cuda"), dim=1)
+            x, w, ids = uniform_routing(m, h, e, k, g)
             outs = {n: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for n in layers}
             for n, layer in layers.items():
                 layer(x, w, ids, out=outs[n])
             diff = float((outs["new"].float() - outs["base"].float()).norm() / outs["base"].float().norm())
-            samples = {n: [] for n in layers}
-            for _ in range(rounds):
-                for n, layer in layers.items():
-                    samples[n].append(device_us(lambda layer=layer, o=outs[n]: (flush(), layer(x, w, ids, out=o)))
-                                      - flush_us)
-            row = {"model": name, "M": m, "base_us": statistics.median(samples["base"]),
-                   "new_us": statistics.median(samples["new"]), "rel_diff": diff,
+            us = timer.us({n: (lambda layer=layer, o=outs[n]: layer(x, w, ids, out=o)) for n, layer in layers.items()},
+                          rounds)
+            row = {"model": name, "M": m, "base_us": us["base"], "new_us": us["new"], "rel_diff": diff,
                    "base_plan": layers["base"].resolve(m).describe(), "new_plan": layers["new"].resolve(m).describe()}
             row["ratio"] = row["new_us"] / row["base_us"]
             rows.append(row)
@@ -95,8 +85,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True)
     p.add_argument("--new", required=True)
-    p.add_argument("--models", default="", type=lambda s: [v for v in s.split(",") if v])
-    p.add_argument("--m", default="1,2", type=lambda s: [int(v) for v in s.split(",") if v])
+    p.add_argument("--models", default="", type=comma_list())
+    p.add_argument("--m", default="1,2", type=comma_list(int))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

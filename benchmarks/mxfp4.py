@@ -21,15 +21,12 @@ stored output chunk).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_us
+from benchmarks.common import FlushedTimer, comma_list, uniform_routing, write_results
 from tests.reference.moe import moe_reference
 from tests.reference.moe_elementwise import relative_error
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
@@ -38,7 +35,6 @@ from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"gpt-oss-120b": (2880, 2880, 128, 4), "gpt-oss-20b": (2880, 2880, 32, 4)}  # H, I, E, top_k
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
-FLUSH_BYTES = 256 << 20  # several times the H200's L2 (peers.py's default)
 
 
 def _layers(bundle, h, i, e, top_k, g):
@@ -65,22 +61,14 @@ def _layers(bundle, h, i, e, top_k, g):
 
 
 def run(bundle, models, ms, check_m, rounds) -> list[dict]:
-    warm = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
-    for _ in range(50):  # bring the clocks up before the first timing
-        warm.normal_()
-    del warm
-    buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    flush = buf.sum  # reads: clean lines leave L2 for free, no write-back lands in the timed call (as peers.py)
-    flush_us = device_us(flush)
+    timer = FlushedTimer()
     rows = []
     for name in models:
         h, i, e, top_k = MODELS[name]
         g = torch.Generator(device="cuda").manual_seed(len(name))
         layers = _layers(bundle, h, i, e, top_k, g)
         for m in sorted(set(ms) | {check_m}):
-            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-            w = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+            x, w, ids = uniform_routing(m, h, e, top_k, g)
             outs = {impl: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for impl in layers}
             found = {impl: {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe()}
                      for impl, (layer, _) in layers.items()}
@@ -92,13 +80,10 @@ def run(bundle, models, ms, check_m, rounds) -> list[dict]:
                     err = relative_error(outs[impl], ref)
                     found[impl]["rel_err"] = err if math.isfinite(err) else None
             if m in ms:
-                samples = {impl: [] for impl in layers}
-                for _ in range(rounds):
-                    for impl, (layer, _) in layers.items():
-                        call = (lambda layer=layer, out=outs[impl]: (flush(), layer(x, w, ids, out=out)))
-                        samples[impl].append(device_us(call) - flush_us)
-                for impl in layers:
-                    found[impl]["us"] = statistics.median(samples[impl])
+                calls = {impl: (lambda layer=layer, out=outs[impl]: layer(x, w, ids, out=out))
+                         for impl, (layer, _) in layers.items()}
+                for impl, us in timer.us(calls, rounds).items():
+                    found[impl]["us"] = us
             for row in found.values():
                 rows.append(row)
                 us = f"{row['us']:9.1f} us" if "us" in row else " " * 12
@@ -122,8 +107,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default=str(REPO / "generated" / "moe-models"))
-    p.add_argument("--models", default=",".join(MODELS), type=lambda s: [v for v in s.split(",") if v])
-    p.add_argument("--m", default="1,8,64,256,1024,4096", type=lambda s: [int(v) for v in s.split(",") if v])
+    p.add_argument("--models", default=",".join(MODELS), type=comma_list())
+    p.add_argument("--m", default="1,8,64,256,1024,4096", type=comma_list(int))
     p.add_argument("--check-m", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--commit", default=None)
@@ -136,12 +121,8 @@ def main(argv=None) -> int:
 
     rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m, args.rounds)
     print(table(rows))
-    path = Path(args.json or REPO / "docs" / "results" / f"mxfp4-{datetime.date.today().isoformat()}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": args.commit,
-                                "gpu": torch.cuda.get_device_name(), "method": __doc__, "rows": rows}, indent=1))
-    bad = [r for r in rows if r.get("rel_err") is not None and r["rel_err"] > 1e-2]
-    return 1 if bad else 0
+    write_results(args.json, "mxfp4", args.commit, __doc__, rows)
+    return 1 if any(r.get("rel_err") is not None and r["rel_err"] > 1e-2 for r in rows) else 0
 
 
 if __name__ == "__main__":

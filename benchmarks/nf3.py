@@ -8,7 +8,7 @@ Per model and M, in one process, on one routing (uniform top-k) and one input:
 * `nvfp4`  MoeLayer on random ModelOpt NVFP4 weights (prepare_w13 / prepare_w2);
 * `nf3`    MoeLayer on random NF3 tensors of the same shapes (prepare_w13_nf3 / prepare_w2_nf3).
 
-gpt-oss layers carry bf16 expert biases in both.  Timing as benchmarks/mxfp4.py (CUDA-graph replay
+gpt-oss layers carry bf16 expert biases in both.  Timing: benchmarks/common.FlushedTimer (CUDA-graph replay
 of (L2 flush, layer call), the flush's own time subtracted, medians over interleaved rounds).  Beside
 each time: the weight bytes the routing touches (the distinct routed experts' packed codes and
 scales of W13 and W2, from the packed tensors themselves) and that many bytes at the measured copy
@@ -19,15 +19,12 @@ poisoning.  Target: NF3 >= 1.2x faster than NVFP4 at M <= 8.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_us, hbm_copy_bandwidth
+from benchmarks.common import FlushedTimer, comma_list, hbm_copy_bandwidth, uniform_routing, write_results
 from tests.reference.moe import moe_reference
 from tests.reference.moe_elementwise import relative_error
 from tests.reference.nf3 import dequantize_nf3, random_nf3
@@ -37,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 # H, I, E, top_k, activation, biases
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8, "silu", False), "gpt-oss-120b": (2880, 2880, 128, 4, "swigluoai", True)}
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
-FLUSH_BYTES = 256 << 20
 
 
 def _expert_bytes(w) -> int:
@@ -63,14 +59,8 @@ def _layers(bundle, h, i, e, top_k, activation, biases, g):
 
 
 def run(bundle, models, ms, check_m, rounds) -> list[dict]:
-    warm = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
-    for _ in range(50):
-        warm.normal_()
-    del warm
+    timer = FlushedTimer()
     bandwidth = hbm_copy_bandwidth()
-    buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    flush = buf.sum
-    flush_us = device_us(flush)
     rows = []
     for name in models:
         h, i, e, top_k, activation, biases = MODELS[name]
@@ -78,9 +68,7 @@ def run(bundle, models, ms, check_m, rounds) -> list[dict]:
         layers, (b13, b2) = _layers(bundle, h, i, e, top_k, activation, biases, g)
         kw = dict(b13=b13, b2=b2, **(OAI if activation == "swigluoai" else {}))
         for m in sorted(set(ms) | {check_m}):
-            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-            w = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+            x, w, ids = uniform_routing(m, h, e, top_k, g)
             experts = int(ids.unique().numel())
             outs = {impl: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for impl in layers}
             found = {}
@@ -95,13 +83,10 @@ def run(bundle, models, ms, check_m, rounds) -> list[dict]:
                     err = relative_error(outs[impl], ref)
                     found[impl]["rel_err"] = err if math.isfinite(err) else None
             if m in ms:
-                samples = {impl: [] for impl in layers}
-                for _ in range(rounds):
-                    for impl, (layer, _, _) in layers.items():
-                        call = (lambda layer=layer, out=outs[impl]: (flush(), layer(x, w, ids, out=out)))
-                        samples[impl].append(device_us(call) - flush_us)
-                for impl in layers:
-                    found[impl]["us"] = statistics.median(samples[impl])
+                calls = {impl: (lambda layer=layer, out=outs[impl]: layer(x, w, ids, out=out))
+                         for impl, (layer, _, _) in layers.items()}
+                for impl, us in timer.us(calls, rounds).items():
+                    found[impl]["us"] = us
             for row in found.values():
                 rows.append(row)
                 us = f"{row['us']:9.1f} us (floor {row['floor_us']:6.1f})" if "us" in row else " " * 26
@@ -126,8 +111,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default=str(REPO / "generated" / "bench-nf3"))
-    p.add_argument("--models", default=",".join(MODELS), type=lambda s: [v for v in s.split(",") if v])
-    p.add_argument("--m", default="1,8,64,256", type=lambda s: [int(v) for v in s.split(",") if v])
+    p.add_argument("--models", default=",".join(MODELS), type=comma_list())
+    p.add_argument("--m", default="1,8,64,256", type=comma_list(int))
     p.add_argument("--check-m", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--commit", default=None)
@@ -140,12 +125,8 @@ def main(argv=None) -> int:
 
     rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m, args.rounds)
     print(table(rows))
-    path = Path(args.json or REPO / "docs" / "results" / f"nf3-{datetime.date.today().isoformat()}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": args.commit,
-                                "gpu": torch.cuda.get_device_name(), "method": __doc__, "rows": rows}, indent=1))
-    bad = [r for r in rows if r.get("rel_err") is not None and r["rel_err"] > 1e-2]
-    return 1 if bad else 0
+    write_results(args.json, "nf3", args.commit, __doc__, rows)
+    return 1 if any(r.get("rel_err") is not None and r["rel_err"] > 1e-2 for r in rows) else 0
 
 
 if __name__ == "__main__":

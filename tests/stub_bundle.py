@@ -63,6 +63,27 @@ class StubLaunch:
         type(self).calls.append(("fused", grid_x, dict(zip(self._signature.names, ordered, strict=True))))
 
 
+class RecordingKernel:
+    """A LoadedKernel without a driver: its by-name (`launch`) and prepared (`prepare`) launch paths
+    run as in the runtime, and each launch is recorded in `issued` as (tag, grid, values in
+    declaration order) instead of being issued."""
+
+    def __init__(self, issued: list, tag=None, block=(512, 1, 1)):
+        self.issued, self.tag, self.block = issued, tag, block
+
+    def bind(self, signature):
+        self._signature = signature
+
+    def launch(self, grid_x, stream, /, **values):
+        self.issued.append((self.tag, grid_x, self._signature.order(values)))
+
+    def prepare(self, variables, **constants):
+        return PreparedLaunch(self, variables, constants)
+
+    def _issue(self, grid_x, stream, ordered):
+        self.issued.append((self.tag, grid_x, tuple(ordered)))
+
+
 class StubRoutePack:
     """PreparedRoutePack without a driver: records ("pack_routes", ids shape, block) in StubLaunch.calls."""
 

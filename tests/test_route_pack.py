@@ -271,39 +271,16 @@ def test_declared_shared_memory_matches_the_compiled_kernel():
     assert SMEM_BYTES in sizes, f"{SMEM_BYTES} bytes not found among the launcher's constants"
 
 
-class _RecordingKernel:
-    """A LoadedKernel without a driver: the real by-name and prepared launch paths, the packed
-    values recorded instead of launched."""
-
-    block = (512, 1, 1)
-
-    def __init__(self, key, issued):
-        self.key, self.issued = key, issued
-
-    def bind(self, signature):
-        self._signature = signature
-
-    def launch(self, grid_x, stream, /, **values):
-        self.issued.append((self.key.facts["stage"], grid_x, self._signature.order(values)))
-
-    def prepare(self, variables, **constants):
-        from cuteaot.runtime.bundle import PreparedLaunch
-
-        return PreparedLaunch(self, variables, constants)
-
-    def _issue(self, grid_x, stream, ordered):
-        self.issued.append((self.key.facts["stage"], grid_x, tuple(ordered)))
-
-
 @pytest.mark.parametrize("tokens, expert_map", [(7, False), (1000, False), (1000, True)])
 def test_prepared_route_pack_launches_what_pack_routes_launches(monkeypatch, tokens, expert_map):
     """PreparedRoutePack (MoeLayer's per-step packing) passes the same stage values as pack_routes,
     except the pointers pack_routes fills with the ids' address where a stage does not read them."""
     import cuteaot.runtime.kernels.route_pack as rp
+    from tests.stub_bundle import RecordingKernel
 
     issued: list = []
     bundle = SimpleNamespace(device=torch.device("cpu"), device_index=None, plans=BundlePlans(),
-                             kernel=lambda key: _RecordingKernel(key, issued))
+                             kernel=lambda key: RecordingKernel(issued, key.facts["stage"]))
     monkeypatch.setattr(rp, "current_stream_handle", lambda index: 0)
     e, top_k, block = 64, 8, 16
     ids = (torch.arange(tokens * top_k, dtype=torch.int32) % e).view(tokens, top_k)

@@ -236,29 +236,13 @@ def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
 
     import cuteaot.runtime.kernels.rowwise as rowwise
     from cuteaot.runtime import moe_topk_sum
-    from cuteaot.runtime.bundle import PreparedLaunch
     from cuteaot.runtime.kernels.topk_sum import PreparedTopkSum
     from cuteaot.runtime.plans import BundlePlans
+    from tests.stub_bundle import RecordingKernel
 
     issued: list = []
-
-    class Kernel:
-        block = (256, 1, 1)
-
-        def bind(self, signature):
-            self._signature = signature
-
-        def launch(self, grid_x, stream, /, **values):
-            issued.append((grid_x, self._signature.order(values)))
-
-        def prepare(self, variables, **constants):
-            return PreparedLaunch(self, variables, constants)
-
-        def _issue(self, grid_x, stream, ordered):
-            issued.append((grid_x, tuple(ordered)))
-
     bundle = SimpleNamespace(device=torch.device("cpu"), device_index=-1, plans=BundlePlans(),
-                             kernel=lambda key: Kernel())
+                             kernel=lambda key: RecordingKernel(issued, block=(256, 1, 1)))
     monkeypatch.setattr(rowwise, "current_stream_handle", lambda index: 0)
     fc2 = torch.empty(37, 4, 512, dtype=torch.bfloat16)
     out = torch.empty(37, 512, dtype=torch.bfloat16)

@@ -61,14 +61,31 @@ class Model:
         self.ref_kw = OAI if activation == "swigluoai" else {}
 
     def inputs(self, m: int, experts: int | None = None):
-        e = self.e if experts is None else experts
-        x = (torch.randn(m, self.h, generator=self.g) * 2).to(torch.bfloat16 if self.dtype == "bf16" else torch.float16)
-        ids = torch.rand(m, e, generator=self.g).topk(self.top_k, dim=1).indices.to(torch.int32)
-        weights = torch.softmax(torch.randn(m, self.top_k, generator=self.g), dim=1)
-        return x.cuda(), weights.cuda(), ids.cuda()
+        return routed_inputs(m, self.h, self.e if experts is None else experts, self.top_k, self.g, self.dtype)
 
     def layer(self, bundle, **kw) -> MoeLayer:
         return MoeLayer(bundle, self.w13, self.w2, top_k=self.top_k, activation=self.activation, **kw)
+
+
+def routed_inputs(m: int, h: int, e: int, top_k: int, g: torch.Generator, dtype: str = "bf16"):
+    """(x, router weights, int32 ids) on the GPU: x ~ 2 N(0, 1), uniform top-k of e experts."""
+    x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16 if dtype == "bf16" else torch.float16)
+    ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32)
+    weights = torch.softmax(torch.randn(m, top_k, generator=g), dim=1)
+    return x.cuda(), weights.cuda(), ids.cuda()
+
+
+def replayed(layer, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eager output, output of the call captured in a CUDA graph and replayed into a poisoned buffer)."""
+    eager = layer(x, weights, ids)
+    out = torch.full_like(eager, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, weights, ids, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, out
 
 
 def poisoned(m, h, dtype):
@@ -365,9 +382,7 @@ def test_nf3_layer_matches_reference(bundle, check, activation):
     assert layer.facts.weights.value == "nf3"
     h, _, e, top_k = NF3_PROBLEMS[activation]
     for m in NF3_TOKENS:
-        x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).cuda()
-        ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-        w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).cuda()
+        x, w, ids = routed_inputs(m, h, e, top_k, g)
         out = layer(x, w, ids, out=poisoned(m, h, "bf16"))
         want, _, _ = moe_reference(x, ref["w13"], ref["w2"], w, ids, activation, **ref["kw"])
         check(out, want, f"nf3 {activation} M={m} ({layer.resolve(m).describe()})", f"nf3 {activation}")
@@ -378,17 +393,7 @@ def test_nf3_graph_replay_equals_eager(bundle):
     layer, _, g = _nf3_layer(bundle, "silu", seed=52)
     h, _, e, top_k = NF3_PROBLEMS["silu"]
     for m in (1, 64):
-        x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).cuda()
-        ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-        w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).cuda()
-        eager = layer(x, w, ids)
-        out = poisoned(m, h, "bf16")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer(x, w, ids, out=out)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        eager, out = replayed(layer, *routed_inputs(m, h, e, top_k, g))
         tol = 0 if m > 2 else 5e-3  # decode sums the top-k rows with bf16 atomics (order varies)
         assert rel_err(out, eager.float()) <= tol, m
 
@@ -423,23 +428,11 @@ def test_nvfp4_nf3_hybrid_layer(bundle, check):
     w13_f[nf3_ids], w2_f[nf3_ids] = dequantize_nf3(*n13), dequantize_nf3(*n2)
     w13_f, w2_f = w13_f.cuda(), w2_f.cuda()
     for m in (1, 7, 64, 129, 3000):
-        x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16).cuda()
-        ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-        w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).cuda()
+        x, w, ids = routed_inputs(m, h, e, top_k, g)
         out = layer(x, w, ids, out=poisoned(m, h, "bf16"))
         want, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
         check(out, want, f"hybrid nvfp4+nf3 M={m}", "hybrid nvfp4+nf3")
         parts = [part(x, w, ids) for part in layer.parts]
         assert torch.equal(out, parts[0] + parts[1]), m  # the parts' outputs, summed in bf16
-    x = (torch.randn(64, h, generator=g) * 2).to(torch.bfloat16).cuda()
-    ids = torch.rand(64, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32).cuda()
-    w = torch.softmax(torch.randn(64, top_k, generator=g), dim=1).cuda()
-    eager = layer(x, w, ids)
-    out = poisoned(64, h, "bf16")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(x, w, ids, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, out = replayed(layer, *routed_inputs(64, h, e, top_k, g))
     assert torch.equal(out, eager)
