@@ -473,17 +473,22 @@ def _spill_line(record: dict) -> str:
             f"{record['stack_bytes']} B stack, {record['local_bytes']} B local)")
 
 
-def _up_to_date(bundle_dir: Path, spec: BundleSpec, plan_print: str, tools: dict) -> bool:
-    """True when bundle_dir was built from this spec text, these sources and this toolchain for the
-    same targets, and every cubin it lists is present and intact: rebuilding would reproduce it."""
-    try:
-        manifest = verify_bundle(bundle_dir)
-    except CuteAotError:
-        return False
-    return (manifest["spec"] == {"file": Path(spec.file).name, "sha256": spec.sha256}
+def _up_to_date(bundle_dir: Path, spec: BundleSpec, plan_print: str, tools: dict) -> dict | None:
+    """The manifest of bundle_dir when it was built from this spec text, these sources and this
+    toolchain for the same targets, and every cubin it lists is present and intact (rebuilding would
+    reproduce it); else None.  Read under the bundle's lock: a concurrent writer swaps the
+    directory, and between its two renames there is no bundle at bundle_dir."""
+    bundle_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _bundle_lock(bundle_dir):
+        try:
+            manifest = verify_bundle(bundle_dir)
+        except CuteAotError:
+            return None
+    same = (manifest["spec"] == {"file": Path(spec.file).name, "sha256": spec.sha256}
             and manifest.get("plan_fingerprint") == plan_print and manifest["toolchain"] == tools
             and [t["name"] for t in manifest["targets"]] == [t.name for t in spec.targets]
             and manifest.get("shard") is None)
+    return manifest if same else None
 
 
 def _planning_line(text: str) -> None:
@@ -501,10 +506,11 @@ def _build(spec_path, out_root: Path, workers, shard, progress: bool, targets) -
         spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t.name in targets))
     fingerprint, tools = source_fingerprint(), toolchain()
     name = spec.bundle if shard is None else f"{spec.bundle}.shard-{shard[0]}-of-{shard[1]}"
-    if shard is None and _up_to_date(out_root / name, spec, plan_fingerprint(), tools):
+    current = None if shard is not None else _up_to_date(out_root / name, spec, plan_fingerprint(), tools)
+    if current is not None:
         # same spec, sources and toolchain as the bundle there: its plan and kernels stand (no re-planning)
         report = BuildReport(out_root / name, unchanged=True)
-        for record in read_manifest(out_root / name)["kernels"]:
+        for record in current["kernels"]:
             report.reused += 1
             if record["stack_bytes"] or record["local_bytes"]:
                 report.spills.append(_spill_line(record))
