@@ -153,7 +153,7 @@ def test_gemm_kernel_compiles_without_spills():
 
 
 def test_wgmma_gemm_kernel_compiles():
-    """The sm_90a large-M loop: register-A wgmma, async-proxy fence, no spills, two CTAs per SM."""
+    """The sm_90a large-M loop: register-A wgmma for every row variant, async-proxy fence, no spills."""
     from cuteaot.codegen.compile import compile_kernel
     from cuteaot.codegen.kernels.w4a16.device import build_gemm
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
@@ -170,7 +170,10 @@ def test_wgmma_gemm_kernel_compiles():
         kernel, args = build_gemm(spec)
         with tempfile.TemporaryDirectory() as d:
             ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
-        assert f"wgmma.mma_async.sync.aligned.m64n{block}k16.f32.{kind}.{kind}" in ptx
+        # 128-row blocks: one main loop per row variant (the valid rows pick the narrowest N covering them)
+        for n in (range(32, block + 1, 32) if block == 128 else (block,)):
+            assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}" in ptx, n
+        assert f"m64n{block + 32}k16" not in ptx
         for instruction in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
                             "wgmma.wait_group.sync.aligned 1", "fence.proxy.async.shared::cta"):
             assert instruction in ptx

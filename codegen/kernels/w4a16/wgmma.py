@@ -45,13 +45,22 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.w4a16.gemm_spec import Mainloop
-from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_SMEM_ALIGN
+from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_SMEM_ALIGN, WGMMA_TALL_BLOCK
 
 from ... import intrinsics as I
 from .gemm import W4A16GemmKernel, _Tile
 
 _X_ROW = I.WGMMA_SW128_ROW_BYTES  # bytes per staged activation row (64 bf16)
 _K16_BYTES = 32  # descriptor advance per 16 k inside a swizzle row
+# A 128-row block's main loop runs the narrowest wgmma N (tokens) in steps of ROW_STEP that covers
+# the block's valid rows: an expert's last block is usually part-filled (ncu on the H200, uniform
+# routing, Qwen3-30B M = 4096: 1.27x the useful tensor work; gpt-oss-120b: 1.53x), and the padding
+# rows would otherwise cost full MMAs.  One copy of the main loop per step.  The branch is not free:
+# ptxas then keeps the wgmma descriptors in ordinary registers (one R2UR per wgmma), +1.4 % SASS in
+# the 128-row loop and +4 % in the 64-row one, whose padding is at most one 64-row block's: so
+# 64-row blocks keep one loop.
+ROW_STEP = 32
+ROW_VARIANT_BLOCKS = (WGMMA_TALL_BLOCK,)
 
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
@@ -63,6 +72,9 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         self.warps_per_group = 4 // self.nw
         # accumulator floats per thread per wgmma: the block's rows are the instruction's N
         self.acc_n = spec.moe_block_size // 2
+        # the main loop's wgmma N by valid rows: the narrowest of these that covers them
+        step = ROW_STEP if spec.moe_block_size in ROW_VARIANT_BLOCKS else spec.moe_block_size
+        self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
 
     # ------------------------------------------------------------------ addressing
 
@@ -113,10 +125,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     # ------------------------------------------------------------------ staging
 
     @cute.jit
-    def _wg_stage(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
+    def _wg_stage(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32, rows: cutlass.Constexpr[int]):
+        """Copy k-tile `k_tile` into stage `pipe`: the first `rows` activation rows, weights, scales."""
         s = self.s
         k64 = Int64(k_tile)
-        for i in cutlass.range_constexpr(s.moe_block_size // 16):
+        for i in cutlass.range_constexpr(rows // 16):
             load = t.x_ok[i]
             if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
                 load = load and k_tile * Int32(8) + t.x_chunk < Int32(s.k_in // 8)
@@ -164,20 +177,20 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
     @cute.jit
     def _wg_mma(self, acc: cute.Tensor, frag: cute.Tensor, t, pipe: cutlass.Constexpr[int],
-                kk: cutlass.Constexpr[int]):
-        """Issue the nw wgmma of 16-k row `kk` as one commit group."""
+                kk: cutlass.Constexpr[int], rows: cutlass.Constexpr[int]):
+        """Issue the nw wgmma (N = rows) of 16-k row `kk` as one commit group."""
         s = self.s
         regs = I.pin_u32([frag[jj, i] for jj in range(self.nw) for i in range(4)])
         desc = t.desc + Int64((pipe * s.wg_x_stage_bytes + kk * _K16_BYTES) >> 4)
         I.wgmma_fence()
         for jj in cutlass.range_constexpr(self.nw):
-            d = [acc[jj, i] for i in range(self.acc_n)]
+            d = [acc[jj, i] for i in range(rows // 2)]
             a = regs[4 * jj: 4 * jj + 4]
             if cutlass.const_expr(self.is_fp16):
                 d = I.wgmma_f16_m64k16_rs(d, a[0], a[1], a[2], a[3], desc)
             else:
                 d = I.wgmma_bf16_m64k16_rs(d, a[0], a[1], a[2], a[3], desc)
-            for i in cutlass.range_constexpr(self.acc_n):
+            for i in cutlass.range_constexpr(rows // 2):
                 acc[jj, i] = d[i]
         I.wgmma_commit_group()
 
@@ -185,11 +198,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
     @cute.jit
     def _wg_k_tile(self, ops, t, acc: cute.Tensor, frag: cute.Tensor, pipe: cutlass.Constexpr[int], tile_idx: Int32,
-                   k_tiles: Int32, k_start: Int32, drain: cutlass.Constexpr[bool]):
+                   k_tiles: Int32, k_start: Int32, drain: cutlass.Constexpr[bool], rows: cutlass.Constexpr[int]):
         """The 16-k rows of k-tile `tile_idx` (in stage `pipe`); with `drain`, no group is left running."""
         s = self.s
         for kk in cutlass.range_constexpr(s.k_blocks):
-            self._wg_mma(acc, frag, t, pipe, kk)
+            self._wg_mma(acc, frag, t, pipe, kk, rows)
             last = kk + 1 == s.k_blocks
             # the previous row's group is done: its A registers are free for the next decode,
             # and after row 0 so is the previous tile's stage
@@ -197,7 +210,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             if cutlass.const_expr(kk == 0):
                 fetch = tile_idx + Int32(s.stages - 1)
                 if fetch < k_tiles:
-                    self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch)
+                    self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch, rows)
                 else:
                     cute.arch.cp_async_commit_group()
             if cutlass.const_expr(not last):
@@ -211,7 +224,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                     self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
 
     @cute.jit
-    def _wg_mainloop(self, ops, t, acc: cute.Tensor, k_start: Int32, k_tiles: Int32):
+    def _wg_mainloop(self, ops, t, acc: cute.Tensor, k_start: Int32, k_tiles: Int32, rows: cutlass.Constexpr[int]):
         """Whole cycles of `stages` k-tiles run straight through; the remainder one k-tile at a time.
 
         A group may only be in flight across straight-line code.  Where control flow joins
@@ -223,7 +236,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         s = self.s
         for pipe in cutlass.range_constexpr(s.stages - 1):
             if Int32(pipe) < k_tiles:
-                self._wg_stage(ops, t, pipe, k_start + Int32(pipe))
+                self._wg_stage(ops, t, pipe, k_start + Int32(pipe), rows)
             else:
                 cute.arch.cp_async_commit_group()
         self._wg_publish(s.stages - 2)
@@ -233,16 +246,53 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         while tile_idx + Int32(s.stages) <= k_tiles:
             for pipe in cutlass.range_constexpr(s.stages):
                 self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx + Int32(pipe), k_tiles, k_start,
-                                pipe == s.stages - 1)
+                                pipe == s.stages - 1, rows)
             tile_idx += Int32(s.stages)
         for pipe in cutlass.range_constexpr(s.stages - 1):
             if tile_idx < k_tiles:
-                self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx, k_tiles, k_start, True)
+                self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx, k_tiles, k_start, True, rows)
                 tile_idx += Int32(1)
-        pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(self.acc_n)])
+        pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(rows // 2)])
         for jj in cutlass.range_constexpr(self.nw):
-            for i in cutlass.range_constexpr(self.acc_n):
-                acc[jj, i] = pinned[jj * self.acc_n + i]
+            for i in cutlass.range_constexpr(rows // 2):
+                acc[jj, i] = pinned[jj * (rows // 2) + i]
+
+    @cute.jit
+    def _wg_rows_mainloop(self, ops, smem: Int32, tid: Int32, expert: Int32, n_tile: Int32, valid_rows: Int32,
+                          acc: cute.Tensor, k_start: Int32, k_tiles: Int32, rows: cutlass.Constexpr[int]):
+        """One row variant: its own addressing (planned inside the branch, so that ptxas keeps the
+        hoisted addresses in registers instead of rematerializing them in the loop) and main loop."""
+        t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
+        self._wg_mainloop(ops, t, acc, k_start, k_tiles, rows)
+
+    @cute.jit
+    def _wg_mainloop_for_rows(self, ops, smem: Int32, tid: Int32, expert: Int32, n_tile: Int32, valid_rows: Int32,
+                              acc: cute.Tensor, k_start: Int32, k_tiles: Int32):
+        """The main loop whose wgmma N is the narrowest row variant covering `valid_rows`.
+
+        Accumulators past that N stay zero; the store never writes rows past `valid_rows`.
+        """
+        v = self.row_variants
+        args = (ops, smem, tid, expert, n_tile, valid_rows, acc, k_start, k_tiles)
+        if cutlass.const_expr(len(v) == 1):
+            self._wg_rows_mainloop(*args, v[0])
+        elif cutlass.const_expr(len(v) == 2):
+            if valid_rows <= Int32(v[0]):
+                self._wg_rows_mainloop(*args, v[0])
+            else:
+                self._wg_rows_mainloop(*args, v[1])
+        else:
+            assert len(v) == 4, v
+            if valid_rows <= Int32(v[1]):
+                if valid_rows <= Int32(v[0]):
+                    self._wg_rows_mainloop(*args, v[0])
+                else:
+                    self._wg_rows_mainloop(*args, v[1])
+            else:
+                if valid_rows <= Int32(v[2]):
+                    self._wg_rows_mainloop(*args, v[2])
+                else:
+                    self._wg_rows_mainloop(*args, v[3])
 
     # ------------------------------------------------------------------ split-K and store
 
@@ -302,10 +352,10 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
               k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
-        t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
         acc.fill(0.0)
-        self._wg_mainloop(ops, t, acc, k_start, k_count)
+        self._wg_mainloop_for_rows(ops, smem, tid, expert, n_tile, valid_rows, acc, k_start, k_count)
+        t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
         if slice_count > Int32(1):
             self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
         if slice_idx == slice_count - Int32(1):
