@@ -68,7 +68,7 @@ RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "we
 # What else decides the resolution table (which kernel, grid and buffers serve each M): a bundle
 # whose plan fingerprint and spec are unchanged is up to date without re-planning.
 PLAN_SOURCES = (("codegen", "table.py"), ("codegen", "enumerate.py"), ("codegen", "spec.py"),
-                ("runtime", "resolution.py"))
+                ("codegen", "kernels/w4a16/measured_blocks.json"), ("runtime", "resolution.py"))
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cuda-cuobjdump")
 INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than it saves
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

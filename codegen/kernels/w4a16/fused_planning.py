@@ -62,6 +62,8 @@ from .planning import (
     select_tile,
     tile_misfit,
     wgmma_blocks_per_sm,
+    measured_tall,
+    wgmma_tall_block,
     wgmma_tile,
 )
 
@@ -137,12 +139,14 @@ def plan_fused(
     collect_amax: bool = False,
     deterministic: bool = False,
     scale_format: ScaleFormat = ScaleFormat.E4M3_K16,
+    tall: bool | None = None,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
 
     `deterministic` rules out the decode regime, whose top-k sum adds rows with bf16 atomics
     in no fixed order; every other step sums in a fixed order.  `scale_format` is the weights'
-    (NF3: e4m3_k32, which only the mma.sync loop decodes).
+    (NF3: e4m3_k32, which only the mma.sync loop decodes).  `tall`: 128-row wgmma blocks or not
+    (planning.wgmma_tall_block; None: the average-routes rule).
     """
     scale = ScaleFormat(scale_format)
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -167,7 +171,7 @@ def plan_fused(
     if decode:
         t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale)
 
-    wg = None if decode else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile, scale)
+    wg = None if decode else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile, scale, tall)
     if wg is not None:
         block, t1, t2, bps = wg
         cap = profile.sm_count * bps
@@ -209,7 +213,7 @@ def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int) -> tuple[int, bool]:
     return grid, True
 
 
-def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale_format):
+def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale_format, tall):
     """(block, FC1 tile, FC2 tile, CTAs/SM) when both GEMMs can run the wgmma loop, else None.
 
     The same rule as the standalone GEMM (planning.py `plan_gemm`): 64-row blocks take the
@@ -217,10 +221,7 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale
     kernel runs both phases, so the grid is what both phases' register and shared-memory use let
     co-reside.
     """
-    tall = all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None
-               for n, k in (fc1_dims, fc2_dims))
-    if block == ALLOWED_MOE_BLOCK_SIZES[-1] and tall and m * top_k >= WGMMA_TALL_BLOCK * num_experts:
-        block = WGMMA_TALL_BLOCK
+    block = wgmma_tall_block(m, top_k, num_experts, block, (fc1_dims, fc2_dims), scale_format, profile, tall)
     tiles = [wgmma_tile(n, k, block, scale_format, profile)[0] for n, k in (fc1_dims, fc2_dims)]
     if None in tiles:
         return None
@@ -298,11 +299,18 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
     )
 
 
+def layer_tall(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> bool | None:
+    """The measured 128-row block choice for this layer shape at m tokens (None: not measured)."""
+    return measured_tall(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
+                         profile)
+
+
 def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPlan:
     """plan_fused for a layer described by its facts."""
     return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
-                      deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format))
+                      deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
+                      tall=layer_tall(m, facts, profile))
 
 
 @dataclass(frozen=True)
@@ -326,8 +334,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if facts.expert_map or facts.calibration or facts.weights is not WeightFormat.NVFP4:
         return None  # (NF3 has no wgmma loop, the split's reason to exist)
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
-    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile)
-    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile)
+    tall = layer_tall(m, facts, profile)
+    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall)
+    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
         return None
     relu2 = not facts.activation.is_gated

@@ -22,7 +22,9 @@ Where the numbers come from
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from cuteaot.runtime.devices import DeviceProfile
@@ -140,6 +142,54 @@ WGMMA_ARCHS = ("sm_90a",)
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
 WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228}
+# Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
+# layers without a measured choice (MEASURED_BLOCKS).
+WGMMA_TALL_MIN_ROUTES = 128
+# Where 128-row blocks beat the rule's blocks, per device profile, layer shape and token range, as
+# measured by benchmarks/tune_blocks.py (the file says when, where and on which commit).  Below the
+# average of 128 routes per expert the answer depends on the shape's wave quantisation and tile
+# widths (docs/benchmarks.md "Route blocks measured per layer"): no single threshold wins.
+MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
+
+
+# What layer planning asks for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the rule alone)
+# or "always" (128-row blocks wherever they fit).  benchmarks/tune_blocks.py builds its two candidate
+# bundles with "rule" and "always"; shipped bundles use "measured".
+TALL_POLICY = "measured"
+
+
+@functools.cache
+def _measured_tall() -> dict:
+    """{(profile, hidden, intermediate, experts, top_k, gated): ((m_min, m_max), ((lo, hi), ...))}:
+    the token range measured and the ranges in it where 128-row blocks won (MEASURED_BLOCKS)."""
+    data = json.loads(MEASURED_BLOCKS.read_text())
+    return {(profile, row["hidden_size"], row["intermediate_size"], row["num_experts"], row["top_k"], row["gated"]):
+            (tuple(row["measured_m"]), tuple(tuple(r) for r in row["tall_m"]))
+            for profile, rows in data["tall"].items() for row in rows}
+
+
+def measured_tall(m: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, gated: bool,
+                  profile: DeviceProfile) -> bool | None:
+    """Whether an m-token layer of this shape takes 128-row blocks by TALL_POLICY; None: by the rule."""
+    if TALL_POLICY == "always":
+        return True
+    if TALL_POLICY == "rule":
+        return None
+    found = _measured_tall().get((profile.name, hidden_size, intermediate_size, num_experts, top_k, gated))
+    if found is None or not found[0][0] <= m <= found[0][1]:
+        return None
+    return any(lo <= m <= hi for lo, hi in found[1])
+
+
+def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
+                     tall: bool | None = None) -> int:
+    """`block`, or WGMMA_TALL_BLOCK where every (n, k) of `dims` takes a 128-row wgmma tile and
+    `tall` says so (None: where the average expert has WGMMA_TALL_MIN_ROUTES routes)."""
+    if tall is None:
+        tall = m * top_k >= WGMMA_TALL_MIN_ROUTES * num_experts
+    if tall and all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None for n, k in dims):
+        return WGMMA_TALL_BLOCK
+    return block
 
 @functools.cache
 def estimated_registers(tile: TileConfig, moe_block_size: int) -> int:
@@ -376,6 +426,7 @@ def plan_gemm(
     scale_format: ScaleFormat,
     pinned_tile: TileConfig | None = None,
     registers: int | None = None,
+    tall: bool | None = None,
 ) -> GemmPlan:
     """Plan the grouped GEMM of m tokens x top_k routes against (N, K) expert weights.
 
@@ -385,6 +436,7 @@ def plan_gemm(
     registers is the real per-thread count of the built cubin for that tile: it
     needs pinned_tile, and is what the runtime uses to re-check blocks per SM,
     since a grid larger than what is co-resident deadlocks in the split-K waits.
+    tall: take 128-row wgmma blocks where they fit (True) or not (False); None: WGMMA_TALL_MIN_ROUTES.
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:
@@ -397,9 +449,8 @@ def plan_gemm(
     direct = m <= MAX_DIRECT_TOPK_ROUTE_M
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
-    if (block == ALLOWED_MOE_BLOCK_SIZES[-1] and pinned_tile is None and m * top_k >= WGMMA_TALL_BLOCK * num_experts
-            and wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None):
-        block = WGMMA_TALL_BLOCK  # the average expert fills 128-row blocks: the wgmma loop's tallest
+    if pinned_tile is None and not direct:
+        block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
     mainloop = "mma_sync"
     wg_tile = wgmma_tile(n, k, block, scale_format, profile)[0] if pinned_tile is None else None
     if wg_tile is not None:
@@ -471,10 +522,10 @@ def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers)
     return tile, used, blocks_per_sm(m, n, top_k, block, tile, scale_format, profile, used)
 
 
-def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile) -> GemmPlan:
+def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None) -> GemmPlan:
     """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
     n_stored, k_stored = stored_dims(n, k)
-    return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16")
+    return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall)
 
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,

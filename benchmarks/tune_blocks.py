@@ -1,0 +1,157 @@
+"""Measure, per MoE layer shape and token count, whether 128-row route blocks beat the planner's rule,
+and record the answers where the build reads them (codegen/kernels/w4a16/measured_blocks.json).
+
+    # 1. builder (CPU): the spec's bundle planned twice, by the rule and with 128-row blocks wherever they fit
+    python -m benchmarks.tune_blocks build specs/moe-models.yaml --targets h200 --out generated/tune
+    # 2. GPU: both on identical operands (benchmarks.compare_layer's timing), raw rows to JSON
+    python -m benchmarks.tune_blocks measure --rule generated/tune/rule/moe-models \\
+        --always generated/tune/always/moe-models --m 256,384,512,768,1024,1536,2048,3072,4096 --json rows.json
+    # 3. builder: the rows become the planner's table (128-row blocks where they took <= 1 - margin of
+    #    the rule's time); then rebuild the shipped bundles
+    python -m benchmarks.tune_blocks record rows.json [--margin 0.02]
+
+Each measured M stands for the token counts up to the geometric midpoints with its measured
+neighbours; outside the measured range the rule plans as before.  Why a table and not a threshold:
+docs/benchmarks.md, "Route blocks measured per layer".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
+POLICIES = ("rule", "always")
+
+
+def build(spec: str, out: str, targets: str | None, jobs: int) -> None:
+    """Build `spec` under out/rule and out/always (the second reuses the first's compiled kernels)."""
+    import shutil
+
+    from cuteaot.codegen import cli
+    from cuteaot.codegen.kernels.w4a16 import planning
+
+    for policy in POLICIES:
+        planning.TALL_POLICY = policy  # planning runs in this process; workers only compile
+        dest = Path(out) / policy
+        if policy != POLICIES[0] and not (dest / ".cache").exists():
+            shutil.copytree(Path(out) / POLICIES[0] / ".cache", dest / ".cache")
+        argv = ["build", spec, "--out", str(dest), "-j", str(jobs)] + (["--targets", targets] if targets else [])
+        if cli.main(argv):
+            raise SystemExit(f"building {spec} with TALL_POLICY={policy!r} failed")
+
+
+def measure(rule: str, always: str, models: list[str], ms: list[int], rounds: int, json_path: str | None) -> None:
+    import torch
+
+    from benchmarks.common import write_results
+    from benchmarks.compare_layer import _problems, compare
+    from cuteaot.runtime import load_bundle
+
+    base = load_bundle(rule)
+    rows = compare(base, {"always": load_bundle(always)}, models, ms, rounds)
+    facts = _problems(base)
+    for row in rows:
+        f = facts[row["model"]]
+        row["facts"] = {k: f[k] for k in ("hidden_size", "intermediate_size", "num_experts", "top_k", "activation")}
+        row["profile"] = base.profile.name
+    path = write_results(json_path, "tune-blocks", _commit(), "benchmarks.tune_blocks measure: compare_layer "
+                         f"timing, {rounds} interleaved rounds, uniform routing", rows)
+    print(f"{len(rows)} rows -> {path} ({torch.cuda.get_device_name()})")
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def decide(points: list[tuple[int, float, bool]], margin: float) -> tuple[tuple[int, int], list[list[int]]]:
+    """Measured points (M, always / rule time, plans differ) -> (measured M range, tall M ranges).
+
+    A point wins when its plans differ and the 128-row plan took <= 1 - margin of the rule's time;
+    it stands for the Ms up to the geometric midpoints with its neighbours."""
+    points = sorted(points)
+    ms = [p[0] for p in points]
+    bounds = [ms[0]] + [math.isqrt(a * b) + 1 for a, b in zip(ms, ms[1:])] + [ms[-1] + 1]
+    tall: list[list[int]] = []
+    for (m, ratio, differs), lo, hi in zip(points, bounds, bounds[1:]):
+        if not (differs and ratio <= 1.0 - margin):
+            continue
+        if tall and tall[-1][1] == lo - 1:
+            tall[-1][1] = hi - 1
+        else:
+            tall.append([lo, hi - 1])
+    return (ms[0], ms[-1]), tall
+
+
+def record(rows_path: str, margin: float, table: Path = TABLE) -> dict:
+    """Merge the measured rows into the planner's table (entries of the same profile and shape replaced)."""
+    from cuteaot.runtime.types import Activation
+
+    data = json.loads(Path(rows_path).read_text())
+    by_shape: dict[tuple, list] = {}
+    for row in data["rows"]:
+        f = row["facts"]
+        key = (row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"],
+               Activation(f["activation"]).is_gated)
+        new = row["new"]["always"]
+        by_shape.setdefault(key, []).append((row["M"], new["ratio"], new["plan"] != row["base_plan"]))
+    out = json.loads(table.read_text())
+    for key, points in sorted(by_shape.items()):
+        profile, h, i, e, k, gated = key
+        measured, tall = decide(points, margin)
+        entries = out["tall"].setdefault(profile, [])
+        entries[:] = [x for x in entries if (x["hidden_size"], x["intermediate_size"], x["num_experts"],
+                                             x["top_k"], x["gated"]) != (h, i, e, k, gated)]
+        entries.append({"hidden_size": h, "intermediate_size": i, "num_experts": e, "top_k": k, "gated": gated,
+                        "measured_m": list(measured), "tall_m": tall})
+        entries.sort(key=lambda x: (x["hidden_size"], x["intermediate_size"], x["num_experts"], x["top_k"],
+                                    x["gated"]))
+        out["measured"][profile] = {"date": data.get("date"), "gpu": data.get("gpu"), "commit": data.get("commit"),
+                                    "rows": str(Path(rows_path).as_posix()), "margin": margin}
+        print(f"{profile} H={h} I={i} E={e} top_k={k} gated={gated}: measured M {measured}, 128-row blocks at {tall}")
+    table.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    from benchmarks.common import comma_list
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="builder: the rule and the all-128-row bundles of a spec")
+    b.add_argument("spec")
+    b.add_argument("--out", required=True)
+    b.add_argument("--targets", default=None)
+    b.add_argument("-j", "--jobs", type=int, default=2)
+    m = sub.add_parser("measure", help="GPU: time both bundles on identical operands")
+    m.add_argument("--rule", required=True)
+    m.add_argument("--always", required=True)
+    m.add_argument("--models", default="", type=comma_list())
+    m.add_argument("--m", required=True, type=comma_list(int))
+    m.add_argument("--rounds", type=int, default=3)
+    m.add_argument("--json", default=None)
+    r = sub.add_parser("record", help="builder: measured rows -> the planner's table")
+    r.add_argument("rows")
+    r.add_argument("--margin", type=float, default=0.02)
+    args = p.parse_args(argv)
+    if args.cmd == "build":
+        build(args.spec, args.out, args.targets, args.jobs)
+    elif args.cmd == "measure":
+        measure(args.rule, args.always, args.models, args.m, args.rounds, args.json)
+    else:
+        record(args.rows, args.margin)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
