@@ -1,13 +1,13 @@
-"""A/B-test two builds of the fused MoE layer on identical operands, in one process.
+"""A/B-test builds of the fused MoE layer on identical operands, in one process.
 
     python -m benchmarks.compare_layer --base generated/pf-off/bench-decode --new generated/pf-24m/bench-decode
-                                       [--models qwen3-30b-a3b,...] [--m 1,2] [--rounds 5]
+                                       [--new LABEL=PATH ...] [--models qwen3-30b-a3b,...] [--m 1,2] [--rounds 5]
 
 The layer-level twin of benchmarks/compare_gemm.py: every MoE layer problem the two bundles share
 (plain variant: no expert map, no calibration, no bias, not deterministic) gets random NVFP4 weights
 and, per M, one routing (uniform top-k) and one input; a MoeLayer of each bundle runs them.  Their
 outputs are compared (‖new−base‖/‖base‖), then timed in interleaved rounds: each round times base
-then new with `device_us` (CUDA-graph replay of an L2 flush and the call, the flush's own time
+then each new with `device_us` (CUDA-graph replay of an L2 flush and the call, the flush's own time
 subtracted), and the median over rounds is reported with new / base.  Rounds interleave so that
 clock and thermal drift hit both alike; judge a change by new / base within one call.
 """
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import FlushedTimer, comma_list, uniform_routing
-from tests.reference.nvfp4 import random_nvfp4
+from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
+from tests.reference.moe import moe_reference
+from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 
 
@@ -44,14 +46,18 @@ def _layer(bundle, facts, w13, w2):
                     swiglu_limit=facts.get("swiglu_limit"), fast_math=facts.get("fast_math", True))
 
 
-def compare(base, new, models, ms, rounds) -> list[dict]:
+def compare(base, news: dict, models, ms, rounds, check: bool = False) -> list[dict]:
+    """Time `base` and every bundle of `news` (label -> bundle) on the same operands; with `check`,
+    also each output's ‖out−ref‖/‖ref‖ against the float32 reference (tests/reference/moe.py)."""
     from cuteaot.runtime import prepare_w2, prepare_w13
 
-    shared = _problems(base).keys() & _problems(new).keys()
+    shared = set(_problems(base))
+    for bundle in news.values():
+        shared &= set(_problems(bundle))
     names = [m for m in (models or sorted(shared)) if m in shared]
     missing = sorted(set(models or []) - shared)
     if missing:
-        raise SystemExit(f"not in both bundles: {missing}; shared: {sorted(shared)}")
+        raise SystemExit(f"not in every bundle: {missing}; shared: {sorted(shared)}")
     timer = FlushedTimer()
     rows = []
     for name in names:
@@ -59,24 +65,43 @@ def compare(base, new, models, ms, rounds) -> list[dict]:
         h, i, e, k = f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"]
         n1 = 2 * i if f["activation"] != "relu2" else i
         g = torch.Generator(device="cuda").manual_seed(len(name))
-        w13 = prepare_w13(*random_nvfp4(e, n1, h, g), "bf16")
-        w2 = prepare_w2(*random_nvfp4(e, h, i, g), "bf16")
-        layers = {"base": _layer(base, f, w13, w2), "new": _layer(new, f, w13, w2)}
+        q13, q2 = random_nvfp4(e, n1, h, g), random_nvfp4(e, h, i, g)
+        w13, w2 = prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16")
+        w_ref = (dequantize_modelopt(*q13), dequantize_modelopt(*q2)) if check else None
+        del q13, q2
+        layers = {"base": _layer(base, f, w13, w2)}
+        layers.update({label: _layer(bundle, f, w13, w2) for label, bundle in news.items()})
         for m in ms:
             x, w, ids = uniform_routing(m, h, e, k, g)
             outs = {n: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for n in layers}
             for n, layer in layers.items():
                 layer(x, w, ids, out=outs[n])
-            diff = float((outs["new"].float() - outs["base"].float()).norm() / outs["base"].float().norm())
+            ref = outs["base"].float()
+            errs = {}
+            if check:
+                oai = f["activation"] == "swigluoai"
+                params = {name: f.get(f"swiglu_{name}") for name in ("alpha", "beta", "limit")}
+                if oai:  # the layer's defaults where the facts leave them unset
+                    defaults = (SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT)
+                    params = {n: d if params[n] is None else params[n] for n, d in zip(params, defaults)}
+                f32 = moe_reference(x, *w_ref, w, ids, f["activation"], **params)[0]
+                errs = {n: float((o.float() - f32).norm() / f32.norm()) for n, o in outs.items()}
             us = timer.us({n: (lambda layer=layer, o=outs[n]: layer(x, w, ids, out=o)) for n, layer in layers.items()},
                           rounds)
-            row = {"model": name, "M": m, "base_us": us["base"], "new_us": us["new"], "rel_diff": diff,
-                   "base_plan": layers["base"].resolve(m).describe(), "new_plan": layers["new"].resolve(m).describe()}
-            row["ratio"] = row["new_us"] / row["base_us"]
+            row = {"model": name, "M": m, "base_us": us["base"], "base_plan": layers["base"].resolve(m).describe(),
+                   "new": {label: {"us": us[label], "ratio": us[label] / us["base"],
+                                   "rel_diff": float((outs[label].float() - ref).norm() / ref.norm()),
+                                   "plan": layers[label].resolve(m).describe()} for label in news}}
+            if check:
+                row["base_ref_err"] = errs["base"]
+                for label in news:
+                    row["new"][label]["ref_err"] = errs[label]
             rows.append(row)
-            print(f"{name:22s} M={m:5d} base {row['base_us']:8.1f} us  new {row['new_us']:8.1f} us  "
-                  f"new/base {row['ratio']:.3f}  diff {diff:.1e}", flush=True)
-        del layers, w13, w2
+            cells = "  ".join(f"{label} {v['us']:8.1f} us ({v['ratio']:.3f}, diff {v['rel_diff']:.1e})"
+                              for label, v in row["new"].items())
+            checked = ("  ref err " + " ".join(f"{n} {v:.1e}" for n, v in errs.items())) if check else ""
+            print(f"{name:22s} M={m:5d} base {row['base_us']:8.1f} us  {cells}{checked}", flush=True)
+        del layers, w13, w2, w_ref
         torch.cuda.empty_cache()
     return rows
 
@@ -84,21 +109,28 @@ def compare(base, new, models, ms, rounds) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True)
-    p.add_argument("--new", required=True)
+    p.add_argument("--new", required=True, action="append",
+                   help="a bundle to compare with the base; repeat for several (labelled by LABEL=PATH or the path)")
     p.add_argument("--models", default="", type=comma_list())
     p.add_argument("--m", default="1,2", type=comma_list(int))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--check", action="store_true", help="also each output's error against the float32 reference")
     args = p.parse_args(argv)
     from cuteaot.runtime import load_bundle
 
-    rows = compare(load_bundle(args.base), load_bundle(args.new), args.models, args.m, args.rounds)
-    print("\n| model | M | base µs | new µs | new / base | ‖new−base‖/‖base‖ |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    paths = dict(item.split("=", 1) if "=" in item else (item, item) for item in args.new)
+    news = {label: load_bundle(path) for label, path in paths.items()}
+    rows = compare(load_bundle(args.base), news, args.models, args.m, args.rounds, args.check)
+    labels = list(news)
+    print("\n| model | M | base µs | " + " | ".join(f"{x} µs | {x} / base" for x in labels) + " | max ‖new−base‖/‖base‖ |")
+    print("| --- | ---: | ---: | " + " | ".join("---: | ---:" for _ in labels) + " | ---: |")
     for r in rows:
-        print(f"| {r['model']} | {r['M']} | {r['base_us']:.1f} | {r['new_us']:.1f} | {r['ratio']:.3f} | "
-              f"{r['rel_diff']:.1e} |")
+        cells = " | ".join(f"{r['new'][x]['us']:.1f} | {r['new'][x]['ratio']:.3f}" for x in labels)
+        diff = max(v["rel_diff"] for v in r["new"].values())
+        print(f"| {r['model']} | {r['M']} | {r['base_us']:.1f} | {cells} | {diff:.1e} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": args.base, "new": args.new, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"base": args.base, "new": paths, "rows": rows}, indent=1))
     return 0
 
 
