@@ -11,7 +11,7 @@ and record the answers where the build reads them (codegen/kernels/w4a16/measure
     python -m benchmarks.tune_blocks record rows.json [--margin 0.02]
 
 Each measured M stands for the token counts up to the geometric midpoints with its measured
-neighbours; outside the measured range the rule plans as before.  Why a table and not a threshold:
+neighbours; where 128-row blocks did not win (or the rule already plans them) the rule decides.  Why a table and not a threshold:
 docs/benchmarks.md, "Route blocks measured per layer".
 """
 

@@ -50,18 +50,20 @@ def test_decide_splits_at_geometric_midpoints_and_merges_neighbours():
     assert decide([(300, 0.97, True)], margin=0.05)[1] == []
 
 
-def test_planner_follows_the_table_inside_its_measured_range_only(table):
+def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(table):
     _write(table, "h200", [[400, 700]], measured=(256, 1024))
     assert planning.measured_tall(512, 2048, 768, 128, 8, True, H200) is True
-    assert planning.measured_tall(800, 2048, 768, 128, 8, True, H200) is False
-    assert planning.measured_tall(200, 2048, 768, 128, 8, True, H200) is None  # below: the rule
-    assert planning.measured_tall(4096, 2048, 768, 128, 8, True, H200) is None  # above: the rule
+    # elsewhere the rule decides: where the 128-row plan lost, and where the rule's plan is that plan
+    assert planning.measured_tall(800, 2048, 768, 128, 8, True, H200) is None
+    assert planning.measured_tall(200, 2048, 768, 128, 8, True, H200) is None
+    assert planning.measured_tall(4096, 2048, 768, 128, 8, True, H200) is None
     assert planning.measured_tall(512, 2048, 768, 128, 8, False, H200) is None  # another shape
     assert planning.measured_tall(512, 2048, 768, 128, 8, True, PROFILES["h100"]) is None  # another profile
     # the layer plan: M = 512 by the rule is the fused kernel on 48-row blocks; measured, the wgmma split
     split = split_layer(512, QWEN3, H200)
     assert split is not None and split[0].plan.moe_block_size == split[1].plan.moe_block_size == 128
     assert split_layer(800, QWEN3, H200)[0].plan.moe_block_size == 64  # outside the tall range: the rule's block
+    assert split_layer(4096, QWEN3, H200)[0].plan.moe_block_size == 128  # the rule's own 128-row blocks
 
 
 def test_policies_rule_and_always(table, monkeypatch):
