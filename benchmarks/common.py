@@ -40,6 +40,10 @@ def device_us(calls, iters: int = 20, reps: int = 11) -> float:
     large problems are not served from L2)."""
     calls = calls if isinstance(calls, list) else [calls]
     stream = torch.cuda.Stream()
+    # The warm-up runs on a side stream: it must not start while work queued on the caller's stream
+    # (an eager call of the same layer, say) still runs, since streams without a reservation share
+    # a layer's workspace (split-K locks included).
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for fn in calls:
             fn()
