@@ -8,7 +8,7 @@ and record the answers where the build reads them (codegen/kernels/w4a16/measure
         --always generated/tune/always/moe-models --m 256,384,512,768,1024,1536,2048,3072,4096 --json rows.json
     # 3. builder: the rows become the planner's table (128-row blocks where they took <= 1 - margin of
     #    the rule's time); then rebuild the shipped bundles
-    python -m benchmarks.tune_blocks record rows.json [--margin 0.02]
+    python -m benchmarks.tune_blocks record rows.json [more-rows.json ...] [--margin 0.02]
 
 Each measured M stands for the token counts up to the geometric midpoints with its measured
 neighbours; where 128-row blocks did not win (or the rule already plans them) the rule decides.  Why a table and not a threshold:
@@ -78,28 +78,34 @@ def decide(points: list[tuple[int, float, bool]], margin: float) -> tuple[tuple[
     """Measured points (M, always / rule time, plans differ) -> (measured M range, tall M ranges).
 
     A point wins when its plans differ and the 128-row plan took <= 1 - margin of the rule's time;
-    it stands for the Ms up to the geometric midpoints with its neighbours."""
+    it stands for the Ms up to the geometric midpoints with its neighbours.  A point whose plans are
+    the same (the rule plans 128-row blocks there itself) joins the range of an adjacent win, so
+    that no token count between two 128-row plans falls back to a shorter block."""
     points = sorted(points)
     ms = [p[0] for p in points]
     bounds = [ms[0]] + [math.isqrt(a * b) + 1 for a, b in zip(ms, ms[1:])] + [ms[-1] + 1]
+    kinds = ["win" if differs and ratio <= 1.0 - margin else "lose" if differs else "same"
+             for _, ratio, differs in points]
     tall: list[list[int]] = []
-    for (m, ratio, differs), lo, hi in zip(points, bounds, bounds[1:]):
-        if not (differs and ratio <= 1.0 - margin):
-            continue
-        if tall and tall[-1][1] == lo - 1:
-            tall[-1][1] = hi - 1
-        else:
-            tall.append([lo, hi - 1])
+    i = 0
+    while i < len(points):  # runs of win/same points that hold at least one win
+        j = i
+        while j < len(points) and kinds[j] != "lose":
+            j += 1
+        if "win" in kinds[i:j]:
+            tall.append([bounds[i], bounds[j] - 1])
+        i = j + 1
     return (ms[0], ms[-1]), tall
 
 
-def record(rows_path: str, margin: float, table: Path = TABLE) -> dict:
-    """Merge the measured rows into the planner's table (entries of the same profile and shape replaced)."""
+def record(rows_paths: list[str], margin: float, table: Path = TABLE) -> dict:
+    """Merge measured rows (one or several runs) into the planner's table (entries of the same
+    profile and shape replaced)."""
     from cuteaot.runtime.types import Activation
 
-    data = json.loads(Path(rows_path).read_text())
+    runs = [json.loads(Path(p).read_text()) for p in rows_paths]
     by_shape: dict[tuple, list] = {}
-    for row in data["rows"]:
+    for row in (r for run in runs for r in run["rows"]):
         f = row["facts"]
         key = (row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"],
                Activation(f["activation"]).is_gated)
@@ -116,8 +122,9 @@ def record(rows_path: str, margin: float, table: Path = TABLE) -> dict:
                         "measured_m": list(measured), "tall_m": tall})
         entries.sort(key=lambda x: (x["hidden_size"], x["intermediate_size"], x["num_experts"], x["top_k"],
                                     x["gated"]))
-        out["measured"][profile] = {"date": data.get("date"), "gpu": data.get("gpu"), "commit": data.get("commit"),
-                                    "rows": str(Path(rows_path).as_posix()), "margin": margin}
+        out["measured"][profile] = {"runs": [{"date": run.get("date"), "gpu": run.get("gpu"),
+                                              "commit": run.get("commit"), "rows": Path(p).as_posix()}
+                                             for run, p in zip(runs, rows_paths)], "margin": margin}
         print(f"{profile} H={h} I={i} E={e} top_k={k} gated={gated}: measured M {measured}, 128-row blocks at {tall}")
     table.write_text(json.dumps(out, indent=1) + "\n")
     return out
@@ -141,7 +148,7 @@ def main(argv=None) -> int:
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--json", default=None)
     r = sub.add_parser("record", help="builder: measured rows -> the planner's table")
-    r.add_argument("rows")
+    r.add_argument("rows", nargs="+", help="rows JSON of one or several measure runs")
     r.add_argument("--margin", type=float, default=0.02)
     args = p.parse_args(argv)
     if args.cmd == "build":

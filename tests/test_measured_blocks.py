@@ -39,7 +39,7 @@ def _write(path, profile, ranges, measured=(256, 4096), facts=QWEN3):
 
 
 def test_decide_splits_at_geometric_midpoints_and_merges_neighbours():
-    # 512 and 1024 win, 2048 loses by less than the margin, 4096 has the same plan both ways
+    # 512 and 1024 win, 2048 does not win by the margin, 4096 has the same plan both ways
     points = [(512, 0.95, True), (1024, 0.90, True), (2048, 0.99, True), (4096, 0.80, False)]
     measured, tall = decide(points, margin=0.02)
     assert measured == (512, 4096)
@@ -48,6 +48,11 @@ def test_decide_splits_at_geometric_midpoints_and_merges_neighbours():
     assert decide([(256, 1.0, True), (512, 0.9, True), (1024, 1.1, True), (2048, 0.9, True)], 0.02)[1] == \
         [[363, 724], [1449, 2048]]
     assert decide([(300, 0.97, True)], margin=0.05)[1] == []
+    # a win next to points where the rule plans 128-row blocks itself: one range through them
+    assert decide([(1024, 1.1, True), (1536, 0.9, True), (2048, 1.0, False), (3072, 1.0, False)], 0.02)[1] == \
+        [[1255, 3072]]
+    # same-plan points alone make no range
+    assert decide([(1024, 1.1, True), (2048, 1.0, False)], 0.02)[1] == []
 
 
 def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(table):
@@ -87,10 +92,10 @@ def test_record_replaces_the_shapes_entry(tmp_path):
              "new": {"always": {"ratio": r, "plan": "b"}}} for m, r in ((512, 0.9), (1024, 1.05))]
     rows_path = tmp_path / "rows.json"
     rows_path.write_text(json.dumps({"date": "2026-12-01", "gpu": "H200", "commit": "abc", "rows": rows}))
-    out = record(str(rows_path), 0.02, table=path)
+    out = record([str(rows_path)], 0.02, table=path)
     (entry,) = out["tall"]["h200"]
     assert entry["measured_m"] == [512, 1024] and entry["tall_m"] == [[512, 724]]
-    assert out["measured"]["h200"]["commit"] == "abc"
+    assert out["measured"]["h200"]["runs"][0]["commit"] == "abc"
 
 
 def test_shipped_table_is_well_formed():
