@@ -111,6 +111,49 @@ def test_gemm_matches_float32_reference(bundle, worst_errors, dtype, which):
         assert split_seen and whole_seen, "the M sweep must exercise both split-K and whole-K tiles"
 
 
+# Routes per expert whose last 128-row block holds 1, 32, 33, 64, 65, 96, 97 and 128 rows: every
+# row variant of the wgmma loop (N = 32 / 64 / 96 / 128 by valid rows) and both sides of each step.
+VARIANT_COUNTS = (129, 288, 33, 64, 193, 96, 97, 256)
+
+
+def _routes_with_counts(counts, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (M, 2), weights) in which expert e has exactly counts[e] routes (sum(counts) = 2 M)."""
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    m = len(experts) // 2
+    ids = torch.stack((experts[:m], experts[m:]), dim=1)  # distinct: no expert holds more than m routes
+    ids = ids[torch.randperm(m, generator=g)].to(torch.int32)
+    weights = torch.rand(m, 2, generator=g)
+    return ids.cuda(), (weights / weights.sum(1, keepdim=True)).cuda()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_128_row_blocks_run_every_row_variant(bundle, worst_errors, dtype):
+    ids, topk_w = _routes_with_counts(VARIANT_COUNTS, seed=7)
+    m = ids.shape[0]
+    assert sorted(torch.bincount(ids.view(-1).long()).tolist()) == sorted(VARIANT_COUNTS)
+    for which in ("w13", "w2"):
+        n, k = SHAPES[which]
+        plan = plan_for(m, n, k, TOP_K, EXPERTS, bundle.profile)
+        assert (plan.moe_block_size, plan.mainloop) == (128, "wgmma"), plan
+        a_per_route = which == "w2"
+        packed, w_deq = _weights(n, k, dtype, seed=11)
+        a = torch.randn(m * TOP_K if a_per_route else m, k, device="cuda").to(DTYPES[dtype])
+        out = torch.full((m * TOP_K, n), float("nan"), dtype=DTYPES[dtype], device="cuda")
+        w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=a_per_route,
+                       a_per_route=a_per_route, out=out)
+        torch.cuda.synchronize()
+        ref = _reference(a, w_deq, ids, topk_w if a_per_route else None, a_per_route)
+        err = _rel(out, ref)
+        worst_errors.record(f"gemm row variants {dtype}", err)
+        assert not out.isnan().any(), f"{which} {dtype}: unwritten rows"
+        # per expert too: a wrong variant would spoil only its expert's rows
+        for e in range(EXPERTS):
+            rows = (ids.view(-1) == e).nonzero().view(-1)
+            e_err = _rel(out[rows], ref[rows])
+            assert e_err <= TOL, f"{which} {dtype} expert {e} ({VARIANT_COUNTS[e]} routes): rel err {e_err:.2e}"
+
+
 def test_relu2_epilogue(bundle, worst_errors):
     n, k, top_k = INTER, HIDDEN, 3
     packed, w_deq = _weights(n, k, "bf16", seed=3)
