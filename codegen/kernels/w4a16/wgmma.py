@@ -36,6 +36,10 @@ after a stage's last row it drains (see the comment in `_wg_mainloop`).  Stages
 are refilled with cp.async as in the mma.sync loop; shared data written by
 cp.async is published to wgmma's async proxy with `fence.proxy.async` before the
 barrier that precedes its use.
+
+128-row blocks carry one main loop per row variant (N = 32, 64, 96, 128 tokens):
+a tile runs the narrowest that covers its block's valid rows (ROW_STEP below), so
+an expert's part-filled last block does not pay MMAs for its padding rows.
 """
 
 from __future__ import annotations
