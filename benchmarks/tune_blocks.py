@@ -1,18 +1,21 @@
-"""Measure, per MoE layer shape and token count, whether 128-row route blocks beat the planner's rule,
-and record the answers where the build reads them (codegen/kernels/w4a16/measured_blocks.json).
+"""Measure, per MoE layer shape and token count, where a planner choice ("knob") beats the planner's
+rule, and record the answers where the build reads them (codegen/kernels/w4a16/measured_blocks.json).
 
-    # 1. builder (CPU): the spec's bundle planned twice, by the rule and with 128-row blocks wherever they fit
-    python -m benchmarks.tune_blocks build specs/moe-models.yaml --targets h200 --out generated/tune
+Knobs: "tall" (128-row wgmma route blocks below 128 routes per expert) and "decode" (the fused decode
+regime, direct routes and the top-k sum in FC2, past M = 2 up to fused_planning.DECODE_MEASURED_MAX_M).
+
+    # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
+    python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
     # 2. GPU: both on identical operands (benchmarks.compare_layer's timing), raw rows to JSON
-    python -m benchmarks.tune_blocks measure --rule generated/tune/rule/moe-models \\
-        --always generated/tune/always/moe-models --m 256,384,512,768,1024,1536,2048,3072,4096 --json rows.json
-    # 3. builder: the rows become the planner's table (128-row blocks where they took <= 1 - margin of
-    #    the rule's time); then rebuild the shipped bundles
+    python -m benchmarks.tune_blocks measure --knob tall --rule generated/tune/rule/moe-models \\
+        --always generated/tune/always/moe-models --m 256,384,512,768,1024,1536,2048,3072 --json rows.json
+    # 3. builder: the rows become the planner's table (the choice where it took <= 1 - margin of the
+    #    rule's time); then rebuild the shipped bundles
     python -m benchmarks.tune_blocks record rows.json [more-rows.json ...] [--margin 0.02]
 
 Each measured M stands for the token counts up to the geometric midpoints with its measured
-neighbours; where 128-row blocks did not win (or the rule already plans them) the rule decides.  Why a table and not a threshold:
-docs/benchmarks.md, "Route blocks measured per layer".
+neighbours; where the choice did not win (or the rule already makes it) the rule decides.  Why a
+table and not a threshold: docs/benchmarks.md, "Route blocks measured per layer".
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
+KNOBS = ("tall", "decode")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
 
 
-def build(spec: str, out: str, targets: str | None, jobs: int) -> None:
+def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:
     """Build `spec` under out/rule and out/always (the second reuses the first's compiled kernels)."""
     import shutil
 
@@ -36,16 +40,17 @@ def build(spec: str, out: str, targets: str | None, jobs: int) -> None:
     from cuteaot.codegen.kernels.w4a16 import planning
 
     for policy in POLICIES:
-        planning.TALL_POLICY = policy  # planning runs in this process; workers only compile
+        planning.POLICY[knob] = policy  # planning runs in this process; workers only compile
         dest = Path(out) / policy
         if policy != POLICIES[0] and not (dest / ".cache").exists():
             shutil.copytree(Path(out) / POLICIES[0] / ".cache", dest / ".cache")
         argv = ["build", spec, "--out", str(dest), "-j", str(jobs)] + (["--targets", targets] if targets else [])
         if cli.main(argv):
-            raise SystemExit(f"building {spec} with TALL_POLICY={policy!r} failed")
+            raise SystemExit(f"building {spec} with POLICY[{knob!r}] = {policy!r} failed")
 
 
-def measure(rule: str, always: str, models: list[str], ms: list[int], rounds: int, json_path: str | None) -> None:
+def measure(knob: str, rule: str, always: str, models: list[str], ms: list[int], rounds: int,
+            json_path: str | None) -> None:
     import torch
 
     from benchmarks.common import write_results
@@ -59,7 +64,8 @@ def measure(rule: str, always: str, models: list[str], ms: list[int], rounds: in
         f = facts[row["model"]]
         row["facts"] = {k: f[k] for k in ("hidden_size", "intermediate_size", "num_experts", "top_k", "activation")}
         row["profile"] = base.profile.name
-    path = write_results(json_path, "tune-blocks", _commit(), "benchmarks.tune_blocks measure: compare_layer "
+        row["knob"] = knob
+    path = write_results(json_path, f"tune-{knob}", _commit(), "benchmarks.tune_blocks measure: compare_layer "
                          f"timing, {rounds} interleaved rounds, uniform routing", rows)
     print(f"{len(rows)} rows -> {path} ({torch.cuda.get_device_name()})")
 
@@ -107,27 +113,45 @@ def record(rows_paths: list[str], margin: float, table: Path = TABLE) -> dict:
     by_shape: dict[tuple, list] = {}
     for row in (r for run in runs for r in run["rows"]):
         f = row["facts"]
-        key = (row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"],
-               Activation(f["activation"]).is_gated)
+        key = (row.get("knob", "tall"), row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"],
+               f["top_k"], Activation(f["activation"]).is_gated)
         new = row["new"]["always"]
         by_shape.setdefault(key, []).append((row["M"], new["ratio"], new["plan"] != row["base_plan"]))
     out = json.loads(table.read_text())
     for key, points in sorted(by_shape.items()):
-        profile, h, i, e, k, gated = key
-        measured, tall = decide(points, margin)
-        entries = out["tall"].setdefault(profile, [])
+        knob, profile, h, i, e, k, gated = key
+        measured, won = decide(points, margin)
+        entries = out.setdefault(knob, {}).setdefault(profile, [])
         entries[:] = [x for x in entries if (x["hidden_size"], x["intermediate_size"], x["num_experts"],
                                              x["top_k"], x["gated"]) != (h, i, e, k, gated)]
         entries.append({"hidden_size": h, "intermediate_size": i, "num_experts": e, "top_k": k, "gated": gated,
-                        "measured_m": list(measured), "tall_m": tall})
+                        "measured_m": list(measured), "won_m": won})
         entries.sort(key=lambda x: (x["hidden_size"], x["intermediate_size"], x["num_experts"], x["top_k"],
                                     x["gated"]))
-        out["measured"][profile] = {"runs": [{"date": run.get("date"), "gpu": run.get("gpu"),
-                                              "commit": run.get("commit"), "rows": Path(p).as_posix()}
-                                             for run, p in zip(runs, rows_paths)], "margin": margin}
-        print(f"{profile} H={h} I={i} E={e} top_k={k} gated={gated}: measured M {measured}, 128-row blocks at {tall}")
-    table.write_text(json.dumps(out, indent=1) + "\n")
+        provenance = out["measured"].setdefault(knob, {})
+        provenance[profile] = {"runs": [{"date": run.get("date"), "gpu": run.get("gpu"), "commit": run.get("commit"),
+                                         "rows": Path(p).as_posix()} for run, p in zip(runs, rows_paths)],
+                               "margin": margin}
+        print(f"{knob} {profile} H={h} I={i} E={e} top_k={k} gated={gated}: measured M {measured}, won at {won}")
+    table.write_text(_dump(out))
     return out
+
+
+def _dump(table: dict) -> str:
+    """The table as JSON with one line per layer shape (a diff then shows which shapes changed)."""
+    lines = ["{"]
+    for i, (key, value) in enumerate(table.items()):
+        comma = "," if i + 1 < len(table) else ""
+        if key in KNOBS:
+            lines.append(f" {json.dumps(key)}: {{")
+            for j, (profile, entries) in enumerate(value.items()):
+                lines.append(f"  {json.dumps(profile)}: [")
+                lines += [f"   {json.dumps(e)}" + ("," if n + 1 < len(entries) else "") for n, e in enumerate(entries)]
+                lines.append("  ]" + ("," if j + 1 < len(value) else ""))
+            lines.append(" }" + comma)
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}{comma}")
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def main(argv=None) -> int:
@@ -135,12 +159,14 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="builder: the rule and the all-128-row bundles of a spec")
+    b = sub.add_parser("build", help="builder: the rule and the always-the-choice bundles of a spec")
     b.add_argument("spec")
+    b.add_argument("--knob", choices=KNOBS, required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--targets", default=None)
     b.add_argument("-j", "--jobs", type=int, default=2)
     m = sub.add_parser("measure", help="GPU: time both bundles on identical operands")
+    m.add_argument("--knob", choices=KNOBS, required=True)
     m.add_argument("--rule", required=True)
     m.add_argument("--always", required=True)
     m.add_argument("--models", default="", type=comma_list())
@@ -152,9 +178,9 @@ def main(argv=None) -> int:
     r.add_argument("--margin", type=float, default=0.02)
     args = p.parse_args(argv)
     if args.cmd == "build":
-        build(args.spec, args.out, args.targets, args.jobs)
+        build(args.spec, args.knob, args.out, args.targets, args.jobs)
     elif args.cmd == "measure":
-        measure(args.rule, args.always, args.models, args.m, args.rounds, args.json)
+        measure(args.knob, args.rule, args.always, args.models, args.m, args.rounds, args.json)
     else:
         record(args.rows, args.margin)
     return 0

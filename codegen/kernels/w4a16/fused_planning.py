@@ -8,7 +8,8 @@ size (one kernel) and one blocks-per-SM count (one persistent grid).
 
 Two regimes, as in the seed:
 
-* decode (M <= DECODE_MAX_M = 2, no expert_map, no amax calibration): every route is
+* decode (M <= DECODE_MAX_M = 2, or up to DECODE_MEASURED_MAX_M where planning.MEASURED_BLOCKS
+  measured it faster for the layer's shape; no expert_map, no amax calibration): every route is
   its own 8-row block read straight from topk_ids (no route packing); FC2 adds
   each route's row into its token's output row with red.add, so the top-k sum
   is folded into the kernel and the output is zeroed in its prologue.  Where one
@@ -57,12 +58,12 @@ from .planning import (
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
     blocks_per_sm,
     estimated_registers,
+    measured_choice,
     packed_m8_blocks_per_sm,
     select_route_block_size,
     select_tile,
     tile_misfit,
     wgmma_blocks_per_sm,
-    measured_tall,
     wgmma_tall_block,
     wgmma_tile,
 )
@@ -75,6 +76,9 @@ from .planning import (
 # 75.3 us; gpt-oss-120b 208.3 vs 171.1 us): one route per block re-reads shared experts and its
 # whole-tile waves quantise badly.
 DECODE_MAX_M = 2
+# The largest M a measured table (planning.MEASURED_BLOCKS, knob "decode") may give the decode regime:
+# the seed's bound, and what benchmarks/tune_blocks.py's "always" candidate plans.
+DECODE_MEASURED_MAX_M = 8
 # Decode keeps whole-K tiles on a right-sized grid only while one wave of them covers FC1 and FC2;
 # otherwise K is split over every co-resident CTA.  A/B on the H200 (benchmarks/compare_layer.py,
 # docs/benchmarks.md "Decode: split K over the grid"): splitting took 0.76-0.94x the time wherever
@@ -140,13 +144,15 @@ def plan_fused(
     deterministic: bool = False,
     scale_format: ScaleFormat = ScaleFormat.E4M3_K16,
     tall: bool | None = None,
+    decode: bool | None = None,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
 
     `deterministic` rules out the decode regime, whose top-k sum adds rows with bf16 atomics
     in no fixed order; every other step sums in a fixed order.  `scale_format` is the weights'
     (NF3: e4m3_k32, which only the mma.sync loop decodes).  `tall`: 128-row wgmma blocks or not
-    (planning.wgmma_tall_block; None: the average-routes rule).
+    (planning.wgmma_tall_block; None: the average-routes rule).  `decode`: the decode regime up to
+    DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).
     """
     scale = ScaleFormat(scale_format)
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -156,7 +162,8 @@ def plan_fused(
     if top_k > num_experts:
         raise BadInputError(f"top_k={top_k} exceeds num_experts={num_experts}")
     (n1, k1), (n2, k2) = fused_gemm_dims(hidden_size, intermediate_size, gated)
-    decode = m <= DECODE_MAX_M and not expert_map and not collect_amax and not deterministic
+    direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
+    decode = direct and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
@@ -299,10 +306,10 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
     )
 
 
-def layer_tall(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> bool | None:
-    """The measured 128-row block choice for this layer shape at m tokens (None: not measured)."""
-    return measured_tall(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
-                         profile)
+def layer_choice(knob: str, m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> bool | None:
+    """The measured choice of `knob` for this layer shape at m tokens (None: the rule decides)."""
+    return measured_choice(knob, m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k,
+                           facts.gated, profile)
 
 
 def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPlan:
@@ -310,7 +317,7 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
     return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
                       deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
-                      tall=layer_tall(m, facts, profile))
+                      tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile))
 
 
 @dataclass(frozen=True)
@@ -334,7 +341,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if facts.expert_map or facts.calibration or facts.weights is not WeightFormat.NVFP4:
         return None  # (NF3 has no wgmma loop, the split's reason to exist)
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
-    tall = layer_tall(m, facts, profile)
+    if m <= DECODE_MEASURED_MAX_M and layer_choice("decode", m, facts, profile):
+        return None  # the fused decode regime serves this M
+    tall = layer_choice("tall", m, facts, profile)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):

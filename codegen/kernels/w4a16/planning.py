@@ -145,41 +145,42 @@ WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228}
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
-# Where 128-row blocks beat the rule's blocks, per device profile, layer shape and token range, as
-# measured by benchmarks/tune_blocks.py (the file says when, where and on which commit).  Below the
-# average of 128 routes per expert the answer depends on the shape's wave quantisation and tile
-# widths (docs/benchmarks.md "Route blocks measured per layer"): no single threshold wins.
+# Where a measured choice beats the planner's rules, per device profile, layer shape and token
+# range, as measured by benchmarks/tune_blocks.py (the file says when, where and on which commit).
+# Two choices ("knobs"): "tall", 128-row wgmma route blocks below the average of 128 routes per expert
+# (the answer depends on each shape's wave quantisation and tile widths, docs/benchmarks.md "Route
+# blocks measured per layer": no single threshold wins), and "decode", the fused decode regime
+# (direct 8-row route blocks, top-k sum folded into FC2) past DECODE_MAX_M.
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
+MEASURED_KNOBS = ("tall", "decode")
 
-
-# What layer planning asks for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the rule alone)
-# or "always" (128-row blocks wherever they fit).  benchmarks/tune_blocks.py builds its two candidate
-# bundles with "rule" and "always"; shipped bundles use "measured".
-TALL_POLICY = "measured"
+# What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
+# rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
+# two candidate bundles with "rule" and "always"; shipped bundles use "measured".
+POLICY = {"tall": "measured", "decode": "measured"}
 
 
 @functools.cache
-def _measured_tall() -> dict:
-    """{(profile, hidden, intermediate, experts, top_k, gated): ((m_min, m_max), ((lo, hi), ...))}:
-    the token range measured and the ranges in it where 128-row blocks won (MEASURED_BLOCKS)."""
+def _measured(knob: str) -> dict:
+    """{(profile, hidden, intermediate, experts, top_k, gated): ((lo, hi), ...)}: the token ranges
+    where the knob's choice won (MEASURED_BLOCKS)."""
     data = json.loads(MEASURED_BLOCKS.read_text())
     return {(profile, row["hidden_size"], row["intermediate_size"], row["num_experts"], row["top_k"], row["gated"]):
-            (tuple(row["measured_m"]), tuple(tuple(r) for r in row["tall_m"]))
-            for profile, rows in data["tall"].items() for row in rows}
+            tuple(tuple(r) for r in row["won_m"])
+            for profile, rows in data.get(knob, {}).items() for row in rows}
 
 
-def measured_tall(m: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, gated: bool,
-                  profile: DeviceProfile) -> bool | None:
-    """True where an m-token layer of this shape takes 128-row blocks by TALL_POLICY; None: the rule
-    decides (outside the measured wins, the rule's plan was as fast or was the 128-row one itself)."""
-    if TALL_POLICY == "always":
+def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                    gated: bool, profile: DeviceProfile) -> bool | None:
+    """True where an m-token layer of this shape takes the knob's choice by POLICY; None: the rule
+    decides (where the choice did not win, or the rule already makes it)."""
+    policy = POLICY[knob]
+    if policy == "always":
         return True
-    if TALL_POLICY == "rule":
+    if policy == "rule":
         return None
-    found = _measured_tall().get((profile.name, hidden_size, intermediate_size, num_experts, top_k, gated))
-    if found is not None and any(lo <= m <= hi for lo, hi in found[1]):
-        return True
-    return None
+    ranges = _measured(knob).get((profile.name, hidden_size, intermediate_size, num_experts, top_k, gated), ())
+    return True if any(lo <= m <= hi for lo, hi in ranges) else None
 
 
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
