@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -116,6 +118,59 @@ def uniform_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Gene
     ids = torch.rand(m, experts, generator=g, device=g.device).topk(top_k, dim=1).indices.to(torch.int32)
     weights = torch.softmax(torch.randn(m, top_k, generator=g, device=g.device), dim=1)
     return x, weights, ids
+
+
+def run_layers(layers: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
+               references: dict | None = None, eager: bool | None = None, timer: "FlushedTimer | None" = None,
+               rounds: int = 3) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+    """Every named MoE layer on one routing, into its own NaN-poisoned output: eagerly when `eager`
+    (default: when `references` is given), checked against `references` (name -> a callable returning
+    the float32 reference output; 'rel_err', None when not finite), and timed when `timer` is given
+    ('us', the timer's median over `rounds` interleaved rounds).  Returns (fields by name, outputs)."""
+    from tests.reference.moe_elementwise import relative_error
+
+    m, hidden = x.shape[0], x.shape[1]
+    outs = {n: torch.full((m, hidden), float("nan"), dtype=x.dtype, device=x.device) for n in layers}
+    found: dict[str, dict] = {n: {} for n in layers}
+    if eager is None:
+        eager = references is not None
+    if eager:
+        for n, layer in layers.items():
+            layer(x, weights, ids, out=outs[n])
+    for n, reference in (references or {}).items():
+        err = relative_error(outs[n], reference())
+        found[n]["rel_err"] = err if math.isfinite(err) else None
+    if timer is not None:
+        calls = {n: (lambda layer=layer, out=outs[n]: layer(x, weights, ids, out=out)) for n, layer in layers.items()}
+        for n, us in timer.us(calls, rounds).items():
+            found[n]["us"] = us
+    return found, outs
+
+
+def layer_benchmark_main(argv, *, doc: str, name: str, models: dict, run: Callable, table: Callable,
+                         defaults: dict) -> int:
+    """The command line of a same-process layer comparison (benchmarks/mxfp4.py, nf3.py): --bundle,
+    --models, --m, --check-m, --rounds (defaults from `defaults`), --commit, --json.  Runs
+    run(bundle, models, ms, check_m, rounds) -> rows, prints table(rows), writes the rows; exit
+    status 1 when a checked output is off the reference by more than 1e-2."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default=defaults["bundle"])
+    p.add_argument("--models", default=",".join(models), type=comma_list())
+    p.add_argument("--m", default=defaults["m"], type=comma_list(int))
+    p.add_argument("--check-m", type=int, default=defaults["check_m"])
+    p.add_argument("--rounds", type=int, default=defaults["rounds"])
+    p.add_argument("--commit", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.models if m not in models]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {sorted(models)}")
+    from cuteaot.runtime import load_bundle
+
+    rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m, args.rounds)
+    print(table(rows))
+    write_results(args.json, name, args.commit, doc, rows)
+    return 1 if any(r.get("rel_err") is not None and r["rel_err"] > 1e-2 for r in rows) else 0
 
 
 def comma_list(cast=str) -> Callable[[str], list]:

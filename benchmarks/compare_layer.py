@@ -15,14 +15,16 @@ clock and thermal drift hit both alike; judge a change by new / base within one 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, comma_list, uniform_routing
+from benchmarks.common import FlushedTimer, comma_list, run_layers, uniform_routing
 from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
 from tests.reference.moe import moe_reference
+from tests.reference.moe_elementwise import relative_error
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 
@@ -73,35 +75,34 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False) -> list[d
         layers.update({label: _layer(bundle, f, w13, w2) for label, bundle in news.items()})
         for m in ms:
             x, w, ids = uniform_routing(m, h, e, k, g)
-            outs = {n: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for n in layers}
-            for n, layer in layers.items():
-                layer(x, w, ids, out=outs[n])
-            ref = outs["base"].float()
-            errs = {}
+            references = None
             if check:
-                oai = f["activation"] == "swigluoai"
-                params = {name: f.get(f"swiglu_{name}") for name in ("alpha", "beta", "limit")}
-                if oai:  # the layer's defaults where the facts leave them unset
+                params = {key: f.get(f"swiglu_{key}") for key in ("alpha", "beta", "limit")}
+                if f["activation"] == "swigluoai":  # the layer's defaults where the facts leave them unset
                     defaults = (SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT)
-                    params = {n: d if params[n] is None else params[n] for n, d in zip(params, defaults)}
-                f32 = moe_reference(x, *w_ref, w, ids, f["activation"], **params)[0]
-                errs = {n: float((o.float() - f32).norm() / f32.norm()) for n, o in outs.items()}
-            us = timer.us({n: (lambda layer=layer, o=outs[n]: layer(x, w, ids, out=o)) for n, layer in layers.items()},
-                          rounds)
+                    params = {key: d if params[key] is None else params[key] for key, d in zip(params, defaults)}
+                reference = functools.cache(
+                    lambda w_ref=w_ref: moe_reference(x, *w_ref, w, ids, f["activation"], **params)[0])
+                references = {n: reference for n in layers}
+            checked, outs = run_layers(layers, x, w, ids, references=references, eager=True)
+            timed, _ = run_layers(layers, x, w, ids, timer=timer, rounds=rounds)
+            us = {n: timed[n]["us"] for n in layers}
+            base_out = outs["base"]
             row = {"model": name, "M": m, "base_us": us["base"], "base_plan": layers["base"].resolve(m).describe(),
                    "new": {label: {"us": us[label], "ratio": us[label] / us["base"],
-                                   "rel_diff": float((outs[label].float() - ref).norm() / ref.norm()),
+                                   "rel_diff": relative_error(outs[label], base_out),
                                    "plan": layers[label].resolve(m).describe()} for label in news}}
             if check:
-                row["base_ref_err"] = errs["base"]
+                row["base_ref_err"] = checked["base"]["rel_err"]
                 for label in news:
-                    row["new"][label]["ref_err"] = errs[label]
+                    row["new"][label]["ref_err"] = checked[label]["rel_err"]
             rows.append(row)
             cells = "  ".join(f"{label} {v['us']:8.1f} us ({v['ratio']:.3f}, diff {v['rel_diff']:.1e})"
                               for label, v in row["new"].items())
-            checked = ("  ref err " + " ".join(f"{n} {v:.1e}" for n, v in errs.items())) if check else ""
-            print(f"{name:22s} M={m:5d} base {row['base_us']:8.1f} us  {cells}{checked}", flush=True)
-        del layers, w13, w2, w_ref
+            errs = "  ref err " + " ".join(f"{n} {v['rel_err']:.1e}" for n, v in checked.items()) if check else ""
+            print(f"{name:22s} M={m:5d} base {row['base_us']:8.1f} us  {cells}{errs}", flush=True)
+        del layers, w13, w2
+        w_ref = None
         torch.cuda.empty_cache()
     return rows
 

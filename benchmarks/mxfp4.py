@@ -20,15 +20,12 @@ stored output chunk).
 
 from __future__ import annotations
 
-import argparse
-import math
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, comma_list, uniform_routing, write_results
+from benchmarks.common import FlushedTimer, layer_benchmark_main, run_layers, uniform_routing
 from tests.reference.moe import moe_reference
-from tests.reference.moe_elementwise import relative_error
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
@@ -69,22 +66,15 @@ def run(bundle, models, ms, check_m, rounds) -> list[dict]:
         layers = _layers(bundle, h, i, e, top_k, g)
         for m in sorted(set(ms) | {check_m}):
             x, w, ids = uniform_routing(m, h, e, top_k, g)
-            outs = {impl: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for impl in layers}
-            found = {impl: {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe()}
-                     for impl, (layer, _) in layers.items()}
+            references = None
             if m == check_m:
-                for impl, (layer, ref_w) in layers.items():
-                    layer(x, w, ids, out=outs[impl])
-                    ref, _, _ = moe_reference(x, ref_w[0], ref_w[1], w, ids, "swigluoai", b13=ref_w[2], b2=ref_w[3],
-                                              **OAI)
-                    err = relative_error(outs[impl], ref)
-                    found[impl]["rel_err"] = err if math.isfinite(err) else None
-            if m in ms:
-                calls = {impl: (lambda layer=layer, out=outs[impl]: layer(x, w, ids, out=out))
-                         for impl, (layer, _) in layers.items()}
-                for impl, us in timer.us(calls, rounds).items():
-                    found[impl]["us"] = us
-            for row in found.values():
+                references = {impl: (lambda r=ref_w: moe_reference(x, r[0], r[1], w, ids, "swigluoai", b13=r[2],
+                                                                   b2=r[3], **OAI)[0])
+                              for impl, (_, ref_w) in layers.items()}
+            found, _ = run_layers({impl: layer for impl, (layer, _) in layers.items()}, x, w, ids,
+                                  references=references, timer=timer if m in ms else None, rounds=rounds)
+            for impl, (layer, _) in layers.items():
+                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(), **found[impl]}
                 rows.append(row)
                 us = f"{row['us']:9.1f} us" if "us" in row else " " * 12
                 err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
@@ -105,24 +95,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", default=str(REPO / "generated" / "moe-models"))
-    p.add_argument("--models", default=",".join(MODELS), type=comma_list())
-    p.add_argument("--m", default="1,8,64,256,1024,4096", type=comma_list(int))
-    p.add_argument("--check-m", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown:
-        p.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
-    from cuteaot.runtime import load_bundle
-
-    rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m, args.rounds)
-    print(table(rows))
-    write_results(args.json, "mxfp4", args.commit, __doc__, rows)
-    return 1 if any(r.get("rel_err") is not None and r["rel_err"] > 1e-2 for r in rows) else 0
+    return layer_benchmark_main(argv, doc=__doc__, name="mxfp4", models=MODELS, run=run, table=table,
+                                defaults=dict(bundle=str(REPO / "generated" / "moe-models"),
+                                              m="1,8,64,256,1024,4096", check_m=64, rounds=3))
 
 
 if __name__ == "__main__":

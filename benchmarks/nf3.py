@@ -18,15 +18,12 @@ poisoning.  Target: NF3 >= 1.2x faster than NVFP4 at M <= 8.
 
 from __future__ import annotations
 
-import argparse
-import math
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, comma_list, hbm_copy_bandwidth, uniform_routing, write_results
+from benchmarks.common import FlushedTimer, hbm_copy_bandwidth, layer_benchmark_main, run_layers, uniform_routing
 from tests.reference.moe import moe_reference
-from tests.reference.moe_elementwise import relative_error
 from tests.reference.nf3 import dequantize_nf3, random_nf3
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
@@ -70,24 +67,16 @@ def run(bundle, models, ms, check_m, rounds) -> list[dict]:
         for m in sorted(set(ms) | {check_m}):
             x, w, ids = uniform_routing(m, h, e, top_k, g)
             experts = int(ids.unique().numel())
-            outs = {impl: torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda") for impl in layers}
-            found = {}
+            references = None
+            if m == check_m:
+                references = {impl: (lambda ref_w=ref_w: moe_reference(x, *ref_w, w, ids, activation, **kw)[0])
+                              for impl, (_, ref_w, _) in layers.items()}
+            found, _ = run_layers({impl: layer for impl, (layer, _, _) in layers.items()}, x, w, ids,
+                                  references=references, timer=timer if m in ms else None, rounds=rounds)
             for impl, (layer, _, per_expert) in layers.items():
                 touched = experts * per_expert
-                found[impl] = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(),
-                               "experts": experts, "weight_bytes": touched, "floor_us": touched / bandwidth * 1e6}
-            if m == check_m:
-                for impl, (layer, ref_w, _) in layers.items():
-                    layer(x, w, ids, out=outs[impl])
-                    ref, _, _ = moe_reference(x, ref_w[0], ref_w[1], w, ids, activation, **kw)
-                    err = relative_error(outs[impl], ref)
-                    found[impl]["rel_err"] = err if math.isfinite(err) else None
-            if m in ms:
-                calls = {impl: (lambda layer=layer, out=outs[impl]: layer(x, w, ids, out=out))
-                         for impl, (layer, _, _) in layers.items()}
-                for impl, us in timer.us(calls, rounds).items():
-                    found[impl]["us"] = us
-            for row in found.values():
+                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(), "experts": experts,
+                       "weight_bytes": touched, "floor_us": touched / bandwidth * 1e6, **found[impl]}
                 rows.append(row)
                 us = f"{row['us']:9.1f} us (floor {row['floor_us']:6.1f})" if "us" in row else " " * 26
                 err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
@@ -109,24 +98,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", default=str(REPO / "generated" / "bench-nf3"))
-    p.add_argument("--models", default=",".join(MODELS), type=comma_list())
-    p.add_argument("--m", default="1,8,64,256", type=comma_list(int))
-    p.add_argument("--check-m", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown:
-        p.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
-    from cuteaot.runtime import load_bundle
-
-    rows = run(load_bundle(args.bundle), args.models, args.m, args.check_m, args.rounds)
-    print(table(rows))
-    write_results(args.json, "nf3", args.commit, __doc__, rows)
-    return 1 if any(r.get("rel_err") is not None and r["rel_err"] > 1e-2 for r in rows) else 0
+    return layer_benchmark_main(argv, doc=__doc__, name="nf3", models=MODELS, run=run, table=table,
+                                defaults=dict(bundle=str(REPO / "generated" / "bench-nf3"), m="1,8,64,256",
+                                              check_m=8, rounds=5))
 
 
 if __name__ == "__main__":

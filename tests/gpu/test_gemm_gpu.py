@@ -65,6 +65,18 @@ def _rel(out, ref) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _gemm_and_reference(bundle, packed, w_deq, k, ids, topk_w, dtype, a_per_route):
+    """One GEMM on fresh random activations into a NaN-poisoned output, and its float32 reference:
+    FC1-style (a row per token) or FC2-style (a row per route, times the router weight)."""
+    m = ids.shape[0]
+    a = torch.randn(m * ids.shape[1] if a_per_route else m, k, device="cuda").to(DTYPES[dtype])
+    out = torch.full((m * ids.shape[1], packed.n), float("nan"), dtype=DTYPES[dtype], device="cuda")
+    w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=a_per_route,
+                   a_per_route=a_per_route, out=out)
+    torch.cuda.synchronize()
+    return out, _reference(a, w_deq, ids, topk_w if a_per_route else None, a_per_route)
+
+
 def _split_k_used(m, n, k, top_k, bundle) -> bool:
     plan = plan_for(m, n, k, top_k, EXPERTS, bundle.profile)
     route_blocks = m * top_k if plan.direct_topk_routes else plan.max_route_blocks
@@ -92,13 +104,7 @@ def test_gemm_matches_float32_reference(bundle, worst_errors, dtype, which):
     for m in SWEEPS.get(which.split()[-1], MS):
         for skewed in (False, True):
             ids, topk_w = _routing(m, TOP_K, skewed, seed=m)
-            rows = m * TOP_K if a_per_route else m
-            a = torch.randn(rows, k, device="cuda").to(DTYPES[dtype])
-            out = torch.full((m * TOP_K, n), float("nan"), dtype=DTYPES[dtype], device="cuda")
-            w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=a_per_route,
-                           a_per_route=a_per_route, out=out)
-            torch.cuda.synchronize()
-            ref = _reference(a, w_deq, ids, topk_w if a_per_route else None, a_per_route)
+            out, ref = _gemm_and_reference(bundle, packed, w_deq, k, ids, topk_w, dtype, a_per_route)
             err = _rel(out, ref)
             worst_errors.record(f"gemm {which} {dtype}", err)
             assert not out.isnan().any(), f"M={m} skewed={skewed}: unwritten rows"
@@ -138,12 +144,7 @@ def test_128_row_blocks_run_every_row_variant(bundle, worst_errors, dtype):
         assert (plan.moe_block_size, plan.mainloop) == (128, "wgmma"), plan
         a_per_route = which == "w2"
         packed, w_deq = _weights(n, k, dtype, seed=11)
-        a = torch.randn(m * TOP_K if a_per_route else m, k, device="cuda").to(DTYPES[dtype])
-        out = torch.full((m * TOP_K, n), float("nan"), dtype=DTYPES[dtype], device="cuda")
-        w4a16_moe_gemm(bundle, a, packed, ids, topk_weights=topk_w, mul_topk_weights=a_per_route,
-                       a_per_route=a_per_route, out=out)
-        torch.cuda.synchronize()
-        ref = _reference(a, w_deq, ids, topk_w if a_per_route else None, a_per_route)
+        out, ref = _gemm_and_reference(bundle, packed, w_deq, k, ids, topk_w, dtype, a_per_route)
         err = _rel(out, ref)
         worst_errors.record(f"gemm row variants {dtype}", err)
         assert not out.isnan().any(), f"{which} {dtype}: unwritten rows"

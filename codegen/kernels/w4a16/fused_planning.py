@@ -307,7 +307,10 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
 
 
 def layer_choice(knob: str, m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> bool | None:
-    """The measured choice of `knob` for this layer shape at m tokens (None: the rule decides)."""
+    """The measured choice of `knob` for this layer shape at m tokens (None: the rule decides);
+    "decode" only up to DECODE_MEASURED_MAX_M."""
+    if knob == "decode" and m > DECODE_MEASURED_MAX_M:
+        return None
     return measured_choice(knob, m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k,
                            facts.gated, profile)
 
@@ -341,7 +344,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if facts.expert_map or facts.calibration or facts.weights is not WeightFormat.NVFP4:
         return None  # (NF3 has no wgmma loop, the split's reason to exist)
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
-    if m <= DECODE_MEASURED_MAX_M and layer_choice("decode", m, facts, profile):
+    if layer_choice("decode", m, facts, profile):
         return None  # the fused decode regime serves this M
     tall = layer_choice("tall", m, facts, profile)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall)

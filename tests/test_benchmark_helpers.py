@@ -1,0 +1,39 @@
+"""The shared layer-run helper of the GPU benchmarks (benchmarks/common.run_layers), on the CPU with stand-in
+layers: poisoned outputs, the eager calls, the reference check (timing needs the GPU and is not run here)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import run_layers
+
+
+def _scaled(factor):
+    def layer(x, weights, ids, *, out):
+        out.copy_(x * factor)
+    return layer
+
+
+def _idle(x, weights, ids, *, out):  # writes nothing: its output stays poisoned
+    pass
+
+
+def test_run_layers_checks_each_output_against_its_reference():
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    w, ids = torch.rand(5, 2), torch.zeros(5, 2, dtype=torch.int32)
+    layers = {"right": _scaled(2.0), "wrong": _scaled(3.0), "idle": _idle}
+    reference = lambda: x.float() * 2  # noqa: E731
+    found, outs = run_layers(layers, x, w, ids, references={n: reference for n in layers})
+    assert found["right"]["rel_err"] == 0.0
+    assert abs(found["wrong"]["rel_err"] - 0.5) < 1e-2  # 3x in bf16 against 2x
+    assert found["idle"]["rel_err"] is None and outs["idle"].isnan().all()  # NaN: not finite
+    assert all("us" not in f for f in found.values())  # no timer, no timing
+
+
+def test_run_layers_eager_without_references_and_nothing_by_default():
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    w, ids = torch.rand(3, 1), torch.zeros(3, 1, dtype=torch.int32)
+    found, outs = run_layers({"a": _scaled(1.0)}, x, w, ids, eager=True)
+    assert found == {"a": {}} and torch.equal(outs["a"], x)
+    _, outs = run_layers({"a": _scaled(1.0)}, x, w, ids)
+    assert outs["a"].isnan().all()  # neither eager nor timed: the poisoned buffer
