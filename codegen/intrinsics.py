@@ -809,6 +809,14 @@ def fmax_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
                      effects=False, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def div_approx_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * (1 / b) at most 2 ulp off for |b| in [2^-126, 2^126] and 0 beyond (finite a): one MUFU.RCP and
+    a multiply, where `/` (div.rn) costs a dozen instructions and a slow-path branch."""
+    return _f32(_asm(1, T.f32, _ir([Float32(a), Float32(b)], loc, ip), "div.approx.f32 $0, $1, $2;", "=f,f,f",
+                     effects=False, loc=loc, ip=ip))
+
+
 def warp_reduce(value, op: str):
     """Butterfly reduction over the 32 lanes ("add" or "max"); every lane gets the result."""
     for shift in (16, 8, 4, 2, 1):

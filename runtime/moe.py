@@ -120,7 +120,8 @@ class Resolved:
         launch = self.launch
         if launch.split:
             f1, f2 = self.kernels["fc1"].spec, self.kernels["fc2"].spec
-            return (f"split b{launch.route_block} {f1.mainloop.value} fc1 {f1.tile_n}x{f1.tile_k} "
+            act = f"+{f1.epilogue.value}" if f1.epilogue.is_gated else ""
+            return (f"split b{launch.route_block} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
                     f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
         f = self.kernels["fused"].spec
         path = "decode" if self.decode else f"packed b{launch.route_block}"
@@ -425,22 +426,25 @@ class MoeLayer:
 
     def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, ws: MoeWorkspace,
                       stream: int) -> None:
-        """FC1 and FC2 as grouped-GEMM launches on the packed routes, the activation between them."""
+        """FC1 and FC2 as grouped-GEMM launches on the packed routes; the activation in FC1's epilogue, or
+        (zero-padded N, other archs) its own launch between them."""
         m = x.shape[0]
-        routes, gated, on_input = m * self.top_k, self.activation.is_gated, self.facts.router_weight_on_input
+        routes, on_input = m * self.top_k, self.facts.router_weight_on_input
+        # relu2 and the gated epilogues: FC1 writes the activation itself
+        activation_launch = self.activation.is_gated and not r.kernels["fc1"].spec.epilogue.is_gated
         routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
                        route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
                        locks=ws.split_k_locks.data_ptr(),
                        num_experts=self.num_experts)
         weight = topk_weights.data_ptr()
-        fc1_out = ws.fc13 if gated else ws.activated  # relu2 is FC1's epilogue
+        fc1_out = ws.fc13 if activation_launch else ws.activated
         r.kernels["fc1"].kernel.launch(
             r.launch.grid("fc1"), stream, a=x.data_ptr(), qweight=self.w13.qweight.data_ptr(),
             out=fc1_out.data_ptr(), scales=self.w13.scales.data_ptr(), global_scale=self.w13.global_scale.data_ptr(),
             topk_weights=weight if on_input else ws.c_tmp.data_ptr(), bias=self._bias13_ptr,
             tokens=m, **routing,
         )
-        if gated:
+        if activation_launch:
             f = self.facts
             moe_activation(self.bundle, ws.fc13[: routes * self.fc1_width].view(routes, self.fc1_width),
                            ws.activated[: routes * self.intermediate_size].view(routes, self.intermediate_size),

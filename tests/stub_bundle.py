@@ -19,7 +19,7 @@ from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.bundle import PreparedLaunch
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec
 from cuteaot.runtime.plans import BundlePlans
 from cuteaot.runtime.resolution import Entry, ResolutionTable
 from cuteaot.runtime.workspace import WorkspacePool
@@ -48,6 +48,8 @@ class StubLaunch:
 
     def __init__(self, bundle, digest: str):
         self.digest, self.kernel = digest, self
+        # the split path asks FC1's epilogue whether the activation kernel runs: here it always does
+        self.spec = types.SimpleNamespace(epilogue=Epilogue.NONE)
 
     def launch(self, grid_x, stream, /, **values):
         (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)

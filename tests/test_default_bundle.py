@@ -71,3 +71,5 @@ def test_kernels_match_what_the_planner_chose(bundle_dir):
             assert record["stack_bytes"] == 0 and record["local_bytes"] == 0, "a shipped kernel spills"
             assert record["arch"] == "sm_90a"
     assert entry.launch(1).kernels.keys() == {"fused"} and entry.launch(16384).split
+    fc1 = records[entry.launch(16384).kernels["fc1"]]  # the build compiled FC1's gated (silu) epilogue
+    assert fc1["facts"]["epilogue"] == "silu" and fc1["facts"]["fast_math"] is True

@@ -92,6 +92,7 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     sys.meta_path.insert(0, Blocked())
     import cuteaot.runtime.moe as moe
     from cuteaot.runtime.devices import PROFILES
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue
     from cuteaot.runtime.resolution import ResolutionTable
     from cuteaot.runtime.weights import pack_nvfp4
     from cuteaot.runtime.workspace import WorkspacePool
@@ -106,6 +107,7 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     class Launch:
         def __init__(self, bundle, digest):
             self.digest, self.kernel = digest, self
+            self.spec = types.SimpleNamespace(epilogue=Epilogue.NONE)  # (the split path asks FC1's epilogue)
         def launch(self, grid_x, stream, *values, **named):
             calls.append((self.digest, grid_x))
         def prepare(self, variables, **constants):

@@ -19,6 +19,7 @@ from cutlass.cutlass_dsl import Int32, Int64
 from cuteaot.runtime.kernels.activation import VECTOR, ActivationSpec
 from cuteaot.runtime.types import Activation
 
+from .. import intrinsics as I
 from .common import cutlass_dtype, fake_arguments
 
 THREADS = 256
@@ -51,7 +52,10 @@ class ActivationKernel:
             arg = cutlass.Float32(self.spec.swiglu_alpha) * g
             u = u + cutlass.Float32(self.spec.swiglu_beta)
         e = cute.math.exp(-arg, fastmath=self.spec.fast_math)
-        s = g / (cutlass.Float32(1.0) + e)
+        if cutlass.const_expr(self.spec.fast_math):  # (the FC1 epilogue computes this once per output)
+            s = I.div_approx_f32(g, cutlass.Float32(1.0) + e)
+        else:
+            s = g / (cutlass.Float32(1.0) + e)
         if cutlass.const_expr(not self.oai):
             # the seed rounds silu(g) and up to the element type before the product
             s = s.to(self.elem).to(cutlass.Float32)

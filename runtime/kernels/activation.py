@@ -9,8 +9,12 @@
     relu2:      out = max(x, 0) ** 2
 
 All arithmetic is float32; silu rounds silu(g) and u to the element type before
-the product (as the seed does), swigluoai rounds once.  Rows are a runtime
-argument, so one kernel serves every token count.
+the product (as the seed does), swigluoai rounds once.  fast_math (the default)
+takes the approximate exp and division (ex2.approx, div.approx: a few ulp of
+float32 before the rounding to the element type).  Rows are a runtime argument,
+so one kernel serves every token count.  The same math runs in FC1's gated
+epilogue where the layer's GEMMs are separate launches (GemmSpec epilogue silu /
+swigluoai).
 """
 
 from __future__ import annotations

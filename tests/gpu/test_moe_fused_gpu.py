@@ -29,6 +29,7 @@ PROBLEMS = {
     "swigluoai": (736, 352, 8, 2, "swigluoai", "bf16"),
     "relu2": (512, 384, 8, 3, "relu2", "bf16"),
     "relu2-bias-fp16": (512, 384, 8, 3, "relu2", "fp16"),  # built with biases only
+    "swigluoai-whole": (512, 384, 8, 2, "swigluoai", "bf16"),  # whole gate | up slabs; biases only
 }
 # the NF3 problems (weights: nf3; swigluoai with biases and logical tails)
 NF3_PROBLEMS = {"silu": (512, 256, 16, 4), "swigluoai": (736, 352, 8, 2), "relu2": (512, 384, 8, 3)}
@@ -303,6 +304,38 @@ def test_biases_in_both_epilogues(bundle, check, name):
         path = "decode" if launch.direct else ("split" if launch.split else "packed")
         check(out, ref, f"{name} + bias M={m} ({path})", f"{name}+bias")
     assert_clean(layer.workspace())
+
+
+@pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole"])
+def test_gated_fc1_epilogue(bundle, check, name):
+    """Where the layer runs as two wgmma GEMMs, FC1's epilogue applies the activation to the gate and up
+    halves of its tile (bias and, with router_weight_on_input, the router weight first): no activation
+    launch.  Uniform and skewed routing (most routes on two experts)."""
+    model = Model(name, seed=zlib.crc32(name.encode()) + 5)
+    b13 = b2 = None
+    w13, w2 = model.w13, model.w2
+    if name == "swigluoai-whole":  # built with biases only
+        b13, b2 = _biases(model, model.w13.n)
+        w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
+        w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
+    on_input_variants = (False, True) if name == "silu-bf16" else (False,)
+    for on_input in on_input_variants:
+        layer = MoeLayer(bundle, w13, w2, top_k=model.top_k, activation=model.activation,
+                         router_weight_on_input=on_input)
+        for m, skewed in ((512, False), (1000, True), (4096, False)):
+            r = layer.resolve(m)
+            assert r.launch.split and r.kernels["fc1"].spec.epilogue.value == model.activation, r.describe()
+            x, w, ids = model.inputs(m)
+            if skewed:  # 80 % of the tokens put experts 0 and 1 first
+                logits = torch.rand(m, model.e, generator=model.g)
+                logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=model.g) < 0.8)
+                ids = logits.topk(model.top_k, dim=1).indices.to(torch.int32).cuda()
+            out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+            ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
+                                      on_input=on_input, **model.ref_kw)
+            check(out, ref, f"{name} gated FC1 M={m} on_input={on_input} skewed={skewed} ({r.describe()})",
+                  f"{name} gated FC1")
+        assert_clean(layer.workspace())
 
 
 def test_bias_of_one_projection_only(bundle, check):

@@ -90,6 +90,32 @@ class EpilogueMixin:
                 I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
 
     @cute.jit
+    def _store_gated_chunk(self, ops, smem: Int32, row: Int32, col: Int32, valid_rows: Int32, gate_at: Int32,
+                           up_at: Int32, bias_row: Int64):
+        """Gated epilogue: output chunk `col` (8 columns of N / 2) of block row `row` from the staged gate
+        and up chunks, each finished as an ordinary output (bias, router weight), then activated."""
+        s = self.s
+        if row < valid_rows:
+            route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
+            gate = self._finish_chunk(smem, row, I.ld_shared_v4_u32(gate_at), bias_row + Int64(col) * Int64(16))
+            up = self._finish_chunk(smem, row, I.ld_shared_v4_u32(up_at),
+                                    bias_row + Int64(col + Int32(s.out_width // 8)) * Int64(16))
+            q = [self._activate_pair(gate[i], up[i]) for i in range(4)]
+            out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
+            I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q[0], q[1], q[2], q[3])
+
+    @cute.jit
+    def _activate_pair(self, gate: Uint32, up: Uint32) -> Uint32:
+        """act(gate, up) of two dtype pairs, in float32 as the activation kernel computes it."""
+        if cutlass.const_expr(self.is_fp16):
+            g0, g1 = I.f16x2_to_f32x2(gate)
+            u0, u1 = I.f16x2_to_f32x2(up)
+        else:
+            g0, g1 = I.bf16x2_to_f32x2(gate)
+            u0, u1 = I.bf16x2_to_f32x2(up)
+        return self._pack_pair(self.act._silu_times_up(g0, u0), self.act._silu_times_up(g1, u1))
+
+    @cute.jit
     def _finish_chunk(self, smem: Int32, row: Int32, q, bias_chunk: Int64):
         """One staged 16-byte output chunk of block row `row`: + the expert's bias, x its router weight, relu2."""
         s = self.s

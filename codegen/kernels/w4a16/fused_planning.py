@@ -31,6 +31,7 @@ from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.types import WeightFormat
+from cuteaot.runtime.weights import stored_dims
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     BARRIER_WORDS,
@@ -323,6 +324,12 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile))
 
 
+# Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the
+# activation (gate and up columns of one output in one tile: GemmSpec's gated epilogues) instead of a
+# separate activation kernel, unless N is zero-padded (no whole gate | up slabs).
+GATED_FC1_EPILOGUE = True
+
+
 @dataclass(frozen=True)
 class GemmPhase:
     """One GEMM launch of a layer run as two: its plan and the kernel it selects."""
@@ -351,10 +358,17 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
         return None
-    relu2 = not facts.activation.is_gated
     on_input = facts.router_weight_on_input
+    if not facts.gated:
+        fc1_epilogue, activation = "relu2", {}
+    elif GATED_FC1_EPILOGUE and stored_dims(fc1_n, facts.hidden_size)[0] == fc1_n:
+        fc1_epilogue = facts.activation.value  # FC1 writes the activation (gate and up in one tile)
+        activation = dict(fast_math=facts.fast_math, swiglu_alpha=facts.swiglu_alpha, swiglu_beta=facts.swiglu_beta,
+                          swiglu_limit=facts.swiglu_limit)
+    else:
+        fc1_epilogue, activation = "none", {}  # the activation kernel runs between the GEMMs
     s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
-                       mul_topk_weights=on_input, epilogue="relu2" if relu2 else "none", bias=facts.bias)
+                       mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **activation)
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
                        mul_topk_weights=not on_input, epilogue="none", bias=facts.bias)
     return GemmPhase(p1, s1), GemmPhase(p2, s2)

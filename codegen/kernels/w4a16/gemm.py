@@ -30,6 +30,7 @@ from cuteaot.runtime.nf3 import SLAB_ROW_WORDS, X2_BASE
 from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
+from ..activation import ActivationKernel
 from .epilogue import EpilogueMixin
 from .mainloop import MainloopMixin
 
@@ -57,6 +58,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         self.is_fp16 = spec.dtype is DType.FP16
         self.m8 = spec.moe_block_size == 8
         self.relu2 = spec.epilogue is Epilogue.RELU2
+        # gated epilogue (wgmma loop): the activation kernel's own math on the tile's gate and up halves
+        self.act = ActivationKernel(spec.activation_spec) if spec.epilogue.is_gated else None
         self.direct = spec.routes is Routes.DIRECT
         self.nf3 = spec.nf3
         self.scale_group = ScaleFormat(spec.scale_format).group_size
@@ -262,7 +265,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     @cute.jit
     def _bias_row(self, ops, expert: Int32) -> Int64:
         """Address of the expert's bias row (its 16-byte chunk c at + 16 c); unused without bias."""
-        return ops.bias + Int64(expert) * Int64(self.s.out_width * 2)
+        return ops.bias + Int64(expert) * Int64(self.s.bias_width * 2)
 
     # ------------------------------------------------------------------ one tile
 

@@ -532,10 +532,11 @@ def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
                   mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
-                  scale_format: str = "e4m3_k16", bias: bool = False) -> GemmSpec:
+                  scale_format: str = "e4m3_k16", bias: bool = False, **activation) -> GemmSpec:
     """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
 
-    The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.
+    The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.  `activation`:
+    a gated epilogue's fast_math and swiglu_* (GemmSpec).
     """
     n_stored, k_stored = stored_dims(n, k)
     return GemmSpec(
@@ -557,4 +558,5 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         scale_format=scale_format,
         mainloop=Mainloop(plan.mainloop),
         bias=bias,
+        **activation,
     )

@@ -37,6 +37,10 @@ are refilled with cp.async as in the mma.sync loop; shared data written by
 cp.async is published to wgmma's async proxy with `fence.proxy.async` before the
 barrier that precedes its use.
 
+Gated FC1 (`Epilogue.SILU` / `SWIGLUOAI`): the first half of a tile's 64-column slabs is copied
+from the gate half of W13 and the second from the up half (`_source_slab`), so the staged output
+tile holds gate and up of the same tile_n / 2 columns and the store writes their activation.
+
 128-row blocks carry one main loop per row variant (N = 32, 64, 96, 128 tokens):
 a tile runs the narrowest that covers its block's valid rows (ROW_STEP below), so
 an expert's part-filled last block does not pay MMAs for its padding rows.
@@ -102,16 +106,21 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         t.x_chunk = chunk
         # weights: a 16-k row of the tile is tile_n / 2 int4; 128 threads copy 128 / (tile_n / 2)
         # rows per pass
+        # (a 64-column slab of a 16-k row: 32 weight int4, 4 scale int4; _source_slab says which)
         per_row = s.tile_n // 2
-        t.w_src = ops.qweight + (Int64(s.n * s.k // 32) * Int64(expert) + Int64(per_row) * Int64(n_tile)
-                                 + Int64(tid // Int32(per_row)) * Int64(s.n // 2) + Int64(tid % Int32(per_row))
+        w_col = tid % Int32(per_row)
+        t.w_src = ops.qweight + (Int64(s.n * s.k // 32) * Int64(expert)
+                                 + Int64(tid // Int32(per_row)) * Int64(s.n // 2)
+                                 + Int64(self._source_slab(n_tile, w_col // Int32(32)) * Int32(32) + w_col % Int32(32))
                                  ) * Int64(16)
         t.w_dst = t.w_base + tid * Int32(16)
         # scales: tile_n / 16 int4 per 16-k row, one per thread of the first s_sh_stage threads
         t.s_ok = tid < Int32(s.s_sh_stage)
+        s_col = tid % Int32(s.s_sh_stride)
         t.s_src = ops.scales + (Int64(s.n * s.k // 256) * Int64(expert)
                                 + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
-                                + Int64(Int32(s.s_sh_stride) * n_tile + tid % Int32(s.s_sh_stride))) * Int64(16)
+                                + Int64(self._source_slab(n_tile, s_col // Int32(4)) * Int32(4) + s_col % Int32(4))
+                                ) * Int64(16)
         t.s_dst = t.s_base + tid * Int32(16)
         # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`:
         # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes
@@ -125,6 +134,15 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
         t.desc = I.wgmma_desc_sw128(t.x_base)
         return t
+
+    @cute.jit
+    def _source_slab(self, n_tile: Int32, slab: Int32) -> Int32:
+        """The weight slab (64 columns) that slab `slab` of tile `n_tile` holds: the tile's own, or for a
+        gated epilogue, the tile's first half from the gate half of W13 and its second from the up half."""
+        if cutlass.const_expr(self.s.epilogue.is_gated):
+            half = self.nw // 2
+            return n_tile * Int32(half) + slab % Int32(half) + (slab // Int32(half)) * Int32(self.s.n // 128)
+        return n_tile * Int32(self.nw) + slab
 
     # ------------------------------------------------------------------ staging
 
@@ -341,12 +359,17 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 I.stmatrix_x4_trans(at0 + Int32(8 * i) * row_bytes + Int32(16 * jj * 2), q[0], q[1], q[2], q[3])
         cute.arch.sync_threads()
 
-        chunks = s.tile_n // 8  # 16-byte chunks per row
+        # 16-byte output chunks per row: the tile's, or with a gated epilogue one per gate / up pair
+        chunks = s.tile_n // 16 if cutlass.const_expr(s.epilogue.is_gated) else s.tile_n // 8
         col = tid % Int32(chunks)
         for it in cutlass.range_constexpr(s.moe_block_size * chunks // s.threads):
             row = tid // Int32(chunks) + Int32(it * s.threads // chunks)
-            self._store_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows,
-                              t.base + row * row_bytes + col * Int32(16), bias_row)
+            staged = t.base + row * row_bytes + col * Int32(16)
+            if cutlass.const_expr(s.epilogue.is_gated):
+                self._store_gated_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows, staged,
+                                        staged + Int32(chunks * 16), bias_row)
+            else:
+                self._store_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows, staged, bias_row)
         cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ one tile

@@ -39,7 +39,8 @@ from .geometry import (
     wgmma_stage_parts,
 )
 from ...nf3 import NF3_BLOCK_K, NF3_COLUMN_BYTES
-from ...types import DType
+from ...types import Activation, DType
+from ..activation import ActivationSpec
 
 # (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it) and NF3
 WEIGHT_FORMATS = (("packed", "e4m3_k16"), ("nf3", "e4m3_k32"))
@@ -68,6 +69,16 @@ class Mainloop(str, Enum):
 class Epilogue(str, Enum):
     NONE = "none"
     RELU2 = "relu2"  # out = relu(x)**2, for non-gated FC1
+    # Gated FC1 (wgmma loop only): a tile computes the gate and the up columns of the same tile_n / 2
+    # outputs (the first half of its weight slabs from the gate half of W13, the second from the up
+    # half) and writes the activation of the pair, so out is (routes, N / 2): the activation kernel
+    # between the GEMMs, and the round trip of the (routes, N) product through HBM, go away.
+    SILU = "silu"
+    SWIGLUOAI = "swigluoai"
+
+    @property
+    def is_gated(self) -> bool:
+        return self in (Epilogue.SILU, Epilogue.SWIGLUOAI)
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,14 @@ class GemmSpec(SpecKey):
     # Per-expert bias (gpt-oss): bias[e, :n_out] added to each output row before the router weight
     # and relu2, in float32 on the rounded product (one extra rounding to dtype).
     bias: bool = False
+    # The gated epilogue's activation parameters (ActivationSpec's); None for the other epilogues.
+    fast_math: bool | None = None
+    swiglu_alpha: float | None = None
+    swiglu_beta: float | None = None
+    swiglu_limit: float | None = None
+
+    # added after keys existed: left out of the key while None, so those keys keep their digests
+    KEY_OMITS_NONE = frozenset({"fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -178,7 +197,34 @@ class GemmSpec(SpecKey):
                     f"{self.tile_n}x{self.tile_k}, routes {self.routes.value}, sum_topk {self.sum_topk}"
                 )
 
+        act_facts = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
+        if self.epilogue.is_gated:
+            if self.mainloop is not Mainloop.WGMMA or self.n_out is not None or self.n % 128 or self.nf3:
+                raise BadInputError(
+                    f"epilogue={self.epilogue.value} (gated) needs the wgmma loop, packed NVFP4 weights and an "
+                    f"unpadded N (gate | up halves of whole 64-column slabs); got mainloop {self.mainloop.value}, "
+                    f"layout {self.layout}, N={self.n}, n_out={self.n_out}"
+                )
+            if not isinstance(self.fast_math, bool):
+                raise BadInputError(f"epilogue={self.epilogue.value} needs fast_math True or False, got {self.fast_math!r}")
+            self.activation_spec  # validates the swiglu parameters
+        elif act_facts != (None, None, None, None):
+            raise BadInputError(f"fast_math and swiglu_* belong to the gated epilogues, not {self.epilogue.value}")
+
     # --------------------------------------------------------------- geometry
+
+    @property
+    def activation_spec(self) -> ActivationSpec:
+        """The activation a gated epilogue applies (the activation kernel's spec, same math)."""
+        assert self.epilogue.is_gated, self.epilogue
+        spec = ActivationSpec(Activation(self.epilogue.value), self.dtype, self.n // 2, self.fast_math,
+                              self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
+        if spec != ActivationSpec.create(spec.activation, self.dtype, spec.intermediate_size, fast_math=self.fast_math,
+                                         swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
+                                         swiglu_limit=self.swiglu_limit):
+            raise BadInputError(f"epilogue={self.epilogue.value}: give the swiglu parameters ActivationSpec.create "
+                                f"fills (swigluoai: alpha, beta, limit), got {spec}")
+        return spec
 
     @property
     def tile(self) -> TileConfig:
@@ -203,7 +249,12 @@ class GemmSpec(SpecKey):
 
     @property
     def out_width(self) -> int:
-        """Elements per output row (the logical N)."""
+        """Elements per output row: the logical N, or N / 2 after a gated epilogue."""
+        return self.bias_width // 2 if self.epilogue.is_gated else self.bias_width
+
+    @property
+    def bias_width(self) -> int:
+        """Elements per bias row: the logical N."""
         return self.n if self.n_out is None else self.n_out
 
     @property
