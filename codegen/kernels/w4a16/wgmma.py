@@ -30,9 +30,10 @@ row of bf16 activations).  Example tile_n = 256:
 
 With tile_n = 128 two warps share a 64-column group, each taking two of its four
 16-row blocks (an 8-byte load).  The nw wgmma of a 16-k row are one commit
-group.  After issuing row kk's group a thread waits for row kk-1's (so at most
-two are in flight) and decodes row kk+1 while row kk runs on the tensor cores;
-after a stage's last row it drains (see the comment in `_wg_mainloop`).  Stages
+group.  After issuing row kk's group a thread waits until at most GROUPS_IN_FLIGHT
+groups run (rows kk-1 and kk), decodes row kk+1 from the words it loaded from shared
+memory one row earlier, and loads row kk+2's; at the end of a cycle of stages it drains
+(see the comment in `_wg_mainloop`).  Stages
 are refilled with cp.async as in the mma.sync loop; shared data written by
 cp.async is published to wgmma's async proxy with `fence.proxy.async` before the
 barrier that precedes its use.
@@ -69,6 +70,9 @@ _K16_BYTES = 32  # descriptor advance per 16 k inside a swizzle row
 # 64-row blocks keep one loop.
 ROW_STEP = 32
 ROW_VARIANT_BLOCKS = (WGMMA_TALL_BLOCK,)
+# wgmma groups (16-k rows) left running while the next row's fragments decode: 1 holds two
+# fragment sets in registers, 2 three (more time for the decode to hide behind the tensor cores).
+GROUPS_IN_FLIGHT = 2
 
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
@@ -176,8 +180,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     # ------------------------------------------------------------------ fragments
 
     @cute.jit
-    def _wg_fragments(self, frag: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
-        """Decode and scale this thread's nw A fragments of 16-k row `kk` of stage `pipe`."""
+    def _wg_words(self, words: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
+        """Load this thread's packed weight words (nw) and raw scale words of 16-k row `kk` of stage `pipe`."""
         s = self.s
         w_at = t.w_rd + Int32(pipe * s.wg_w_stage_bytes + kk * s.tile_n * 8)
         s_at = t.s_rd + Int32(pipe * s.wg_s_stage_bytes + kk * s.tile_n)
@@ -188,14 +192,32 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             q = I.ld_shared_v2_u32(w_at)
             p = (I.ld_shared_u32(s_at),)
         for j in cutlass.range_constexpr(self.nw):
-            c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q[j])
-            s_c0 = self._scale_pair(p[j // 2], j % 2)  # (scale pairs: rows g, g + 8)
-            s_c1 = self._scale_pair(p[j // 2], j % 2 + 2)
+            words[j] = q[j]
+        for j in cutlass.range_constexpr(len(p)):
+            words[self.nw + j] = p[j]
+
+    @cute.jit
+    def _wg_decode(self, frag: cute.Tensor, words: cute.Tensor):
+        """Decode and scale the loaded words into this thread's nw A fragments."""
+        for j in cutlass.range_constexpr(self.nw):
+            c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(words[j])
+            scales = words[self.nw + j // 2]
+            s_c0 = self._scale_pair(scales, j % 2)  # (scale pairs: rows g, g + 8)
+            s_c1 = self._scale_pair(scales, j % 2 + 2)
             # m16n8k16 A order: (row g, k lo), (row g + 8, k lo), (row g, k hi), (row g + 8, k hi)
             frag[j, 0] = self._pair_mul(c0_b0, s_c0)
             frag[j, 1] = self._pair_mul(c1_b0, s_c1)
             frag[j, 2] = self._pair_mul(c0_b1, s_c0)
             frag[j, 3] = self._pair_mul(c1_b1, s_c1)
+
+    @cute.jit
+    def _wg_tile_start(self, frag: cute.Tensor, words: cute.Tensor, t, pipe: cutlass.Constexpr[int]):
+        """At a k-tile's start (its stage just published): row 0's fragments, and row 1's words loaded
+        ahead (rows 1.. decode from words loaded one row earlier: the shared-load latency hides
+        behind the running MMAs)."""
+        self._wg_words(words, t, pipe, 0)
+        self._wg_decode(frag, words)
+        self._wg_words(words, t, pipe, 1)
 
     @cute.jit
     def _wg_mma(self, acc: cute.Tensor, frag: cute.Tensor, t, pipe: cutlass.Constexpr[int],
@@ -219,31 +241,37 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     # ------------------------------------------------------------------ the loop
 
     @cute.jit
-    def _wg_k_tile(self, ops, t, acc: cute.Tensor, frag: cute.Tensor, pipe: cutlass.Constexpr[int], tile_idx: Int32,
+    def _wg_k_tile(self, ops, t, acc: cute.Tensor, frag: cute.Tensor, words: cute.Tensor, pipe: cutlass.Constexpr[int],
+                   tile_idx: Int32,
                    k_tiles: Int32, k_start: Int32, drain: cutlass.Constexpr[bool], rows: cutlass.Constexpr[int]):
         """The 16-k rows of k-tile `tile_idx` (in stage `pipe`); with `drain`, no group is left running."""
         s = self.s
+        assert GROUPS_IN_FLIGHT < s.k_blocks
         for kk in cutlass.range_constexpr(s.k_blocks):
             self._wg_mma(acc, frag, t, pipe, kk, rows)
             last = kk + 1 == s.k_blocks
             # the previous row's group is done: its A registers are free for the next decode,
             # and after row 0 so is the previous tile's stage
-            I.wgmma_wait_group(0 if last and drain else 1)
-            if cutlass.const_expr(kk == 0):
+            I.wgmma_wait_group(0 if last and drain else GROUPS_IN_FLIGHT)
+            # once the previous tile's last row is done (GROUPS_IN_FLIGHT rows into this one) its
+            # stage may be refilled
+            if cutlass.const_expr(kk == GROUPS_IN_FLIGHT - 1):
                 fetch = tile_idx + Int32(s.stages - 1)
                 if fetch < k_tiles:
                     self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch, rows)
                 else:
                     cute.arch.cp_async_commit_group()
             if cutlass.const_expr(not last):
-                self._wg_fragments(frag, t, pipe, kk + 1)
+                self._wg_decode(frag, words)  # row kk + 1, loaded a row ago
+                if cutlass.const_expr(kk + 2 < s.k_blocks):
+                    self._wg_words(words, t, pipe, kk + 2)
             else:
                 self._wg_publish(s.stages - 2)
                 if cutlass.const_expr(drain):
                     if tile_idx + Int32(1) < k_tiles:
-                        self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
+                        self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
                 else:
-                    self._wg_fragments(frag, t, (pipe + 1) % s.stages, 0)
+                    self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
 
     @cute.jit
     def _wg_mainloop(self, ops, t, acc: cute.Tensor, k_start: Int32, k_tiles: Int32, rows: cutlass.Constexpr[int]):
@@ -263,16 +291,17 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 cute.arch.cp_async_commit_group()
         self._wg_publish(s.stages - 2)
         frag = cute.make_rmem_tensor((self.nw, 4), Uint32)
-        self._wg_fragments(frag, t, 0, 0)
+        words = cute.make_rmem_tensor((self.nw + max(self.nw // 2, 1),), Uint32)  # a row's weight + scale words
+        self._wg_tile_start(frag, words, t, 0)
         tile_idx = Int32(0)
         while tile_idx + Int32(s.stages) <= k_tiles:
             for pipe in cutlass.range_constexpr(s.stages):
-                self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx + Int32(pipe), k_tiles, k_start,
+                self._wg_k_tile(ops, t, acc, frag, words, pipe, tile_idx + Int32(pipe), k_tiles, k_start,
                                 pipe == s.stages - 1, rows)
             tile_idx += Int32(s.stages)
         for pipe in cutlass.range_constexpr(s.stages - 1):
             if tile_idx < k_tiles:
-                self._wg_k_tile(ops, t, acc, frag, pipe, tile_idx, k_tiles, k_start, True, rows)
+                self._wg_k_tile(ops, t, acc, frag, words, pipe, tile_idx, k_tiles, k_start, True, rows)
                 tile_idx += Int32(1)
         pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(rows // 2)])
         for jj in cutlass.range_constexpr(self.nw):
