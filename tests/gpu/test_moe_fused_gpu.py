@@ -29,7 +29,7 @@ PROBLEMS = {
     "swigluoai": (736, 352, 8, 2, "swigluoai", "bf16"),
     "relu2": (512, 384, 8, 3, "relu2", "bf16"),
     "relu2-bias-fp16": (512, 384, 8, 3, "relu2", "fp16"),  # built with biases only
-    "swigluoai-whole": (512, 384, 8, 2, "swigluoai", "bf16"),  # whole gate | up slabs; biases only
+    "swigluoai-whole-bias": (512, 384, 8, 2, "swigluoai", "bf16"),  # whole gate | up slabs; biases only
 }
 # the NF3 problems (weights: nf3; swigluoai with biases and logical tails)
 NF3_PROBLEMS = {"silu": (512, 256, 16, 4), "swigluoai": (736, 352, 8, 2), "relu2": (512, 384, 8, 3)}
@@ -306,7 +306,7 @@ def test_biases_in_both_epilogues(bundle, check, name):
     assert_clean(layer.workspace())
 
 
-@pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole"])
+@pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole-bias"])
 def test_gated_fc1_epilogue(bundle, check, name):
     """Where the layer runs as two wgmma GEMMs, FC1's epilogue applies the activation to the gate and up
     halves of its tile (bias and, with router_weight_on_input, the router weight first): no activation
@@ -314,7 +314,7 @@ def test_gated_fc1_epilogue(bundle, check, name):
     model = Model(name, seed=zlib.crc32(name.encode()) + 5)
     b13 = b2 = None
     w13, w2 = model.w13, model.w2
-    if name == "swigluoai-whole":  # built with biases only
+    if name == "swigluoai-whole-bias":  # built with biases only
         b13, b2 = _biases(model, model.w13.n)
         w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
         w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
