@@ -37,14 +37,17 @@ class EpilogueMixin:
             I.red_add_bf16x2(addr, v)
 
     @cute.jit
+    def _unpack_pair(self, x: Uint32):
+        """A dtype pair as two floats (exact)."""
+        if cutlass.const_expr(self.is_fp16):
+            return I.f16x2_to_f32x2(x)
+        return I.bf16x2_to_f32x2(x)
+
+    @cute.jit
     def _pair_add(self, x: Uint32, y: Uint32) -> Uint32:
         """Two dtype pairs added in float32 (one rounding back to dtype)."""
-        if cutlass.const_expr(self.is_fp16):
-            x0, x1 = I.f16x2_to_f32x2(x)
-            y0, y1 = I.f16x2_to_f32x2(y)
-        else:
-            x0, x1 = I.bf16x2_to_f32x2(x)
-            y0, y1 = I.bf16x2_to_f32x2(y)
+        x0, x1 = self._unpack_pair(x)
+        y0, y1 = self._unpack_pair(y)
         return self._pack_pair(x0 + y0, x1 + y1)
 
     @cute.jit
@@ -56,10 +59,7 @@ class EpilogueMixin:
 
     @cute.jit
     def _relu2_pair(self, x: Uint32) -> Uint32:
-        if cutlass.const_expr(self.is_fp16):
-            x0, x1 = I.f16x2_to_f32x2(x)
-        else:
-            x0, x1 = I.bf16x2_to_f32x2(x)
+        x0, x1 = self._unpack_pair(x)
         x0 = cute.arch.fmax(x0, cutlass.Float32(0.0))
         x1 = cute.arch.fmax(x1, cutlass.Float32(0.0))
         return self._pack_pair(x0 * x0, x1 * x1)
@@ -107,12 +107,8 @@ class EpilogueMixin:
     @cute.jit
     def _activate_pair(self, gate: Uint32, up: Uint32) -> Uint32:
         """act(gate, up) of two dtype pairs, in float32 as the activation kernel computes it."""
-        if cutlass.const_expr(self.is_fp16):
-            g0, g1 = I.f16x2_to_f32x2(gate)
-            u0, u1 = I.f16x2_to_f32x2(up)
-        else:
-            g0, g1 = I.bf16x2_to_f32x2(gate)
-            u0, u1 = I.bf16x2_to_f32x2(up)
+        g0, g1 = self._unpack_pair(gate)
+        u0, u1 = self._unpack_pair(up)
         return self._pack_pair(self.act._silu_times_up(g0, u0), self.act._silu_times_up(g1, u1))
 
     @cute.jit
