@@ -156,6 +156,7 @@ def test_wgmma_gemm_kernel_compiles():
     """The sm_90a large-M loop: register-A wgmma for every row variant, async-proxy fence, no spills."""
     from cuteaot.codegen.compile import compile_kernel
     from cuteaot.codegen.kernels.w4a16.device import build_gemm
+    from cuteaot.codegen.kernels.w4a16.wgmma import GROUPS_IN_FLIGHT
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     for dtype, kind, block, tile_n, per_sm in (("bf16", "bf16", 64, 256, 2), ("fp16", "f16", 64, 128, 3),
@@ -175,7 +176,7 @@ def test_wgmma_gemm_kernel_compiles():
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}" in ptx, n
         assert f"m64n{block + 32}k16" not in ptx
         for instruction in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
-                            "wgmma.wait_group.sync.aligned 1", "fence.proxy.async.shared::cta"):
+                            f"wgmma.wait_group.sync.aligned {GROUPS_IN_FLIGHT}", "fence.proxy.async.shared::cta"):
             assert instruction in ptx
 
 
