@@ -35,6 +35,7 @@ import torch
 from .bundle import Bundle, PreparedLaunch, RecordedLaunch, current_stream_handle, recording_launches
 from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
+from .kernels.w4a16.gemm_spec import Epilogue
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
     MAX_EXPERTS, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements,
@@ -112,9 +113,14 @@ class Resolved:
     launch: Launch  # grid, route handling and kernels the build chose for this M
     kernels: Mapping[str, PersistentLaunch]
     decode: bool = dataclasses.field(init=False)  # direct routes, top-k sum folded into FC2 (small M)
+    # two launches whose FC1 writes the gate | up product, not the activation (its epilogue is plain:
+    # 2I zero-padded, or no gated epilogue on the target), so the activation kernel runs between them
+    activation_launch: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode", self.launch.direct)  # read several times per call
+        object.__setattr__(self, "activation_launch",
+                           self.launch.split and self.kernels["fc1"].spec.epilogue is Epilogue.NONE)
 
     def describe(self) -> str:
         launch = self.launch
@@ -430,21 +436,19 @@ class MoeLayer:
         (zero-padded N, other archs) its own launch between them."""
         m = x.shape[0]
         routes, on_input = m * self.top_k, self.facts.router_weight_on_input
-        # relu2 and the gated epilogues: FC1 writes the activation itself
-        activation_launch = self.activation.is_gated and not r.kernels["fc1"].spec.epilogue.is_gated
         routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
                        route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
                        locks=ws.split_k_locks.data_ptr(),
                        num_experts=self.num_experts)
         weight = topk_weights.data_ptr()
-        fc1_out = ws.fc13 if activation_launch else ws.activated
+        fc1_out = ws.fc13 if r.activation_launch else ws.activated  # relu2, gated epilogues: the activation
         r.kernels["fc1"].kernel.launch(
             r.launch.grid("fc1"), stream, a=x.data_ptr(), qweight=self.w13.qweight.data_ptr(),
             out=fc1_out.data_ptr(), scales=self.w13.scales.data_ptr(), global_scale=self.w13.global_scale.data_ptr(),
             topk_weights=weight if on_input else ws.c_tmp.data_ptr(), bias=self._bias13_ptr,
             tokens=m, **routing,
         )
-        if activation_launch:
+        if r.activation_launch:
             f = self.facts
             moe_activation(self.bundle, ws.fc13[: routes * self.fc1_width].view(routes, self.fc1_width),
                            ws.activated[: routes * self.intermediate_size].view(routes, self.intermediate_size),

@@ -19,7 +19,8 @@ from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.bundle import PreparedLaunch
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec
+from cuteaot.runtime.kernels import FAMILIES
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 from cuteaot.runtime.plans import BundlePlans
 from cuteaot.runtime.resolution import Entry, ResolutionTable
 from cuteaot.runtime.workspace import WorkspacePool
@@ -28,16 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @functools.lru_cache(maxsize=None)
-def _entries(spec_path: str) -> tuple[Entry, ...]:
-    return tuple(plan_bundle(load_spec(spec_path)).entries)
+def _planned(spec_path: str) -> tuple[tuple[Entry, ...], dict]:
+    """The spec's table entries, and the spec of every kernel they name by digest."""
+    planned = plan_bundle(load_spec(spec_path))
+    specs = {key.digest: FAMILIES[key.family].from_facts(key.facts) for keys in planned.keys.values() for key in keys}
+    return tuple(planned.entries), specs
 
 
 def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", profile: str = "h200"):
     """A bundle-shaped namespace whose resolution table is the spec's, planned for `profile`."""
     cpu = torch.device("cpu")
-    table = ResolutionTable(list(_entries(str(spec_path))), profile, "stub")
+    entries, specs = _planned(str(spec_path))
+    table = ResolutionTable(list(entries), profile, "stub")
     return types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES[profile], resolution=table,
-                                 plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub")
+                                 plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub",
+                                 specs=specs)
 
 
 class StubLaunch:
@@ -48,8 +54,7 @@ class StubLaunch:
 
     def __init__(self, bundle, digest: str):
         self.digest, self.kernel = digest, self
-        # the split path asks FC1's epilogue whether the activation kernel runs: here it always does
-        self.spec = types.SimpleNamespace(epilogue=Epilogue.NONE)
+        self.spec = None if bundle is None else bundle.specs[digest]  # as the bundle's record would give it
 
     def launch(self, grid_x, stream, /, **values):
         (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)

@@ -92,7 +92,7 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     sys.meta_path.insert(0, Blocked())
     import cuteaot.runtime.moe as moe
     from cuteaot.runtime.devices import PROFILES
-    from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue
+    from cuteaot.runtime.kernels import FAMILIES
     from cuteaot.runtime.resolution import ResolutionTable
     from cuteaot.runtime.weights import pack_nvfp4
     from cuteaot.runtime.workspace import WorkspacePool
@@ -107,7 +107,8 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
     class Launch:
         def __init__(self, bundle, digest):
             self.digest, self.kernel = digest, self
-            self.spec = types.SimpleNamespace(epilogue=Epilogue.NONE)  # (the split path asks FC1's epilogue)
+            family, facts = manifest["specs"][digest]  # what the bundle's kernel record would give
+            self.spec = FAMILIES[family].from_facts(facts)
         def launch(self, grid_x, stream, *values, **named):
             calls.append((self.digest, grid_x))
         def prepare(self, variables, **constants):
@@ -122,7 +123,7 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
             return self.outputs
 
     moe.PreparedRoutePack = moe.PreparedTopkSum = Step
-    moe.moe_activation = lambda *a, **k: None
+    moe.moe_activation = lambda *a, **k: calls.append(("activation", None))
     w = lambda n, k: pack_nvfp4(torch.zeros(16, n, k // 2, dtype=torch.uint8),
                                 torch.ones(16, n, k // 16).to(torch.float8_e4m3fn), torch.ones(16), "bf16")
     layer = moe.MoeLayer(bundle, w(512, 512), w(512, 256), top_k=4)
@@ -139,7 +140,9 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
 
 
 def test_the_serving_path_runs_with_every_planner_blocked(tmp_path):
-    manifest = {"schema_version": SCHEMA_VERSION, "bundle": "t", "resolution": _table()}
+    planned = plan_bundle(load_spec(SPEC))
+    manifest = {"schema_version": SCHEMA_VERSION, "bundle": "t", "resolution": [e.to_json() for e in planned.entries],
+                "specs": {key.digest: [key.family, key.facts] for keys in planned.keys.values() for key in keys}}
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(manifest))
     proc = subprocess.run([sys.executable, "-c", _SERVE_WITHOUT_PLANNERS, str(path)], capture_output=True, text=True,
@@ -153,6 +156,7 @@ def test_the_serving_path_runs_with_every_planner_blocked(tmp_path):
                 for m in (1, 3, 64, 600, 4096)]
     assert result["served"] == expected
     assert not entry.launch(1).split and entry.launch(4096).split  # both kinds of launch were served
+    # (no activation launch: FC1's gated epilogue applies silu; the served list would show one)
 
 
 def test_a_schema_1_bundle_is_refused_with_a_rebuild_message(tmp_path):

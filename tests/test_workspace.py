@@ -121,14 +121,31 @@ def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
     launches = [c for c in stubbed if c[0] == "fused"]  # every kernel launch the stub recorded
     chunks = [min(layer.max_tokens, m - start) for start in range(0, m, layer.max_tokens)]
     assert len(launches) == sum(len(layer.resolve(c).launch.kernels) for c in chunks)
-    if m == 600:  # two GEMM launches with the activation kernel between them
-        assert layer.resolve(m).launch.split and ("activation", (m * TOP_K, 2 * I)) in stubbed
+    if m == 600:  # two GEMM launches; FC1's gated epilogue applies silu, no activation kernel between them
+        assert layer.resolve(m).launch.split and layer.resolve(m).kernels["fc1"].spec.epilogue.value == "silu"
+        assert not [c for c in stubbed if c[0] == "activation"]
     if m <= 2:  # decode: routes straight from the ids, narrowed into the workspace when int64
         ids_ptr = launches[0][2]["route_indices"]
         ws = layer.workspace()
         assert ids_ptr == (ids.data_ptr() if ids_dtype == torch.int32 else ws.ids32.data_ptr())
         if ids_dtype == torch.int64:
             assert torch.equal(ws.ids32[: m * TOP_K].view(m, TOP_K), ids.to(torch.int32))
+
+
+def test_zero_padded_gate_up_runs_the_activation_kernel_between_the_gemms(stubbed):
+    """tiny-fused-swigluoai: 2I = 704 is stored as 768, so FC1 has no whole gate | up slabs and writes the
+    (routes, 2I) product; the activation kernel turns it into FC2's input, inside the same call."""
+    h, i, e, top_k, m = 736, 352, 8, 2, 600
+    g = torch.Generator().manual_seed(3)
+    w13 = prepare_w13(*random_nvfp4(e, 2 * i, h, g), "bf16")
+    w2 = prepare_w2(*random_nvfp4(e, h, i, g), "bf16")
+    layer = moe.MoeLayer(stub_bundle(), w13, w2, top_k=top_k, activation="swigluoai")
+    r = layer.resolve(m)
+    assert r.launch.split and r.activation_launch and r.kernels["fc1"].spec.epilogue.value == "none"
+    x = torch.randn(m, h, generator=g).to(torch.bfloat16)
+    ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.to(torch.int32)
+    layer(x, torch.full((m, top_k), 0.5), ids, out=torch.empty(m, h, dtype=torch.bfloat16))
+    assert [c for c in stubbed if c[0] == "activation"] == [("activation", (m * top_k, 2 * i))]
 
 
 def test_prepared_fused_launch_passes_this_calls_pointers(stubbed):

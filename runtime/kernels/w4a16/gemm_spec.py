@@ -39,7 +39,7 @@ from .geometry import (
     wgmma_stage_parts,
 )
 from ...nf3 import NF3_BLOCK_K, NF3_COLUMN_BYTES
-from ...types import Activation, DType
+from ...types import DType
 from ..activation import ActivationSpec
 
 # (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it) and NF3
@@ -217,13 +217,13 @@ class GemmSpec(SpecKey):
     def activation_spec(self) -> ActivationSpec:
         """The activation a gated epilogue applies (the activation kernel's spec, same math)."""
         assert self.epilogue.is_gated, self.epilogue
-        spec = ActivationSpec(Activation(self.epilogue.value), self.dtype, self.n // 2, self.fast_math,
-                              self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
-        if spec != ActivationSpec.create(spec.activation, self.dtype, spec.intermediate_size, fast_math=self.fast_math,
-                                         swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
-                                         swiglu_limit=self.swiglu_limit):
+        given = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
+        spec = ActivationSpec.create(self.epilogue.value, self.dtype, self.n // 2, fast_math=self.fast_math,
+                                     swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta,
+                                     swiglu_limit=self.swiglu_limit)
+        if (spec.fast_math, spec.swiglu_alpha, spec.swiglu_beta, spec.swiglu_limit) != given:
             raise BadInputError(f"epilogue={self.epilogue.value}: give the swiglu parameters ActivationSpec.create "
-                                f"fills (swigluoai: alpha, beta, limit), got {spec}")
+                                f"fills (swigluoai: alpha, beta, limit), got {given[1:]}")
         return spec
 
     @property
