@@ -73,7 +73,7 @@ def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(t
     split = split_layer(512, QWEN3, H200)
     assert split is not None and split[0].plan.moe_block_size == split[1].plan.moe_block_size == 128
     assert split_layer(800, QWEN3, H200)[0].plan.moe_block_size == 64  # outside the range: the rule's block
-    assert split_layer(4096, QWEN3, H200)[0].plan.moe_block_size == 128  # the rule's own 128-row blocks
+    assert split_layer(2048, QWEN3, H200)[0].plan.moe_block_size == 128  # the rule's own 128-row blocks
 
 
 def test_planner_extends_the_decode_regime_where_the_table_says(table):

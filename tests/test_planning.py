@@ -249,9 +249,12 @@ QWEN_EXPECTED = {
     # GB10: (64,128) min(2, 101376//47360=2)=2; (128,64) min(2, 101376//71936=1)=1
     ("gb10", 512): (48, False, (64, 128), 2, 96),
     # m=4096: block 64 by the Marlin rule; H200 (sm_90a) runs the wgmma loop, and 32768 routes
-    # >= 128 * 128 experts fill 128-row blocks: 128x64 tile, 128 threads,
+    # >= 256 * 128 experts fill 256-row blocks: 128x64 tile, two warpgroups (256 threads),
+    # min(65536//(232*256)=1, 233472//(154640+1536)=1, 2048//256=8) = 1
+    ("h200", 4096): (256, False, (64, 128), 1, 132),
+    # m=2048: 16384 routes >= 128 * 128 fill 128-row blocks: one warpgroup,
     # min(65536//(232*128)=2, 233472//(87056+1536)=2, 2048//128=16) = 2
-    ("h200", 4096): (128, False, (64, 128), 2, 264),
+    ("h200", 2048): (128, False, (64, 128), 2, 264),
     # GB10: (64,256) 1, (64,128) min(2, 101376//56832=1)=1, (128,64) 1 -> first, (64,256)
     ("gb10", 4096): (64, False, (64, 256), 1, 48),
 }
@@ -276,7 +279,7 @@ def test_qwen3_plans(shape, profile_name, m):
     assert plan.lock_slots == grid_x
     assert plan.splitk_scratch_floats == grid_x * 16 * -(-block // 16) * tile_n
     assert (plan.n_tiles, plan.k_tiles) == (n // tile_n, k // tile_k)
-    wgmma = profile_name == "h200" and block in (64, 128)
+    wgmma = profile_name == "h200" and block in (64, 128, 256)
     assert plan.mainloop == ("wgmma" if wgmma else "mma_sync")
 
 
@@ -298,6 +301,14 @@ def test_wgmma_is_planned_only_where_it_runs():
     # 128-row blocks once the average expert fills them (routes >= 128 * experts), else 64
     assert plan_gemm(2047, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 64
     assert plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
+    # 256-row blocks (two warpgroups) once the average expert fills those (routes >= 256 * experts)
+    assert wgmma_tile(1536, 2048, 256, K16, H200) == (narrow, None)
+    assert plan_gemm(4095, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
+    wide_plan = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16)
+    assert (wide_plan.moe_block_size, wide_plan.mainloop, wide_plan.blocks_per_sm) == (256, "wgmma", 1)
+    # ... in the standalone GEMM only: the fused kernel keeps one warpgroup and 128-row blocks
+    from cuteaot.codegen.kernels.w4a16.fused_planning import plan_fused
+    assert plan_fused(16384, 2048, 768, 128, 8, True, H200).moe_block_size == 128
     assert plan_gemm(4096, 1536, 2048, 8, 128, PROFILES["b200"], scale_format=K16).moe_block_size == 64
     gpt_oss = plan_gemm(2048, 5760, 2944, 4, 128, H200, scale_format=K16)
     assert (gpt_oss.mainloop, gpt_oss.moe_block_size, gpt_oss.tile) == ("wgmma", 64, narrow)
@@ -316,7 +327,8 @@ def test_wgmma_is_planned_only_where_it_runs():
         (64, 1408, 176),  # 512 + 128*7 = 1408 = 176 * 8
         (200, 3520, 220),  # 1600 + 128*15 = 3520 = 220 * 16
         (512, 10128, 211),  # 4096 + 128*47 = 10112 -> 211 * 48 = 10128
-        (4096, 49024, 383),  # H200 wgmma, block 128: 32768 + 128*127 = 49024 = 383 * 128
+        (2048, 32640, 255),  # H200 wgmma, block 128: 16384 + 128*127 = 32640 = 255 * 128
+        (4096, 65536, 256),  # H200 wgmma, block 256: 32768 + 128*255 = 65408 -> 256 * 256 = 65536
     ],
 )
 def test_qwen3_route_capacities(m, slots, blocks):

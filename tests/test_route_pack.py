@@ -162,7 +162,7 @@ def _ids(m=4, k=2, dtype=torch.int32):
         (dict(topk_ids=_ids(4, 4).t()), "contiguous"),
         (dict(num_experts=0), r"num_experts must be an int in \[1, 512\]"),
         (dict(num_experts=MAX_EXPERTS + 1), "num_experts"),
-        (dict(block_size=24), r"block_size must be one of \(8, 16, 32, 48, 64, 128\)"),
+        (dict(block_size=24), r"block_size must be one of \(8, 16, 32, 48, 64, 128, 256\)"),
         (dict(expert_map=torch.zeros(7, dtype=torch.int32)), r"expert_map must have shape \(8,\)"),
         (dict(expert_map=torch.zeros(8, dtype=torch.int64)), "expert_map must be int32"),
         (dict(packed_route_indices=torch.empty(63, dtype=torch.int32)), "at least 64"),

@@ -57,7 +57,7 @@ from ..errors import BadInputError, BundleError
 from ..keys import SpecKey
 from ..tensors import INT32_MAX, check_rank
 
-ALLOWED_BLOCK_SIZES = (8, 16, 32, 48, 64, 128)  # the GEMM's route block sizes (128: wgmma only)
+ALLOWED_BLOCK_SIZES = (8, 16, 32, 48, 64, 128, 256)  # the GEMM's route block sizes (128, 256: wgmma only)
 THREADS = 512  # threads per CTA: one per expert in the scan
 WARPS = THREADS // 32
 MAX_EXPERTS = 512  # per-warp counts live in shared memory: WARPS x MAX_EXPERTS int32

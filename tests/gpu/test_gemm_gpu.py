@@ -120,6 +120,9 @@ def test_gemm_matches_float32_reference(bundle, worst_errors, dtype, which):
 # Routes per expert whose last 128-row block holds 1, 32, 33, 64, 65, 96, 97 and 128 rows: every
 # row variant of the wgmma loop (N = 32 / 64 / 96 / 128 by valid rows) and both sides of each step.
 VARIANT_COUNTS = (129, 288, 33, 64, 193, 96, 97, 256)
+# ... and the 256-row blocks' (two warpgroups, N = 64 / 128 / 192 / 256): last blocks of 1, 64, 65, 128,
+# 129, 192, 193 and 256 rows, experts of one to three blocks; 2308 routes (M = 1154) average 288.5 per expert
+WIDE_VARIANT_COUNTS = (257, 64, 321, 128, 641, 192, 193, 512)
 
 
 def _routes_with_counts(counts, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,26 +136,27 @@ def _routes_with_counts(counts, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.cuda(), (weights / weights.sum(1, keepdim=True)).cuda()
 
 
+@pytest.mark.parametrize("block, counts", [(128, VARIANT_COUNTS), (256, WIDE_VARIANT_COUNTS)])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_128_row_blocks_run_every_row_variant(bundle, worst_errors, dtype):
-    ids, topk_w = _routes_with_counts(VARIANT_COUNTS, seed=7)
+def test_wgmma_row_blocks_run_every_row_variant(bundle, worst_errors, dtype, block, counts):
+    ids, topk_w = _routes_with_counts(counts, seed=7)
     m = ids.shape[0]
-    assert sorted(torch.bincount(ids.view(-1).long()).tolist()) == sorted(VARIANT_COUNTS)
+    assert sorted(torch.bincount(ids.view(-1).long()).tolist()) == sorted(counts)
     for which in ("w13", "w2"):
         n, k = SHAPES[which]
         plan = plan_for(m, n, k, TOP_K, EXPERTS, bundle.profile)
-        assert (plan.moe_block_size, plan.mainloop) == (128, "wgmma"), plan
+        assert (plan.moe_block_size, plan.mainloop) == (block, "wgmma"), plan
         a_per_route = which == "w2"
         packed, w_deq = _weights(n, k, dtype, seed=11)
         out, ref = _gemm_and_reference(bundle, packed, w_deq, k, ids, topk_w, dtype, a_per_route)
         err = _rel(out, ref)
-        worst_errors.record(f"gemm row variants {dtype}", err)
+        worst_errors.record(f"gemm {block}-row variants {dtype}", err)
         assert not out.isnan().any(), f"{which} {dtype}: unwritten rows"
         # per expert too: a wrong variant would spoil only its expert's rows
         for e in range(EXPERTS):
             rows = (ids.view(-1) == e).nonzero().view(-1)
             e_err = _rel(out[rows], ref[rows])
-            assert e_err <= TOL, f"{which} {dtype} expert {e} ({VARIANT_COUNTS[e]} routes): rel err {e_err:.2e}"
+            assert e_err <= TOL, f"{which} {dtype} expert {e} ({counts[e]} routes): rel err {e_err:.2e}"
 
 
 def test_relu2_epilogue(bundle, worst_errors):

@@ -36,7 +36,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     WGMMA_BLOCK_SIZES,
     WGMMA_TALL_BLOCK,
-    WGMMA_THREADS,
+    WGMMA_WIDE_BLOCK,
     ScaleFormat,
     TileConfig,
     check_positive,
@@ -46,6 +46,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     shared_memory_footprint,
     splitk_scratch_floats,
     wgmma_shared_memory_footprint,
+    wgmma_threads,
     wgmma_tiles,
 )
 
@@ -141,10 +142,13 @@ WGMMA_ARCHS = ("sm_90a",)
 
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
-WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228}
+WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 232}
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
+# Average routes per expert from which the standalone GEMM packs 256-row blocks (two warpgroups over
+# one staged activation tile, wgmma N = 256); the fused kernel keeps one warpgroup and 128 rows.
+WGMMA_WIDE_MIN_ROUTES = 256
 # Where a measured choice beats the planner's rules, per device profile, layer shape and token
 # range, as measured by benchmarks/tune_blocks.py (the file says when, where and on which commit).
 # Two choices ("knobs"): "tall", 128-row wgmma route blocks below the average of 128 routes per expert
@@ -193,6 +197,14 @@ def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, sca
         return WGMMA_TALL_BLOCK
     return block
 
+def wgmma_wide_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile) -> int:
+    """`block`, or WGMMA_WIDE_BLOCK where `block` is the 128-row one, the average expert has
+    WGMMA_WIDE_MIN_ROUTES routes and every (n, k) of `dims` takes a 256-row wgmma tile."""
+    if (block == WGMMA_TALL_BLOCK and m * top_k >= WGMMA_WIDE_MIN_ROUTES * num_experts
+            and all(wgmma_tile(n, k, WGMMA_WIDE_BLOCK, scale_format, profile)[0] is not None for n, k in dims)):
+        return WGMMA_WIDE_BLOCK
+    return block
+
 @functools.cache
 def estimated_registers(tile: TileConfig, moe_block_size: int) -> int:
     """The SM121 register estimate for this specialization; a missing key is an error.
@@ -232,10 +244,11 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
                         registers: int) -> int:
     """Co-resident wgmma CTAs per SM (registers, shared memory, threads), lowered for small problems."""
     unit = _REGISTER_UNIT_PER_THREAD
-    per_block = -(-registers // unit) * unit * WGMMA_THREADS
+    threads = wgmma_threads(moe_block_size)
+    per_block = -(-registers // unit) * unit * threads
     smem = wgmma_shared_memory_footprint(moe_block_size, tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
     limit = max(min(profile.registers_per_sm // per_block, profile.shared_memory_per_sm // smem,
-                    profile.max_threads_per_sm // WGMMA_THREADS), 1)
+                    profile.max_threads_per_sm // threads), 1)
     work_ctas = (n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
@@ -453,6 +466,7 @@ def plan_gemm(
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
     if pinned_tile is None and not direct:
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
+        block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile)
     mainloop = "mma_sync"
     wg_tile = wgmma_tile(n, k, block, scale_format, profile)[0] if pinned_tile is None else None
     if wg_tile is not None:

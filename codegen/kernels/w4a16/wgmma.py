@@ -43,8 +43,15 @@ from the gate half of W13 and the second from the up half (`_source_slab`), so t
 tile holds gate and up of the same tile_n / 2 columns and the store writes their activation.
 
 128-row blocks carry one main loop per row variant (N = 32, 64, 96, 128 tokens):
-a tile runs the narrowest that covers its block's valid rows (ROW_STEP below), so
+a tile runs the narrowest that covers its block's valid rows (ROW_STEPS below), so
 an expert's part-filled last block does not pay MMAs for its padding rows.
+
+256-row blocks (the standalone GEMM where experts average 256 routes or more) run two
+warpgroups per CTA (256 threads) over the 128-wide tile: both read the same staged
+activation tile, warpgroup g decodes and multiplies weight slab g (nw = 1 wgmma
+m64n256k16 per 16-k row, 128 accumulator floats per thread).  Each decoded weight
+fragment then feeds 256 tokens instead of 128: half the decode per MAC again, with the
+same shared-memory traffic per MAC as the 128-row tile.  Row variants step by 64.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.w4a16.gemm_spec import Mainloop
-from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_SMEM_ALIGN, WGMMA_TALL_BLOCK
+from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_SMEM_ALIGN, WGMMA_TALL_BLOCK, WGMMA_THREADS, WGMMA_WIDE_BLOCK
 
 from ... import intrinsics as I
 from .gemm import W4A16GemmKernel, _Tile
@@ -68,8 +75,9 @@ _K16_BYTES = 32  # descriptor advance per 16 k inside a swizzle row
 # ptxas then keeps the wgmma descriptors in ordinary registers (one R2UR per wgmma), +1.4 % SASS in
 # the 128-row loop and +4 % in the 64-row one, whose padding is at most one 64-row block's: so
 # 64-row blocks keep one loop.
-ROW_STEP = 32
-ROW_VARIANT_BLOCKS = (WGMMA_TALL_BLOCK,)
+# 256-row blocks step by 64 (four loop copies, as the 128-row block's): their CTA copies 32 activation
+# rows per pass, and an expert's last block wastes at most 63 rows of N = 256 MMAs.
+ROW_STEPS = {WGMMA_TALL_BLOCK: 32, WGMMA_WIDE_BLOCK: 64}
 # wgmma groups (16-k rows) left running while the next row's fragments decode: 1 holds two
 # fragment sets in registers, 2 three (more time for the decode to hide behind the tensor cores).
 GROUPS_IN_FLIGHT = 2
@@ -78,14 +86,19 @@ GROUPS_IN_FLIGHT = 2
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     def __init__(self, spec):
         super().__init__(spec)
-        # wgmma per 16-k row = packed words each thread decodes per row = 64-column groups
-        self.nw = spec.tile_n // 64
+        # 64-column weight slabs of a tile; warpgroups of the CTA (each takes slabs / wgs of them)
+        self.slabs = spec.tile_n // 64
+        self.wgs = spec.threads // WGMMA_THREADS
+        # wgmma per 16-k row of one warpgroup = packed words each thread decodes per row
+        self.nw = self.slabs // self.wgs
+        # activation rows staged per copy pass (8 threads of 16 bytes per 128-byte row)
+        self.x_rows_per_pass = spec.threads // 8
         # warps sharing one 64-column group (each takes nw of the group's four 16-row blocks)
         self.warps_per_group = 4 // self.nw
         # accumulator floats per thread per wgmma: the block's rows are the instruction's N
         self.acc_n = spec.moe_block_size // 2
         # the main loop's wgmma N by valid rows: the narrowest of these that covers them
-        step = ROW_STEP if spec.moe_block_size in ROW_VARIANT_BLOCKS else spec.moe_block_size
+        step = ROW_STEPS.get(spec.moe_block_size, spec.moe_block_size)
         self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
 
     # ------------------------------------------------------------------ addressing
@@ -97,11 +110,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         base = (smem + Int32(s.wg_stage_base + WGMMA_SMEM_ALIGN - 1)) & Int32(-WGMMA_SMEM_ALIGN)
         t = _Tile(base=base, x_base=base, w_base=base + Int32(s.stages * s.wg_x_stage_bytes))
         t.s_base = t.w_base + Int32(s.stages * s.wg_w_stage_bytes)
-        # activations: B / 16 passes of 16 rows, 8 chunks per row
+        # activations: passes of threads / 8 rows, 8 chunks per row
         chunk = tid % Int32(8)
         t.x_src, t.x_ok, t.x_dst = [], [], []
-        for i in cutlass.range_constexpr(s.moe_block_size // 16):
-            row = tid // Int32(8) + Int32(16 * i)
+        for i in cutlass.range_constexpr(s.moe_block_size // self.x_rows_per_pass):
+            row = tid // Int32(8) + Int32(self.x_rows_per_pass * i)
             src_row = I.ld_shared_i32(smem + Int32(s.sh_rd_route_off * 16) + row * Int32(4))
             t.x_src.append(ops.a + (Int64(src_row) * Int64(s.a_width // 8) + Int64(chunk)) * Int64(16))
             ok = row < valid_rows
@@ -127,13 +140,18 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                                 ) * Int64(16)
         t.s_dst = t.s_base + tid * Int32(16)
         # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`:
-        # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes
+        # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes (one scale
+        # word holds two blocks' pairs: with nw = 1 an odd part takes the word's odd bytes, shifted down)
         warp = tid // Int32(32)
         lane = tid & Int32(31)
         group = warp // Int32(self.warps_per_group)
         part = warp % Int32(self.warps_per_group)
         t.w_rd = t.w_base + (Int32(32) * group + lane) * Int32(16) + part * Int32(4 * self.nw)
-        t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + part * Int32(4)
+        if cutlass.const_expr(self.nw == 1):
+            t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + (part // Int32(2)) * Int32(4)
+            t.s_shift = (part % Int32(2)) * Int32(8)
+        else:
+            t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + part * Int32(4)
         # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
         t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
         t.desc = I.wgmma_desc_sw128(t.x_base)
@@ -144,9 +162,9 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         """The weight slab (64 columns) that slab `slab` of tile `n_tile` holds: the tile's own, or for a
         gated epilogue, the tile's first half from the gate half of W13 and its second from the up half."""
         if cutlass.const_expr(self.s.epilogue.is_gated):
-            half = self.nw // 2
+            half = self.slabs // 2
             return n_tile * Int32(half) + slab % Int32(half) + (slab // Int32(half)) * Int32(self.s.n // 128)
-        return n_tile * Int32(self.nw) + slab
+        return n_tile * Int32(self.slabs) + slab
 
     # ------------------------------------------------------------------ staging
 
@@ -155,7 +173,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         """Copy k-tile `k_tile` into stage `pipe`: the first `rows` activation rows, weights, scales."""
         s = self.s
         k64 = Int64(k_tile)
-        for i in cutlass.range_constexpr(rows // 16):
+        for i in cutlass.range_constexpr(rows // self.x_rows_per_pass):
             load = t.x_ok[i]
             if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
                 load = load and k_tile * Int32(8) + t.x_chunk < Int32(s.k_in // 8)
@@ -188,9 +206,12 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         if cutlass.const_expr(self.nw == 4):
             q = I.ld_shared_v4_u32(w_at)
             p = I.ld_shared_v2_u32(s_at)  # raw scale words: blocks 0, 1 in p[0], blocks 2, 3 in p[1]
-        else:
+        elif cutlass.const_expr(self.nw == 2):
             q = I.ld_shared_v2_u32(w_at)
             p = (I.ld_shared_u32(s_at),)
+        else:
+            q = (I.ld_shared_u32(w_at),)
+            p = (I.ld_shared_u32(s_at) >> t.s_shift.to(Uint32),)
         for j in cutlass.range_constexpr(self.nw):
             words[j] = q[j]
         for j in cutlass.range_constexpr(len(p)):

@@ -29,7 +29,7 @@ from .geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     STAGES,
     WGMMA_BLOCK_SIZES,
-    WGMMA_THREADS,
+    wgmma_threads,
     wgmma_tiles,
     ScaleFormat,
     TileConfig,
@@ -232,7 +232,7 @@ class GemmSpec(SpecKey):
 
     @property
     def threads(self) -> int:
-        return WGMMA_THREADS if self.mainloop is Mainloop.WGMMA else self.tile.threads
+        return wgmma_threads(self.moe_block_size) if self.mainloop is Mainloop.WGMMA else self.tile.threads
 
     @property
     def m_blocks(self) -> int:

@@ -78,18 +78,29 @@ class TileConfig:
 # weight rows; the k-tile is one 128-byte swizzle row of bf16 activations.
 WGMMA_TILES = (TileConfig(64, 256), TileConfig(64, 128))
 
-# 64-row blocks, and 128-row blocks (N = 128 per wgmma: half the weight decode per MAC) once
-# the average expert fills them (routes >= 128 * experts).
-WGMMA_BLOCK_SIZES = (64, 128)
+# 64-row blocks, 128-row blocks (N = 128 per wgmma: half the weight decode per MAC) once
+# the average expert fills them (routes >= 128 * experts), and 256-row blocks (N = 256: half again)
+# for the standalone GEMM where the average expert fills those.
+WGMMA_BLOCK_SIZES = (64, 128, 256)
 
 WGMMA_TALL_BLOCK = 128
 
-WGMMA_THREADS = 128
+# 256-row blocks: two warpgroups per CTA share each staged activation tile, each computing 64 of
+# the tile's 128 weight rows for all 256 tokens (accumulators: 128 floats per thread, as the
+# 128-row block's one warpgroup over 128 weight rows).
+WGMMA_WIDE_BLOCK = 256
+
+WGMMA_THREADS = 128  # one warpgroup
+
+
+def wgmma_threads(moe_block_size: int) -> int:
+    """Threads of a wgmma CTA: one warpgroup, two for the 256-row block."""
+    return 2 * WGMMA_THREADS if moe_block_size == WGMMA_WIDE_BLOCK else WGMMA_THREADS
 
 WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
 
 def check_moe_block_size(moe_block_size: int) -> None:
-    sizes = ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK,)
+    sizes = ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK)
     if moe_block_size not in sizes:
         raise BadInputError(f"moe_block_size must be one of {sizes}, got {moe_block_size!r}")
 
@@ -148,10 +159,11 @@ def wgmma_shared_memory_footprint(moe_block_size: int, tile: TileConfig, stages:
 def wgmma_tiles(moe_block_size: int) -> tuple[TileConfig, ...]:
     """The wgmma tiles a block size can use, widest first.
 
-    The accumulators are tile_n / 64 * B / 2 floats per thread: 128-row blocks keep them at
-    128 with the 128-wide tile (256 would need 256 registers for them alone).
+    The accumulators are tile_n / 64 * B / 2 floats per warpgroup thread: 128-row blocks keep them
+    at 128 with the 128-wide tile (256 would need 256 registers for them alone), and so do 256-row
+    blocks, whose tile has one warpgroup per 64 weight rows.
     """
-    if moe_block_size == WGMMA_TALL_BLOCK:
+    if moe_block_size in (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK):
         return WGMMA_TILES[1:]
     return WGMMA_TILES if moe_block_size in WGMMA_BLOCK_SIZES else ()
 
