@@ -135,3 +135,33 @@ def test_shipped_table_is_well_formed():
                 assert all(b < c for (_, b), (c, _) in zip(ranges, ranges[1:])), e  # sorted, disjoint
                 if knob == "decode":
                     assert all(b <= DECODE_MEASURED_MAX_M for _, b in ranges), e
+
+
+GLM = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=1408, num_experts=128, top_k=8,
+                    activation=Activation.SILU)
+
+
+def test_wide_blocks_by_the_k_rule_and_where_measured(table):
+    def block(m, facts):
+        fc1, fc2 = split_layer(m, facts, H200)
+        assert fc1.plan.moe_block_size == fc2.plan.moe_block_size  # one packing serves both GEMMs
+        assert fc1.spec.threads == fc2.spec.threads == (256 if fc1.plan.moe_block_size == 256 else 128)
+        return fc1.plan.moe_block_size
+
+    # no table: 256-row blocks from 256 routes per expert where both K reach WGMMA_WIDE_MIN_K
+    # (GLM-4.5-Air: 4096 and 1408), not for Qwen3-30B (FC2's K = 768)
+    assert [block(m, GLM) for m in (4095, 4096, 16384)] == [128, 256, 256]
+    assert [block(m, QWEN3) for m in (4096, 16384)] == [128, 128]
+    # measured: where the table says so, whatever K
+    _write(table, "wide", "h200", [[11586, 16384]])
+    assert [block(m, QWEN3) for m in (4096, 11585, 11586, 16384)] == [128, 128, 256, 256]
+    # ... never below 256 routes per expert, and only where the wgmma loop runs
+    _write(table, "wide", "h200", [[2048, 16384]])
+    assert block(4095, QWEN3) == 128
+    assert plan_layer(16384, QWEN3, PROFILES["b200"]).moe_block_size != 256
+
+
+def test_the_shipped_wide_entries():
+    # measured on the H200 (docs/results/tune-wide-2026-12-01.json): Qwen3-30B only from 11586 tokens
+    qwen3 = split_layer(16384, QWEN3, H200)
+    assert qwen3[0].plan.moe_block_size == 256 and split_layer(8192, QWEN3, H200)[0].plan.moe_block_size == 128

@@ -17,6 +17,7 @@ from cuteaot.codegen.kernels.w4a16.planning import (
     LARGE_BATCH_TILE_CONFIGS,
     REGISTER_ESTIMATES_SM121,
     SMALL_BATCH_TILE_CONFIGS,
+    WGMMA_WIDE_MIN_K,
     estimated_registers,
     plan_gemm,
     select_route_block_size,
@@ -273,6 +274,9 @@ def test_qwen3_plans(shape, profile_name, m):
     if profile_name == "h200" and block == 8 and not direct and k <= 3072:
         # packed 8-row blocks on sm_90a with K <= PACKED_M8_MAX_K: 128x64 tiles at 4/SM
         (tile_k, tile_n), per_sm, grid_x = (64, 128), 4, 528
+    if block == 256 and k < WGMMA_WIDE_MIN_K:
+        # Qwen3-30B FC2 (K = 768): the standalone GEMM keeps the 128-row plan of M = 2048
+        block, (tile_k, tile_n), per_sm, grid_x = 128, (64, 128), 2, 264
     assert plan.whole_tiles_m8 == (block == 8 and per_sm == 1)
     assert (plan.moe_block_size, plan.direct_topk_routes) == (block, direct)
     assert (plan.tile.tile_k, plan.tile.tile_n, plan.blocks_per_sm, plan.grid_x) == (tile_k, tile_n, per_sm, grid_x)

@@ -55,6 +55,7 @@ from .planning import (
     SMALL_BATCH_TILE_CONFIGS,
     WGMMA_ARCHS,
     WGMMA_REGISTERS_SM90,
+    WGMMA_WIDE_MIN_K,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
     blocks_per_sm,
@@ -354,8 +355,13 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if layer_choice("decode", m, facts, profile):
         return None  # the fused decode regime serves this M
     tall = layer_choice("tall", m, facts, profile)
-    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall)
-    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall)
+    # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
+    wide = layer_choice("wide", m, facts, profile)
+    if wide is None:
+        ks = (stored_dims(fc1_n, facts.hidden_size)[1], stored_dims(facts.hidden_size, facts.intermediate_size)[1])
+        wide = min(ks) >= WGMMA_WIDE_MIN_K
+    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide)
+    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
         return None
     on_input = facts.router_weight_on_input

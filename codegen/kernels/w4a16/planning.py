@@ -142,26 +142,32 @@ WGMMA_ARCHS = ("sm_90a",)
 
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
-WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 232}
+WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
 # Average routes per expert from which the standalone GEMM packs 256-row blocks (two warpgroups over
 # one staged activation tile, wgmma N = 256); the fused kernel keeps one warpgroup and 128 rows.
 WGMMA_WIDE_MIN_ROUTES = 256
+# ... for layers without a measured choice, only where every GEMM's K is at least this: a 256-row CTA
+# holds a whole SM (one per SM), so nothing hides its tiles' pipeline fill and epilogue, which a short K
+# does not amortise (H200, 256-row blocks vs 128: Qwen3-30B, FC2 K = 768, 1.06x / 1.01x / 0.97x at
+# M = 4096 / 8192 / 16384; K >= 1408: 0.88-0.98x; docs/benchmarks.md).
+WGMMA_WIDE_MIN_K = 1024
 # Where a measured choice beats the planner's rules, per device profile, layer shape and token
 # range, as measured by benchmarks/tune_blocks.py (the file says when, where and on which commit).
-# Two choices ("knobs"): "tall", 128-row wgmma route blocks below the average of 128 routes per expert
+# Three choices ("knobs"): "tall", 128-row wgmma route blocks below the average of 128 routes per expert
 # (the answer depends on each shape's wave quantisation and tile widths, docs/benchmarks.md "Route
-# blocks measured per layer": no single threshold wins), and "decode", the fused decode regime
-# (direct 8-row route blocks, top-k sum folded into FC2) past DECODE_MAX_M.
+# blocks measured per layer": no single threshold wins); "decode", the fused decode regime (direct
+# 8-row route blocks, top-k sum folded into FC2) past DECODE_MAX_M; and "wide", 256-row blocks where
+# the K rule (WGMMA_WIDE_MIN_K) says no.
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode")
+MEASURED_KNOBS = ("tall", "decode", "wide")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
-POLICY = {"tall": "measured", "decode": "measured"}
+POLICY = {"tall": "measured", "decode": "measured", "wide": "measured"}
 
 
 @functools.cache
@@ -197,11 +203,16 @@ def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, sca
         return WGMMA_TALL_BLOCK
     return block
 
-def wgmma_wide_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile) -> int:
+def wgmma_wide_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
+                     wide: bool | None = None) -> int:
     """`block`, or WGMMA_WIDE_BLOCK where `block` is the 128-row one, the average expert has
-    WGMMA_WIDE_MIN_ROUTES routes and every (n, k) of `dims` takes a 256-row wgmma tile."""
-    if (block == WGMMA_TALL_BLOCK and m * top_k >= WGMMA_WIDE_MIN_ROUTES * num_experts
-            and all(wgmma_tile(n, k, WGMMA_WIDE_BLOCK, scale_format, profile)[0] is not None for n, k in dims)):
+    WGMMA_WIDE_MIN_ROUTES routes, every (n, k) of `dims` takes a 256-row wgmma tile and `wide` says
+    so (None: where every k of `dims` is at least WGMMA_WIDE_MIN_K)."""
+    if block != WGMMA_TALL_BLOCK or m * top_k < WGMMA_WIDE_MIN_ROUTES * num_experts:
+        return block
+    if wide is None:
+        wide = all(k >= WGMMA_WIDE_MIN_K for _, k in dims)
+    if wide and all(wgmma_tile(n, k, WGMMA_WIDE_BLOCK, scale_format, profile)[0] is not None for n, k in dims):
         return WGMMA_WIDE_BLOCK
     return block
 
@@ -442,6 +453,7 @@ def plan_gemm(
     pinned_tile: TileConfig | None = None,
     registers: int | None = None,
     tall: bool | None = None,
+    wide: bool | None = None,
 ) -> GemmPlan:
     """Plan the grouped GEMM of m tokens x top_k routes against (N, K) expert weights.
 
@@ -452,6 +464,8 @@ def plan_gemm(
     needs pinned_tile, and is what the runtime uses to re-check blocks per SM,
     since a grid larger than what is co-resident deadlocks in the split-K waits.
     tall: take 128-row wgmma blocks where they fit (True) or not (False); None: WGMMA_TALL_MIN_ROUTES.
+    wide: 256-row wgmma blocks where the average expert fills them (True) or not (False); None: where K
+    is at least WGMMA_WIDE_MIN_K.  A layer's two GEMMs pass the same answer (they share one packing).
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:
@@ -466,7 +480,7 @@ def plan_gemm(
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
     if pinned_tile is None and not direct:
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
-        block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile)
+        block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
     wg_tile = wgmma_tile(n, k, block, scale_format, profile)[0] if pinned_tile is None else None
     if wg_tile is not None:
@@ -538,10 +552,12 @@ def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers)
     return tile, used, blocks_per_sm(m, n, top_k, block, tile, scale_format, profile, used)
 
 
-def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None) -> GemmPlan:
+def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None,
+             wide: bool | None = None) -> GemmPlan:
     """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
     n_stored, k_stored = stored_dims(n, k)
-    return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall)
+    return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall,
+                     wide=wide)
 
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
