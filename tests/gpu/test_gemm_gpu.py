@@ -87,11 +87,13 @@ def _split_k_used(m, n, k, top_k, bundle) -> bool:
 # (N, K) per weight: the tiny-gemm-silu problem, and tiny-gemm-padded (hidden = intermediate = 720,
 # gpt-oss-like sizes that are not multiples of 128: stored zero-padded, read/written at 720 / 1440).
 # tiny-gemm-narrow (hidden 640, intermediate 320): N % 256 = 128, the 128-wide wgmma tiles.
+# tiny-gemm-wide (hidden = intermediate = 1024): K >= WGMMA_WIDE_MIN_K, so 256-row blocks (two
+# warpgroups) from 256 routes per expert (M >= 1024 here).
 SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER), "w13 padded": (1440, 720), "w2 padded": (720, 720),
-          "w13 narrow": (640, 640), "w2 narrow": (640, 320)}
+          "w13 narrow": (640, 640), "w2 narrow": (640, 320), "w13 wide": (2048, 1024), "w2 wide": (1024, 1024)}
 CASES = [(w, d) for w in ("w13", "w2") for d in DTYPES] + [
-    (w, "bf16") for w in ("w13 padded", "w2 padded", "w13 narrow", "w2 narrow")]
-SWEEPS = {"padded": (1, 5, 64, 1000), "narrow": (64, 256, 1000, 4096)}
+    (w, "bf16") for w in ("w13 padded", "w2 padded", "w13 narrow", "w2 narrow", "w13 wide", "w2 wide")]
+SWEEPS = {"padded": (1, 5, 64, 1000), "narrow": (64, 256, 1000, 4096), "wide": (1000, 1024, 2048)}
 
 
 @pytest.mark.parametrize("which,dtype", CASES)
@@ -136,17 +138,18 @@ def _routes_with_counts(counts, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.cuda(), (weights / weights.sum(1, keepdim=True)).cuda()
 
 
-@pytest.mark.parametrize("block, counts", [(128, VARIANT_COUNTS), (256, WIDE_VARIANT_COUNTS)])
+@pytest.mark.parametrize("block, counts, shapes", [(128, VARIANT_COUNTS, ("w13", "w2")),
+                                                   (256, WIDE_VARIANT_COUNTS, ("w13 wide", "w2 wide"))])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_wgmma_row_blocks_run_every_row_variant(bundle, worst_errors, dtype, block, counts):
+def test_wgmma_row_blocks_run_every_row_variant(bundle, worst_errors, dtype, block, counts, shapes):
     ids, topk_w = _routes_with_counts(counts, seed=7)
     m = ids.shape[0]
     assert sorted(torch.bincount(ids.view(-1).long()).tolist()) == sorted(counts)
-    for which in ("w13", "w2"):
+    for which in shapes:
         n, k = SHAPES[which]
         plan = plan_for(m, n, k, TOP_K, EXPERTS, bundle.profile)
         assert (plan.moe_block_size, plan.mainloop) == (block, "wgmma"), plan
-        a_per_route = which == "w2"
+        a_per_route = which.startswith("w2")
         packed, w_deq = _weights(n, k, dtype, seed=11)
         out, ref = _gemm_and_reference(bundle, packed, w_deq, k, ids, topk_w, dtype, a_per_route)
         err = _rel(out, ref)
