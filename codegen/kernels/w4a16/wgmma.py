@@ -8,13 +8,14 @@ loop is limited by its own issue rate.  The product is computed transposed,
 
 so the weights are wgmma's A operand, taken from registers, and decode straight
 into it: per warp the m64 A fragment is the m16n8k16 A fragment, which is what
-the packed layout's words decode to (docs/layouts.md).  The B = 64 or 128
+the packed layout's words decode to (docs/layouts.md).  The B = 64, 128 or 256
 gathered activation rows of the block are wgmma's N, read by the tensor cores
 from shared memory.
 
-One warpgroup (128 threads) per CTA, tile = tile_n weight rows (nw = tile_n / 64
-wgmma per 16-k row: 4 for 256, 2 for 128) x B tokens, k-tile 64 (one 128-byte
-row of bf16 activations).  Example tile_n = 256:
+One warpgroup (128 threads) per CTA for 64- and 128-row blocks, tile = tile_n weight
+rows (nw = tile_n / 64 wgmma per 16-k row: 4 for 256, 2 for 128) x B tokens, k-tile 64
+(one 128-byte row of bf16 activations); two for 256-row blocks (below).  Example
+tile_n = 256:
 
     shared stage p (from a 1024-aligned base):
       X[p]: B token rows x 128 B, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
@@ -49,7 +50,9 @@ an expert's part-filled last block does not pay MMAs for its padding rows.
 256-row blocks (the standalone GEMM where experts average 256 routes or more) run two
 warpgroups per CTA (256 threads) over the 128-wide tile: both read the same staged
 activation tile, warpgroup g decodes and multiplies weight slab g (nw = 1 wgmma
-m64n256k16 per 16-k row, 128 accumulator floats per thread).  Each decoded weight
+m64n256k16 per 16-k row, 128 accumulator floats per thread; warp w of the CTA is
+column group w // 4, part w % 4, so the addressing above holds as written, and a
+thread's one 16-row block takes the odd bytes of its scale word for odd parts).  Each decoded weight
 fragment then feeds 256 tokens instead of 128: half the decode per MAC again, with the
 same shared-memory traffic per MAC as the 128-row tile.  Row variants step by 64.
 """
