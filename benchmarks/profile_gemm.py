@@ -1,11 +1,14 @@
-"""GEMM launches of real MoE shapes for Nsight Compute, one (model, GEMM, M) at a time.
+"""GEMM launches of real MoE shapes, or whole layer calls, for Nsight Compute, one at a time.
 
     ncu --clock-control none --set full -k regex:W4A16 \
         python -m benchmarks.profile_gemm --case qwen3-30b-a3b:fc1:64 --case qwen3-30b-a3b:fc2:4096
+    ncu ... python -m benchmarks.profile_gemm --bundle generated/moe-models --layer qwen3-30b-a3b:4096
 
-Each case builds its operands exactly as `benchmarks.gemm` does (FC2 reads one row per route
+Each GEMM case builds its operands exactly as `benchmarks.gemm` does (FC2 reads one row per route
 and multiplies the router weight), runs once to warm up and once more to be profiled, so with
 `--launch-skip`-free ncu each kernel shows up twice; route packing runs too (its own kernel).
+Each layer case (a problem of the bundle's spec) gets random NVFP4 weights and a uniform top-k
+routing (as benchmarks/compare_layer.py) and calls the layer eagerly twice.
 """
 
 from __future__ import annotations
@@ -26,15 +29,40 @@ def run_case(bundle, model: str, which: str, m: int) -> None:
     print(f"{model} {which} M={m} done", flush=True)
 
 
+def run_layer(bundle, problem: str, m: int) -> None:
+    from benchmarks.common import uniform_routing
+    from benchmarks.compare_layer import _layer, _problems
+    from cuteaot.runtime import prepare_w2, prepare_w13
+    from tests.reference.nvfp4 import random_nvfp4
+
+    f = _problems(bundle)[problem]
+    h, i, e, k = f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = prepare_w13(*random_nvfp4(e, 2 * i if f["activation"] != "relu2" else i, h, g), "bf16")
+    w2 = prepare_w2(*random_nvfp4(e, h, i, g), "bf16")
+    layer = _layer(bundle, f, w13, w2)
+    x, w, ids = uniform_routing(m, h, e, k, g)
+    for _ in range(2):
+        layer(x, w, ids)
+    torch.cuda.synchronize()
+    print(f"{problem} M={m}: {layer.resolve(m).describe()}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", default="generated/bench-gemm")
-    ap.add_argument("--case", action="append", required=True, help="model:fc1|fc2:M")
+    ap.add_argument("--case", action="append", default=[], help="model:fc1|fc2:M (one GEMM)")
+    ap.add_argument("--layer", action="append", default=[], help="problem:M (a layer call of the bundle)")
     args = ap.parse_args()
+    if not args.case and not args.layer:
+        ap.error("give at least one --case or --layer")
     bundle = load_bundle(args.bundle)
     for case in args.case:
         model, which, m = case.split(":")
         run_case(bundle, model, which, int(m))
+    for case in args.layer:
+        problem, m = case.rsplit(":", 1)
+        run_layer(bundle, problem, int(m))
 
 
 if __name__ == "__main__":
