@@ -50,11 +50,11 @@ an expert's part-filled last block does not pay MMAs for its padding rows.
 256-row blocks (the standalone GEMM where experts average 256 routes or more) run two
 warpgroups per CTA (256 threads) over the 128-wide tile: both read the same staged
 activation tile, warpgroup g decodes and multiplies weight slab g (nw = 1 wgmma
-m64n256k16 per 16-k row, 128 accumulator floats per thread; warp w of the CTA is
-column group w // 4, part w % 4, so the addressing above holds as written, and a
-thread's one 16-row block takes the odd bytes of its scale word for odd parts).  Each decoded weight
-fragment then feeds 256 tokens instead of 128: half the decode per MAC again, with the
-same shared-memory traffic per MAC as the 128-row tile.  Row variants step by 64.
+m64n256k16 per 16-k row, 128 accumulator floats per thread).  Warp w of the CTA is
+column group w // 4, part w % 4, so the addressing above holds as written; a thread's
+one 16-row block takes the odd bytes of its scale word for odd parts.  Each decoded
+weight fragment then feeds 256 tokens instead of 128: half the decode per MAC again,
+with the same shared-memory traffic per MAC as the 128-row tile.  Row variants step by 64.
 """
 
 from __future__ import annotations
