@@ -160,19 +160,22 @@ def test_wgmma_gemm_kernel_compiles():
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     for dtype, kind, block, tile_n, per_sm in (("bf16", "bf16", 64, 256, 2), ("fp16", "f16", 64, 128, 3),
-                                               ("bf16", "bf16", 128, 128, 2)):
+                                               ("bf16", "bf16", 128, 128, 2), ("bf16", "bf16", 256, 128, 1)):
         spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=block,
                         blocks_per_sm=per_sm, mul_topk_weights=True, mainloop="wgmma")
+        threads = 256 if block == 256 else 128  # 256-row blocks: two warpgroups
         record = compile_kernel(spec.key(), "sm_90a").record
         assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
-        assert record["block"] == [128, 1, 1] and record["min_blocks_per_sm"] == per_sm
-        assert record["registers"] * 128 * per_sm <= 65536
+        assert record["block"] == [threads, 1, 1] and record["min_blocks_per_sm"] == per_sm
+        assert record["registers"] * threads * per_sm <= 65536
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
         kernel, args = build_gemm(spec)
         with tempfile.TemporaryDirectory() as d:
             ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
-        # 128-row blocks: one main loop per row variant (the valid rows pick the narrowest N covering them)
-        for n in (range(32, block + 1, 32) if block == 128 else (block,)):
+        # 128- and 256-row blocks: one main loop per row variant (the valid rows pick the narrowest N
+        # covering them), in steps of 32 and 64
+        step = {128: 32, 256: 64}.get(block, block)
+        for n in range(step, block + 1, step):
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}" in ptx, n
         assert f"m64n{block + 32}k16" not in ptx
         for instruction in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
@@ -193,8 +196,16 @@ def test_wgmma_spec_is_validated():
     with pytest.raises(BadInputError, match="mainloop=wgmma implements"):  # 128 rows x 256 columns
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=128,
                  blocks_per_sm=2, mainloop="wgmma")
-    with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # mma.sync: no 128
+    with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # mma.sync: no 128, no 256
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=128, blocks_per_sm=2)
+    with pytest.raises(BadInputError, match="moe_block_size must be one of"):
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=256, blocks_per_sm=1)
+    with pytest.raises(BadInputError, match="mainloop=wgmma implements"):  # 256 rows: the 128-wide tile only
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=256,
+                 blocks_per_sm=1, mainloop="wgmma")
+    wide = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=256,
+                    blocks_per_sm=1, mainloop="wgmma")
+    assert wide.threads == 256 and wide.shared_bytes == 154640  # route metadata + align + 4 x 37376-byte stages
 
 
 def test_bias_epilogue_compiles_without_spills():
