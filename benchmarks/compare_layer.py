@@ -48,6 +48,13 @@ def _layer(bundle, facts, w13, w2):
                     swiglu_limit=facts.get("swiglu_limit"), fast_math=facts.get("fast_math", True))
 
 
+def random_layer_weights(facts: dict, g: torch.Generator):
+    """Random ModelOpt NVFP4 (w13, w2) tensors for a layer problem's facts (`random_nvfp4`'s tuples)."""
+    h, i, e = facts["hidden_size"], facts["intermediate_size"], facts["num_experts"]
+    n1 = 2 * i if facts["activation"] != "relu2" else i
+    return random_nvfp4(e, n1, h, g), random_nvfp4(e, h, i, g)
+
+
 def compare(base, news: dict, models, ms, rounds, check: bool = False) -> list[dict]:
     """Time `base` and every bundle of `news` (label -> bundle) on the same operands; with `check`,
     also each output's ‖out−ref‖/‖ref‖ against the float32 reference (tests/reference/moe.py)."""
@@ -64,10 +71,9 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False) -> list[d
     rows = []
     for name in names:
         f = _problems(base)[name]
-        h, i, e, k = f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"]
-        n1 = 2 * i if f["activation"] != "relu2" else i
+        h, e, k = f["hidden_size"], f["num_experts"], f["top_k"]
         g = torch.Generator(device="cuda").manual_seed(len(name))
-        q13, q2 = random_nvfp4(e, n1, h, g), random_nvfp4(e, h, i, g)
+        q13, q2 = random_layer_weights(f, g)
         w13, w2 = prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16")
         w_ref = (dequantize_modelopt(*q13), dequantize_modelopt(*q2)) if check else None
         del q13, q2

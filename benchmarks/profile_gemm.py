@@ -31,17 +31,14 @@ def run_case(bundle, model: str, which: str, m: int) -> None:
 
 def run_layer(bundle, problem: str, m: int) -> None:
     from benchmarks.common import uniform_routing
-    from benchmarks.compare_layer import _layer, _problems
+    from benchmarks.compare_layer import _layer, _problems, random_layer_weights
     from cuteaot.runtime import prepare_w2, prepare_w13
-    from tests.reference.nvfp4 import random_nvfp4
 
     f = _problems(bundle)[problem]
-    h, i, e, k = f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = prepare_w13(*random_nvfp4(e, 2 * i if f["activation"] != "relu2" else i, h, g), "bf16")
-    w2 = prepare_w2(*random_nvfp4(e, h, i, g), "bf16")
-    layer = _layer(bundle, f, w13, w2)
-    x, w, ids = uniform_routing(m, h, e, k, g)
+    q13, q2 = random_layer_weights(f, g)
+    layer = _layer(bundle, f, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"))
+    x, w, ids = uniform_routing(m, f["hidden_size"], f["num_experts"], f["top_k"], g)
     for _ in range(2):
         layer(x, w, ids)
     torch.cuda.synchronize()

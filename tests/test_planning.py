@@ -287,6 +287,19 @@ def test_qwen3_plans(shape, profile_name, m):
     assert plan.mainloop == ("wgmma" if wgmma else "mma_sync")
 
 
+def test_every_planned_block_size_is_one_route_packing_packs():
+    from cuteaot.runtime.kernels.route_pack import ALLOWED_BLOCK_SIZES
+    from cuteaot.runtime.kernels.w4a16.geometry import (
+        ALLOWED_MOE_BLOCK_SIZES, WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK, check_moe_block_size,
+    )
+
+    assert ALLOWED_BLOCK_SIZES == ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK)
+    for block in ALLOWED_BLOCK_SIZES:
+        check_moe_block_size(block)
+    with pytest.raises(BadInputError, match="moe_block_size must be one of"):
+        check_moe_block_size(24)
+
+
 def test_wgmma_is_planned_only_where_it_runs():
     from cuteaot.codegen.kernels.w4a16.planning import wgmma_tile
     from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_TILES, wgmma_shared_memory_footprint

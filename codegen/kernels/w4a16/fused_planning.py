@@ -55,7 +55,6 @@ from .planning import (
     SMALL_BATCH_TILE_CONFIGS,
     WGMMA_ARCHS,
     WGMMA_REGISTERS_SM90,
-    WGMMA_WIDE_MIN_K,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
     blocks_per_sm,
@@ -68,6 +67,7 @@ from .planning import (
     wgmma_blocks_per_sm,
     wgmma_tall_block,
     wgmma_tile,
+    wide_by_k,
 )
 
 # Tokens up to which the decode regime (direct routes, fused top-k sum) is used.  The seed used it
@@ -354,12 +354,13 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
     if layer_choice("decode", m, facts, profile):
         return None  # the fused decode regime serves this M
+    (n1_stored, k1_stored), (_, k2_stored) = (stored_dims(fc1_n, facts.hidden_size),
+                                              stored_dims(facts.hidden_size, facts.intermediate_size))
     tall = layer_choice("tall", m, facts, profile)
     # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
     wide = layer_choice("wide", m, facts, profile)
     if wide is None:
-        ks = (stored_dims(fc1_n, facts.hidden_size)[1], stored_dims(facts.hidden_size, facts.intermediate_size)[1])
-        wide = min(ks) >= WGMMA_WIDE_MIN_K
+        wide = wide_by_k(k1_stored, k2_stored)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
@@ -367,7 +368,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     on_input = facts.router_weight_on_input
     if not facts.gated:
         fc1_epilogue, activation = "relu2", {}
-    elif GATED_FC1_EPILOGUE and stored_dims(fc1_n, facts.hidden_size)[0] == fc1_n:
+    elif GATED_FC1_EPILOGUE and n1_stored == fc1_n:
         fc1_epilogue = facts.activation.value  # FC1 writes the activation (gate and up in one tile)
         activation = dict(fast_math=facts.fast_math, swiglu_alpha=facts.swiglu_alpha, swiglu_beta=facts.swiglu_beta,
                           swiglu_limit=facts.swiglu_limit)

@@ -203,15 +203,19 @@ def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, sca
         return WGMMA_TALL_BLOCK
     return block
 
+def wide_by_k(*ks: int) -> bool:
+    """The rule for 256-row blocks where nothing was measured: every GEMM's (stored) K is long enough."""
+    return min(ks) >= WGMMA_WIDE_MIN_K
+
 def wgmma_wide_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
                      wide: bool | None = None) -> int:
     """`block`, or WGMMA_WIDE_BLOCK where `block` is the 128-row one, the average expert has
     WGMMA_WIDE_MIN_ROUTES routes, every (n, k) of `dims` takes a 256-row wgmma tile and `wide` says
-    so (None: where every k of `dims` is at least WGMMA_WIDE_MIN_K)."""
+    so (None: `wide_by_k` of the ks of `dims`)."""
     if block != WGMMA_TALL_BLOCK or m * top_k < WGMMA_WIDE_MIN_ROUTES * num_experts:
         return block
     if wide is None:
-        wide = all(k >= WGMMA_WIDE_MIN_K for _, k in dims)
+        wide = wide_by_k(*(k for _, k in dims))
     if wide and all(wgmma_tile(n, k, WGMMA_WIDE_BLOCK, scale_format, profile)[0] is not None for n, k in dims):
         return WGMMA_WIDE_BLOCK
     return block
@@ -465,7 +469,8 @@ def plan_gemm(
     since a grid larger than what is co-resident deadlocks in the split-K waits.
     tall: take 128-row wgmma blocks where they fit (True) or not (False); None: WGMMA_TALL_MIN_ROUTES.
     wide: 256-row wgmma blocks where the average expert fills them (True) or not (False); None: where K
-    is at least WGMMA_WIDE_MIN_K.  A layer's two GEMMs pass the same answer (they share one packing).
+    is at least WGMMA_WIDE_MIN_K (`wide_by_k`).  A layer's two GEMMs pass the same answer (they share
+    one packing).
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from ...errors import BadInputError
 from ...types import fc1_width
-from ..route_pack import max_packed_route_slots  # the route-pack kernel's buffer contract
+# the route-pack kernel's contract: the block sizes it packs, and its buffers
+from ..route_pack import ALLOWED_BLOCK_SIZES as PACKED_BLOCK_SIZES, max_packed_route_slots
 
 # M rows one route block holds; 8 is the small-M (m16n8k16 with half the rows) path.
 ALLOWED_MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)
@@ -100,9 +101,9 @@ def wgmma_threads(moe_block_size: int) -> int:
 WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
 
 def check_moe_block_size(moe_block_size: int) -> None:
-    sizes = ALLOWED_MOE_BLOCK_SIZES + (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK)
-    if moe_block_size not in sizes:
-        raise BadInputError(f"moe_block_size must be one of {sizes}, got {moe_block_size!r}")
+    """Every route block a kernel takes is one the route-pack kernel packs."""
+    if moe_block_size not in PACKED_BLOCK_SIZES:
+        raise BadInputError(f"moe_block_size must be one of {PACKED_BLOCK_SIZES}, got {moe_block_size!r}")
 
 def check_positive(**values: int) -> None:
     for name, value in values.items():
