@@ -43,6 +43,7 @@ from cuteaot.runtime.weights import E2M1_DECODE_ROTATIONS
 E2M1_BF16_DECODE_EXP = -126
 E2M1_F16_DECODE_EXP = -14
 SCALE_DECODE_EXP = 7
+MODELOPT_SCALE_EXP_BF16 = 23  # the ModelOpt-layout bf16 scale pair holds s * 2**23 (fp16: s)
 
 
 def _ir(values, loc, ip):
@@ -190,6 +191,77 @@ def scale_pair_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
     """S0E5M3 scale byte `byte` (0..3) of q -> (s, s) as half2 holding s * 2**7 (exact for every byte:
     S0E5M3 is fp16 without the sign and the low 7 mantissa bits): prmt, then t * 0x00800080."""
     return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_pair_ptx(int(byte), DType.FP16), "=r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+# ----------------------------------------------------------------------------- NVFP4 as ModelOpt stores it
+# A lane's word is 4 bytes of one weight row, as ldmatrix hands them over: byte i holds two
+# consecutive codes, the even k in its low nibble (docs/layouts.md, "NVFP4 read as stored").
+
+
+def modelopt_word_ptx(dtype: DType) -> str:
+    """PTX of `dequant_e2m1_bytes_*`: $4 = the word; $0..$3 = the pairs of bytes 0..3.
+
+    Per byte i, one prmt puts byte i of (x << 4) on bits 8..15 and byte i of x on bits 24..31:
+    the byte's low code then sits on bits 12..15 and its high code on bits 28..31, so both signs
+    are on the pair's sign bits (15, 31) and one right shift brings both magnitudes to the
+    bits of the split-nibble decode (bf16 8..6 / 24..22, fp16 11..9 / 27..25)."""
+    mag = _E2M1_MAG_MASK[dtype]
+    shift = {DType.BF16: 6, DType.FP16: 3}[dtype]
+    lines = ["shl.b32 u, $4, 4;"]
+    for i in range(4):
+        selector = i | i << 4 | (4 + i) << 8 | (4 + i) << 12  # bytes 0, 2 are don't-cares (masked off)
+        lines += [f"prmt.b32 y, u, $4, {selector:#06x};", f"shr.b32 z, y, {shift};", f"and.b32 z, z, {mag:#010x};",
+                  f"and.b32 y, y, {_SIGN_BITS:#010x};", f"or.b32 ${i}, y, z;"]
+    return "{\n .reg .b32 u, y, z;\n " + "\n ".join(lines) + "\n}"
+
+
+@dsl_user_op
+def dequant_e2m1_bytes_bf16(x: Uint32, *, loc=None, ip=None):
+    """Four bytes of a ModelOpt weight row (8 e2m1 codes) -> four bf16x2, pair i = the codes of byte i
+    (low nibble = low element) holding w * 2**-126, as `dequant_e2m1x8_bf16`: 1 shift, then per pair
+    prmt, shift and three logic ops."""
+    return _u32(_asm(4, T.i32, _ir([Uint32(x)], loc, ip), modelopt_word_ptx(DType.BF16), "=r,=r,=r,=r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def dequant_e2m1_bytes_f16(x: Uint32, *, loc=None, ip=None):
+    """As `dequant_e2m1_bytes_bf16` for half2, w * 2**-14."""
+    return _u32(_asm(4, T.i32, _ir([Uint32(x)], loc, ip), modelopt_word_ptx(DType.FP16), "=r,=r,=r,=r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+def e4m3_pair_selector(byte):
+    """The prmt selector `scale_pair_e4m3_*` takes for scale byte `byte` (0..3, an Int32 or an int):
+    the byte onto positions 0 and 1, zeros above."""
+    return byte * 0x11 + 0x4400
+
+
+def e4m3_pair_ptx(dtype: DType) -> str:
+    """PTX of `scale_pair_e4m3_*`: $1 = the scale word, $2 = the selector; $0 = the pair."""
+    head = (" .reg .b32 t, z, p;\n .reg .b16 h, hh;\n mov.b32 z, 0;\n prmt.b32 t, $1, z, $2;\n"
+            " mov.b32 {h, hh}, t;\n")
+    if dtype is DType.FP16:
+        return "{\n" + head + " cvt.rn.f16x2.e4m3x2 $0, h;\n}"
+    return ("{\n" + head + " .reg .b16 l, u;\n .reg .f32 f;\n cvt.rn.f16x2.e4m3x2 p, h;\n mov.b32 {l, u}, p;\n"
+            f" cvt.f32.f16 f, l;\n mul.f32 f, f, 0f{(MODELOPT_SCALE_EXP_BF16 + 127) << 23:08X};\n"
+            " cvt.rn.bf16x2.f32 $0, f, f;\n}")
+
+
+@dsl_user_op
+def scale_pair_e4m3_bf16(q: Uint32, selector: Int32, *, loc=None, ip=None) -> Uint32:
+    """The e4m3 scale byte `selector` picks (e4m3_pair_selector) of q -> (s, s) as bf16x2 holding
+    s * 2**23, exact for every e4m3 value, zero and subnormals included: prmt, e4m3x2 -> f16x2
+    (exact), f16 -> f32, times 2**23, f32 -> bf16x2 (exact: 4 significant bits)."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(q), Int32(selector)], loc, ip), e4m3_pair_ptx(DType.BF16), "=r,r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def scale_pair_e4m3_f16(q: Uint32, selector: Int32, *, loc=None, ip=None) -> Uint32:
+    """As `scale_pair_e4m3_bf16` for half2 holding s itself: prmt, then one e4m3x2 -> f16x2 conversion."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(q), Int32(selector)], loc, ip), e4m3_pair_ptx(DType.FP16), "=r,r,r",
                      effects=False, loc=loc, ip=ip))
 
 
@@ -622,6 +694,14 @@ def cp_async_16_zfill(smem_addr: Int32, gmem_addr: Int64, pred: Int32, *, loc=No
          "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n selp.b32 n, 16, 0, p;\n"
          " cp.async.cg.shared.global [$0], [$1], 16, n;\n}",
          "r,l,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """4-, 8- or 16-byte global -> shared copy through L1 (`cp.async.ca`; .cg takes 16 bytes only)."""
+    assert nbytes in (4, 8, 16), nbytes
+    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr)], loc, ip),
+         f"cp.async.ca.shared.global [$0], [$1], {nbytes};", "r,l", effects=True, loc=loc, ip=ip)
 
 
 # ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)

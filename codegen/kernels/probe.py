@@ -112,6 +112,20 @@ class ProbeKernel:
             for j in range(4):
                 d.u32[16 * i + 4 * jj + j] = out[j]
 
+    def _e2m1_bytes_bf16(self, s, d, i):
+        self._quads(s, d, i, I.dequant_e2m1_bytes_bf16)
+
+    def _e2m1_bytes_f16(self, s, d, i):
+        self._quads(s, d, i, I.dequant_e2m1_bytes_f16)
+
+    def _e4m3_pair_bf16(self, s, d, i):
+        for byte in range(4):
+            d.u32[4 * i + byte] = I.scale_pair_e4m3_bf16(s.u32[i], I.e4m3_pair_selector(Int32(byte)))
+
+    def _e4m3_pair_f16(self, s, d, i):
+        for byte in range(4):
+            d.u32[4 * i + byte] = I.scale_pair_e4m3_f16(s.u32[i], I.e4m3_pair_selector(Int32(byte)))
+
     # ------------------------------------------------------------------ pair arithmetic
 
     def _mul_bf16x2(self, s, d, i):

@@ -511,3 +511,49 @@ def test_cp_async_zfill(bundle, capsys):
     want = torch.where((flags != 0)[:, None], data, torch.zeros_like(data))
     got = _run(bundle, Probe.CP_ASYNC, _i32(src.flatten()), n)
     _check(capsys, "cp_async_16 / cp_async_16_zfill", got, want, inputs=torch.cat([flags[:, None], data], 1))
+
+
+
+# ----------------------------------------------------------------------------- the ModelOpt-layout decodes
+
+
+def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=torch.float64)[code]
+
+
+@pytest.mark.parametrize("probe,exp,elem", [(Probe.E2M1_BYTES_BF16, -126, torch.bfloat16),
+                                            (Probe.E2M1_BYTES_F16, -14, torch.float16)],
+                         ids=lambda v: v.value if isinstance(v, Probe) else "")
+def test_e2m1_bytes_decode(bundle, capsys, probe, exp, elem):
+    """dequant_e2m1_bytes_*: pair i = (low code, high code) of byte i, w * 2**exp (NVFP4's definition)."""
+    g = torch.Generator().manual_seed(5)
+    words = torch.cat([torch.arange(256, dtype=torch.int64) * 0x01010101, _random_words(8192, g)])
+    got = _run(bundle, probe, _i32(words), words.numel())
+
+    def bits(code):
+        return _bits16((_e2m1_value(code) * 2.0**exp).to(torch.float32).to(elem))
+
+    want = torch.stack([_pair(bits(_bytes_of(words, i) & 0xF), bits(_bytes_of(words, i) >> 4)) for i in range(4)], dim=1)
+    _check(capsys, probe.value, got, want, inputs=words)
+
+
+@pytest.mark.parametrize("probe,offset,elem", [(Probe.E4M3_PAIR_BF16, 2.0**23, torch.bfloat16),
+                                               (Probe.E4M3_PAIR_F16, 1.0, torch.float16)],
+                         ids=lambda v: v.value if isinstance(v, Probe) else "")
+def test_e4m3_pair_decode(bundle, capsys, probe, offset, elem):
+    """scale_pair_e4m3_*: (s, s) * offset of each e4m3 byte, zero and subnormals included, in every
+    position (NaN bytes are refused when weights are prepared, so they are left out)."""
+    words = _byte_words(torch.Generator().manual_seed(6))
+    nan = torch.zeros_like(words, dtype=torch.bool)
+    for k in range(4):
+        nan |= (_bytes_of(words, k) & 0x7F) == 0x7F
+    words = words[~nan]
+    got = _run(bundle, probe, _i32(words), words.numel())
+
+    def pair(byte):
+        value = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64) * offset
+        b = _bits16(value.to(torch.float32).to(elem))
+        return _pair(b, b)
+
+    want = torch.stack([pair(_bytes_of(words, k)) for k in range(4)], dim=1)
+    _check(capsys, probe.value, got, want, inputs=words)

@@ -1,0 +1,66 @@
+"""The ModelOpt-layout decodes, instruction by instruction: the PTX text the intrinsics emit runs in
+tests/reference/ptx.py and must equal the values the NVFP4 definition gives (tests/reference/nvfp4.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cuteaot.codegen import intrinsics as I
+from cuteaot.runtime.types import DType
+from tests.reference.nvfp4 import E2M1_MAGNITUDES
+from tests.reference.ptx import run
+
+TORCH = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+DECODE_EXP = {DType.BF16: -126, DType.FP16: -14}  # the bit trick's fixed offset (intrinsics docstring)
+
+
+def _bits(values: np.ndarray, dtype: DType) -> np.ndarray:
+    t = torch.from_numpy(values.astype(np.float64)).to(torch.float32).to(TORCH[dtype])
+    return t.view(torch.int16).numpy().view(np.uint16).astype(np.uint64)
+
+
+def _e2m1(codes: np.ndarray) -> np.ndarray:
+    mag = np.asarray(E2M1_MAGNITUDES)[codes & 7]
+    return np.where(codes & 8, -mag, mag)
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_e2m1_byte_decode_gives_each_bytes_two_codes_as_one_pair(dtype):
+    rng = np.random.default_rng(0)
+    every_byte = np.arange(256, dtype=np.uint64)
+    words = np.concatenate([every_byte * 0x01010101, every_byte << 8, every_byte << 24,
+                            rng.integers(0, 2**32, 20000, dtype=np.uint64)])
+    pairs = run(I.modelopt_word_ptx(dtype), {4: words}, 4)
+    for i, pair in enumerate(pairs):
+        byte = (words >> np.uint64(8 * i)) & np.uint64(0xFF)
+        lo, hi = (_e2m1((byte >> np.uint64(s)) & np.uint64(0xF)) * 2.0 ** DECODE_EXP[dtype] for s in (0, 4))
+        expected = _bits(lo, dtype) | (_bits(hi, dtype) << np.uint64(16))
+        bad = np.nonzero(pair != expected)[0]
+        assert bad.size == 0, f"byte {i} of {words[bad[0]]:#010x}: got {pair[bad[0]]:#010x}, want {expected[bad[0]]:#010x}"
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_e4m3_scale_pair_is_exact_for_every_scale_byte(dtype):
+    """Every non-NaN e4m3 byte (zero and the subnormals included), at each byte position."""
+    every = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint64)
+    value = torch.from_numpy(every.astype(np.uint8)).view(torch.float8_e4m3fn).double().numpy()
+    offset = 2.0 ** I.MODELOPT_SCALE_EXP_BF16 if dtype is DType.BF16 else 1.0
+    want = _bits(value * offset, dtype)
+    want = want | (want << np.uint64(16))
+    for pos in range(4):
+        junk = np.uint64(0xA5C3F00F) & ~np.uint64(0xFF << (8 * pos))  # the other bytes must not matter
+        words = (every << np.uint64(8 * pos)) | junk
+        (pair,) = run(I.e4m3_pair_ptx(dtype), {1: words, 2: np.uint64(I.e4m3_pair_selector(pos))}, 1)
+        bad = np.nonzero(pair != want)[0]
+        assert bad.size == 0, f"byte {int(every[bad[0]]):#04x} at {pos}: got {pair[bad[0]]:#010x}, want {want[bad[0]]:#010x}"
+
+
+def test_bf16_products_of_codes_and_scales_stay_exact():
+    """The smallest nonzero product (code 0.5 * the smallest subnormal scale) is still a normal bf16
+    once both offsets are applied, so the paired multiply rounds nothing."""
+    smallest = 0.5 * 2.0 ** DECODE_EXP[DType.BF16] * 2.0**-9 * 2.0 ** I.MODELOPT_SCALE_EXP_BF16
+    assert smallest >= 2.0**-126
+    largest = 6.0 * 2.0 ** DECODE_EXP[DType.BF16] * 448.0 * 2.0 ** I.MODELOPT_SCALE_EXP_BF16
+    assert largest < 2.0**127
