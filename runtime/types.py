@@ -42,14 +42,23 @@ class WeightFormat(str, Enum):
 
     NVFP4 = "nvfp4"  # e2m1 codes, e4m3 scale per 16 k, the "packed" layout (MXFP4 is packed into it)
     NF3 = "nf3"  # 3-bit codebook codes, e4m3 scale per 32 k, the "nf3" layout; bf16 only
+    # NVFP4 read as ModelOpt stores it (the "modelopt" layout, no repacking): W13's gate rows first
+    # (w13), or its up rows first (w31)
+    MODELOPT = "modelopt"
+    MODELOPT_W31 = "modelopt_w31"
 
     @property
     def layout(self) -> str:
-        return "packed" if self is WeightFormat.NVFP4 else "nf3"
+        return {WeightFormat.NVFP4: "packed", WeightFormat.NF3: "nf3"}.get(self, "modelopt")
 
     @property
     def scale_format(self) -> str:
-        return "e4m3_k16" if self is WeightFormat.NVFP4 else "e4m3_k32"
+        return "e4m3_k32" if self is WeightFormat.NF3 else "e4m3_k16"
+
+    @property
+    def up_first(self) -> bool:
+        """W13 stores its up rows before its gate rows (the kernels then read it rotated by I)."""
+        return self is WeightFormat.MODELOPT_W31
 
 
 def fc1_width(intermediate_size: int, gated: bool) -> int:

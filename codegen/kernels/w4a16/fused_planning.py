@@ -100,6 +100,12 @@ FUSED_MMA_SYNC_MAX_BLOCK = 48
 # Not on sm_100a: there the same launch bounds spill (168 registers + 32-40 B of stack).
 FUSED_PACKED_BLOCKS_PER_SM = {"sm_90a": {16: 4, 32: 3}}
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
+# modelopt FC1 tiles narrower than this divide every intermediate size the layout takes (multiples of 128)
+MODELOPT_HALF_TILE_N = 128
+# modelopt layers: the most CTAs per SM whose register share holds the loop without spills (its
+# 16-byte activation chunks and stored-byte decode need more than the packed loop: 16-row blocks took
+# 144 registers and 32-row blocks 195 on sm_90a, over the packed caps' 128 and 168)
+MODELOPT_BLOCKS_PER_SM = {16: 3, 32: 2}
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ def plan_fused(
     scale_format: ScaleFormat = ScaleFormat.E4M3_K16,
     tall: bool | None = None,
     decode: bool | None = None,
+    stored_as_is: bool = False,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
 
@@ -155,6 +162,8 @@ def plan_fused(
     (NF3: e4m3_k32, which only the mma.sync loop decodes).  `tall`: 128-row wgmma blocks or not
     (planning.wgmma_tall_block; None: the average-routes rule).  `decode`: the decode regime up to
     DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).
+    `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only,
+    and FC1 tiles that do not straddle the gate | up boundary (each half has its own global scale).
     """
     scale = ScaleFormat(scale_format)
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -179,8 +188,11 @@ def plan_fused(
         t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile, threads=threads)
     if decode:
         t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale)
+    if stored_as_is and gated and intermediate_size % t1.tile_n:
+        t1 = TileConfig(t1.tile_k * t1.tile_n // MODELOPT_HALF_TILE_N, MODELOPT_HALF_TILE_N)  # same threads
 
-    wg = None if decode else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile, scale, tall)
+    wg = None if decode or stored_as_is else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile,
+                                                          scale, tall)
     if wg is not None:
         block, t1, t2, bps = wg
         cap = profile.sm_count * bps
@@ -191,7 +203,8 @@ def plan_fused(
 
     def per_sm(n: int, tile: TileConfig) -> int:
         cap = None if decode else FUSED_PACKED_BLOCKS_PER_SM.get(profile.arch, {}).get(block)
-        return blocks_per_sm(m, n, top_k, block, tile, scale, profile, estimated_registers(tile, block), cap)
+        count = blocks_per_sm(m, n, top_k, block, tile, scale, profile, estimated_registers(tile, block), cap)
+        return min(count, MODELOPT_BLOCKS_PER_SM.get(block, count)) if stored_as_is else count
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
     if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, scale, profile) is None
@@ -322,7 +335,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
     return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
                       deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
-                      tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile))
+                      tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile),
+                      stored_as_is=facts.weights.layout == "modelopt")
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the

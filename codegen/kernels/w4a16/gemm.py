@@ -270,10 +270,40 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     # ------------------------------------------------------------------ one tile
 
     @cute.jit
+    def _plan_modelopt_reads(self, t, smem: Int32, expert: Int32, n_tile: Int32, warp: Int32, lane: Int32):
+        """modelopt: the tile's first stored weight row, and this lane's shared-memory read addresses.
+
+        Warp (wr = warp_row, wn) consumes the 32-k slice wr (chunk wr of each stored row) of columns
+        64 wn ..: ldmatrix matrix j = lane // 8 of column half kk reads rows 64 wn + 32 kk + 8 j + lane % 8,
+        so lane (g, t) receives bytes 4t .. 4t + 3 (k = 8t .. 8t + 7 of the slice) of column 8b + g.
+        Its codes lie in 16-k group 2 wr + t // 2 of the stage: that byte of each column's scale word."""
+        s = self.s
+        t.expert = expert
+        first = n_tile * Int32(s.tile_n)
+        if cutlass.const_expr(s.n_rotation is not None):
+            first = (first + Int32(s.n_rotation)) % Int32(s.n)
+        t.src_n0 = first
+        wn = warp % Int32(s.n_warps)
+        wr = warp // Int32(s.n_warps)
+        g = lane // Int32(4)
+        quad = lane % Int32(4)
+        row = Int32(64) * wn + Int32(8) * (lane // Int32(8)) + lane % Int32(8)
+        t.b_rd = smem + (Int32(s.sh_b_off) + row * Int32(s.modelopt_chunks) + (wr ^ self._modelopt_b_swizzle(row))) * Int32(16)
+        group = Int32(2) * wr + quad // Int32(2)
+        scale_bytes = s.tile_k // 16  # per stored row and stage
+        t.s_rd = (smem + Int32(s.sh_s_off * 16) + (Int32(64) * wn + g) * Int32(scale_bytes)
+                  + Int32(4) * (group // Int32(4)))
+        t.s_sel = I.e4m3_pair_selector(group % Int32(4))
+        t.a_mo = smem + self._a_swizzle(g * Int32(s.a_sh_stride) + Int32(4) * wr + quad) * Int32(16)
+
+    @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, n_tile: Int32,
               k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         s = self.s
-        global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
+        scale_index = Int64(expert)
+        if cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the tile's half of N
+            scale_index = Int64(expert) * Int64(2) + Int64((n_tile * Int32(s.tile_n)) // Int32(s.n // 2))
+        global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
 
         warp = tid // Int32(32)
@@ -300,7 +330,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         s_sh_rd = Int32(8) * (warp % Int32(s.n_warps)) + lane // Int32(4)
         a_sh_rd = (Int32(s.a_sh_stride) * (lane % Int32(lanes_per_row)) + lane // Int32(lanes_per_row)
                    + Int32(2 * s.b_sh_wr_iters) * warp_row)
-        if cutlass.const_expr(s.nf3):
+        if cutlass.const_expr(s.modelopt):
+            self._plan_modelopt_reads(t, smem, expert, n_tile, warp, lane)
+        elif cutlass.const_expr(s.nf3):
             # this warp's slab of its 32-k row: lane words (x0, x1) of row kk at + 256 kk + 8 lane,
             # x2 at + 512 + 128 kk + 4 lane (runtime/nf3.py); one scale row per 32-k row
             slab = (smem + Int32(s.sh_b_off * 16) + warp_row * Int32(s.nf3_tile_row_int4 * 16)

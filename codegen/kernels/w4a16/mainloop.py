@@ -46,6 +46,20 @@ class MainloopMixin:
         return I.scale_pair_s0e5m3_bf16(p, byte)
 
     @cute.jit
+    def _dequant_bytes(self, x: Uint32):
+        """modelopt: four bytes of a stored weight row -> the four pairs of their codes (docs/layouts.md)."""
+        if cutlass.const_expr(self.is_fp16):
+            return I.dequant_e2m1_bytes_f16(x)
+        return I.dequant_e2m1_bytes_bf16(x)
+
+    @cute.jit
+    def _scale_pair_e4m3(self, p: Uint32, selector: Int32) -> Uint32:
+        """modelopt: (s, s) of the stored e4m3 scale byte `selector` picks in the scale word p."""
+        if cutlass.const_expr(self.is_fp16):
+            return I.scale_pair_e4m3_f16(p, selector)
+        return I.scale_pair_e4m3_bf16(p, selector)
+
+    @cute.jit
     def _pair_mul(self, a: Uint32, b: Uint32) -> Uint32:
         if cutlass.const_expr(self.is_fp16):
             return I.f16x2_mul(a, b)
@@ -61,9 +75,23 @@ class MainloopMixin:
 
     @cute.jit
     def _a_swizzle(self, i: Int32) -> Int32:
-        """int4 index within an A stage -> swizzled index (16-byte chunk XOR row % 8)."""
+        """int4 index within an A stage -> swizzled index (16-byte chunk XOR row % 8).
+
+        modelopt: XOR (row % 8) ^ 4 (row % 2) instead.  Its lanes read whole 16-byte chunks (rows g and
+        g + 8, chunk 4 * warp_row + t), so the two rows of one quarter-warp must land in opposite halves
+        of the bank rows; the plain swizzle puts them on the same banks."""
         row = i // Int32(self.s.a_sh_stride)
-        return Int32(self.s.a_sh_stride) * row + ((i - row * Int32(self.s.a_sh_stride)) ^ (row & Int32(7)))
+        flip = row & Int32(7)
+        if cutlass.const_expr(self.s.modelopt):
+            flip = flip ^ ((row & Int32(1)) << Int32(2))
+        return Int32(self.s.a_sh_stride) * row + ((i - row * Int32(self.s.a_sh_stride)) ^ flip)
+
+    @cute.jit
+    def _modelopt_b_swizzle(self, n: Int32) -> Int32:
+        """modelopt B stage: chunk c of weight row n is stored at c ^ this, so that the 8 rows one ldmatrix
+        matrix reads (same chunk, rows 8j .. 8j + 7) fall on distinct banks."""
+        c = self.s.modelopt_chunks
+        return (n // Int32(8 // c)) % Int32(c)
 
     @cute.jit
     def _sh(self, smem: Int32, int4_off: Int32) -> Int32:
@@ -89,7 +117,9 @@ class MainloopMixin:
             t.a_ok.append(row < valid_rows)
             t.a_in_stage.append(row < Int32(16 * s.m_blocks))
             t.a_dst.append(smem + (Int32(s.sh_a_off) + self._a_swizzle(Int32(i * s.a_sh_wr_delta) + t.a_sh_wr)) * Int32(16))
-        if cutlass.const_expr(s.nf3):
+        if cutlass.const_expr(s.modelopt):
+            self._plan_modelopt_staging(ops, t, smem, tid)
+        elif cutlass.const_expr(s.nf3):
             # a stage is tile_k/32 rows of nf3_tile_row_int4 chunks, copied verbatim: chunk c = tid + i * threads
             t.b_src, t.b_dst, t.b_ok = [], [], []
             for i in cutlass.range_constexpr(s.b_copies):
@@ -102,11 +132,34 @@ class MainloopMixin:
         else:
             t.b_src = ops.qweight + t.b_gl_rd * Int64(16)
             t.b_dst = smem + (Int32(s.sh_b_off) + tid) * Int32(16)
-        t.s_ok = tid < Int32(s.s_sh_stage)
-        n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
-        t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
-                                + Int64(n_group)) * Int64(16)
-        t.s_dst = smem + (Int32(s.sh_s_off) + tid) * Int32(16)
+        if cutlass.const_expr(not s.modelopt):
+            t.s_ok = tid < Int32(s.s_sh_stage)
+            n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
+            t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
+                                    + Int64(n_group)) * Int64(16)
+            t.s_dst = smem + (Int32(s.sh_s_off) + tid) * Int32(16)
+
+    @cute.jit
+    def _plan_modelopt_staging(self, ops, t, smem: Int32, tid: Int32):
+        """modelopt: a stage holds the tile_k / 2 stored bytes of each of the tile's tile_n weight rows
+        (row = output column; C = tile_k / 32 chunks of 16 bytes, row-major, chunks swizzled), copy
+        ci = (row, chunk) so that a warp reads whole rows; and each row's tile_k / 16 scale bytes, one
+        small copy per row."""
+        s = self.s
+        c_count = s.modelopt_chunks
+        row_bytes = Int64(s.k // 2)
+        expert_rows = Int64(t.expert) * Int64(s.n) + Int64(t.src_n0)
+        t.b_src, t.b_dst = [], []
+        for i in cutlass.range_constexpr(s.b_copies):
+            ci = tid + Int32(i * s.threads)
+            n = ci // Int32(c_count)
+            c = ci - n * Int32(c_count)
+            t.b_src.append(ops.qweight + (expert_rows + Int64(n)) * row_bytes + Int64(c * Int32(16)))
+            t.b_dst.append(smem + (Int32(s.sh_b_off) + n * Int32(c_count) + (c ^ self._modelopt_b_swizzle(n)))
+                           * Int32(16))
+        t.s_ok = tid < Int32(s.tile_n)
+        t.s_src = ops.scales + (expert_rows + Int64(tid)) * Int64(s.k // 16)
+        t.s_dst = smem + Int32(s.sh_s_off * 16) + tid * Int32(s.tile_k // 16)
 
     @cute.jit
     def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
@@ -126,7 +179,10 @@ class MainloopMixin:
                     I.cp_async_16_zfill(dst, src, load.to(Int32))
             else:
                 I.cp_async_16_zfill(dst, src, load.to(Int32))
-        if cutlass.const_expr(s.nf3):
+        if cutlass.const_expr(s.modelopt):
+            for i in cutlass.range_constexpr(s.b_copies):
+                I.cp_async_16(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), t.b_src[i] + k64 * Int64(s.tile_k // 2))
+        elif cutlass.const_expr(s.nf3):
             for i in cutlass.range_constexpr(s.b_copies):
                 src = t.b_src[i] + k64 * Int64(s.tile_k // NF3_BLOCK_K * s.nf3_row_int4 * 16)
                 if cutlass.const_expr((i + 1) * s.threads <= s.b_sh_stage):
@@ -139,7 +195,11 @@ class MainloopMixin:
                 I.cp_async_16(t.b_dst + Int32((pipe * s.b_sh_stage + i * s.threads) * 16),
                               t.b_src + k64 * Int64(s.k_blocks * (s.n // 2) * 16) + Int64(i * b_row * (s.n // 2) * 16))
         scale_rows = s.tile_k // self.scale_group  # scale rows a k-tile holds
-        if t.s_ok:
+        if cutlass.const_expr(s.modelopt):
+            if t.s_ok:
+                I.cp_async_ca(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(s.tile_k // 16),
+                              s.tile_k // 16)
+        elif t.s_ok:
             I.cp_async_16(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(scale_rows * (s.n // 16) * 16))
         cute.arch.cp_async_commit_group()
 
@@ -174,7 +234,20 @@ class MainloopMixin:
         per tile; stage and row block only add constants (the swizzle XOR repeats every 8 rows).
         """
         s = self.s
-        if cutlass.const_expr(self.m8):
+        if cutlass.const_expr(s.modelopt):  # both k-steps of the warp's 32-k slice, whole 16-byte chunks
+            base = t.a_mo + Int32((s.sh_a_off + pipe * s.a_sh_stage) * 16)
+            if cutlass.const_expr(self.m8):
+                u = I.ld_shared_v4_u32(base)
+                for j in cutlass.range_constexpr(4):
+                    regs[j] = u[j]
+            else:
+                for mb in cutlass.range_constexpr(s.m_blocks):
+                    u = I.ld_shared_v4_u32(base + Int32(mb * 16 * s.a_sh_stride * 16))
+                    v = I.ld_shared_v4_u32(base + Int32((mb * 16 + 8) * s.a_sh_stride * 16))
+                    for j in cutlass.range_constexpr(4):
+                        regs[mb, j] = u[j]
+                        regs[mb, 4 + j] = v[j]
+        elif cutlass.const_expr(self.m8):
             r0, r1 = I.ldmatrix_x2(t.a_rd[kk] + Int32((s.sh_a_off + pipe * s.a_sh_stage) * 16))
             regs[0] = r0
             regs[1] = r1
@@ -198,7 +271,14 @@ class MainloopMixin:
         two registers per set instead of four decoded pairs.
         """
         s = self.s
-        if cutlass.const_expr(s.nf3):  # x0, x1, x2 of row kk (regs[3] unused); both rows share a scale row
+        if cutlass.const_expr(s.modelopt):
+            # "row" kk is column half kk of the warp's 64 columns (blocks 4kk .. 4kk + 3): their stored words
+            # (ldmatrix: codes 8t .. 8t + 7 of the warp's 32-k slice of column 8b + g) and scale words
+            q = I.ldmatrix_x4(t.b_rd + Int32(pipe * s.b_sh_stage * 16 + kk * 32 * s.modelopt_chunks * 16))
+            for j in cutlass.range_constexpr(4):
+                regs[j] = q[j]
+                regs[4 + j] = I.ld_shared_u32(t.s_rd + Int32(pipe * s.s_sh_stage * 16 + (4 * kk + j) * 8 * (s.tile_k // 16)))
+        elif cutlass.const_expr(s.nf3):  # x0, x1, x2 of row kk (regs[3] unused); both rows share a scale row
             x0, x1 = I.ld_shared_v2_u32(t.b_rd + Int32(pipe * s.b_sh_stage * 16 + kk * 8 * NF3_LANES))
             regs[0] = x0
             regs[1] = x1
@@ -246,12 +326,15 @@ class MainloopMixin:
         frag[1, 1] = self._pair_mul(c1_b1, s_c1)
 
     @cute.jit
-    def _mma_row(self, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor,
+    def _mma_row(self, t, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor,
                  pairs: cute.Tensor, kk: cutlass.Constexpr[int]):
         """The MMAs of 16-k row kk: word jj's weights scaled by bytes jj % 2 (column block c0) and
         jj % 2 + 2 (c1) of raw scale word jj // 2 (SCALE_BYTE_ORDER).  NF3: the two rows of a 32-k
         row share one scale row, so row 0 decodes the eight scale pairs into `pairs` and row 1
         reuses them; the fourth decode word is gathered from the other three."""
+        if cutlass.const_expr(self.s.modelopt):
+            self._mma_row_modelopt(t, acc, a_regs, bs, frag, kk)
+            return
         words = [bs[0], bs[1], bs[2], bs[3]]
         if cutlass.const_expr(self.nf3):
             words[3] = I.nf3_gather(bs[0], bs[1], bs[2])
@@ -286,6 +369,48 @@ class MainloopMixin:
                         acc[mb, jj, half, 2] = d2
                         acc[mb, jj, half, 3] = d3
 
+    @cute.jit
+    def _mma_row_modelopt(self, t, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor,
+                          kk: cutlass.Constexpr[int]):
+        """modelopt: the MMAs of column half kk over the warp's whole 32-k slice.
+
+        A lane's stored word holds k = 8t .. 8t + 7 of the slice (two codes a byte), not the
+        fragment's 2t, 2t + 1, 2t + 8, 2t + 9: k-step ks takes bytes 2ks, 2ks + 1 as its k-pairs, and
+        the activations are loaded with the same permutation (16-byte chunk 8t .. 8t + 7: pairs 2ks,
+        2ks + 1), so every product still meets its own activation.  One scale per word (its 8 k lie in
+        one 16-k group)."""
+        s = self.s
+        for jl in cutlass.range_constexpr(2):
+            jj = 2 * kk + jl  # columns 16 jj + g (block c0) and + 8 (c1)
+            pairs = []
+            for half in cutlass.range_constexpr(2):
+                scale = self._scale_pair_e4m3(bs[4 + 2 * jl + half], t.s_sel)
+                pairs.append([self._pair_mul(r, scale) for r in self._dequant_bytes(bs[2 * jl + half])])
+            for ks in cutlass.range_constexpr(2):
+                for half in cutlass.range_constexpr(2):
+                    frag[half, 0] = pairs[half][2 * ks]
+                    frag[half, 1] = pairs[half][2 * ks + 1]
+                if cutlass.const_expr(self.m8):
+                    d0, d1, d2, d3 = self._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
+                                               frag[0, 0], frag[1, 0], frag[0, 1], frag[1, 1],
+                                               a_regs[2 * ks], a_regs[2 * ks + 1])
+                    acc[jj, 0] = d0
+                    acc[jj, 1] = d1
+                    acc[jj, 2] = d2
+                    acc[jj, 3] = d3
+                else:
+                    for mb in cutlass.range_constexpr(s.m_blocks):
+                        for half in cutlass.range_constexpr(2):
+                            d0, d1, d2, d3 = self._mma(
+                                acc[mb, jj, half, 0], acc[mb, jj, half, 1], acc[mb, jj, half, 2], acc[mb, jj, half, 3],
+                                a_regs[mb, 2 * ks], a_regs[mb, 4 + 2 * ks], a_regs[mb, 2 * ks + 1],
+                                a_regs[mb, 4 + 2 * ks + 1], frag[half, 0], frag[half, 1],
+                            )
+                            acc[mb, jj, half, 0] = d0
+                            acc[mb, jj, half, 1] = d1
+                            acc[mb, jj, half, 2] = d2
+                            acc[mb, jj, half, 3] = d3
+
     # ------------------------------------------------------------------ the loop
 
     @cute.jit
@@ -298,8 +423,12 @@ class MainloopMixin:
         # b_sh_wr_iters == 2): row kk computes from set kk while the other set is being loaded,
         # so nothing is copied between "current" and "next" registers.
         a_shape = (2,) if self.m8 else (s.m_blocks, 4)
+        bs_words = 6
+        if cutlass.const_expr(s.modelopt):  # whole 16-byte activation chunks; 4 weight + 4 scale words
+            a_shape = (4,) if self.m8 else (s.m_blocks, 8)
+            bs_words = 8
         a_regs = [cute.make_rmem_tensor(a_shape, Uint32), cute.make_rmem_tensor(a_shape, Uint32)]
-        bs_regs = [cute.make_rmem_tensor((6,), Uint32), cute.make_rmem_tensor((6,), Uint32)]
+        bs_regs = [cute.make_rmem_tensor((bs_words,), Uint32), cute.make_rmem_tensor((bs_words,), Uint32)]
         frag = cute.make_rmem_tensor((2, 2), Uint32)
         pairs = cute.make_rmem_tensor((8 if self.nf3 else 1,), Uint32)  # NF3: a 32-k row's scale pairs
         self._load_bs_regs(bs_regs[0], t, 0, 0)
@@ -313,7 +442,7 @@ class MainloopMixin:
                         self._load_next(bs_regs[1 - kk], a_regs[1 - kk], t, pipe, kk, tile_idx, k_tiles)
                         if cutlass.const_expr(kk == 0):
                             self._prefetch_lookahead(ops, t, pipe, tile_idx, k_tiles, k_start)
-                        self._mma_row(acc, a_regs[kk], bs_regs[kk], frag, pairs, kk)
+                        self._mma_row(t, acc, a_regs[kk], bs_regs[kk], frag, pairs, kk)
                     tile_idx += Int32(1)
             cute.arch.sync_threads()
             if tile_idx < k_tiles:

@@ -34,6 +34,7 @@ from ...errors import BadInputError
 from ...keys import SpecKey
 from ...types import Activation, DType, WeightFormat
 from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
+from ...weights import STORED_N_MULTIPLE as STORED_MULTIPLE
 from ..activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 
@@ -47,14 +48,14 @@ class FusedSpec(SpecKey):
     SIGNATURE = Signature(
         (
             ptr("a", Pointee.ELEM, "(M, H) dtype hidden states"),
-            ptr("w13", Pointee.I32, "(E, H/16, 2*N1) int32 packed FC1 weights"),
-            ptr("w2", Pointee.I32, "(E, I/16, 2*H) int32 packed FC2 weights"),
+            ptr("w13", Pointee.I32, "(E, H/16, 2*N1) int32 packed FC1 weights; modelopt: (E, N1, H/2) uint8"),
+            ptr("w2", Pointee.I32, "(E, I/16, 2*H) int32 packed FC2 weights; modelopt: (E, H, I/2) uint8"),
             ptr("fc1_out", Pointee.ELEM, "(routes, fc1 width) dtype FC1 output"),
             ptr("activated", Pointee.ELEM, "(routes, I) dtype activation output"),
             ptr("fc2_out", Pointee.ELEM, "(routes, H) dtype FC2 rows, or (M, H) output when decode"),
-            ptr("w13_scales", Pointee.U8, "FC1 uint8 S0E5M3 block scales, permuted"),
-            ptr("w2_scales", Pointee.U8, "FC2 uint8 S0E5M3 block scales, permuted"),
-            ptr("w13_global_scale", Pointee.F32, "(E,) float32"),
+            ptr("w13_scales", Pointee.U8, "FC1 uint8 S0E5M3 block scales, permuted; modelopt: e4m3 as stored"),
+            ptr("w2_scales", Pointee.U8, "FC2 uint8 S0E5M3 block scales, permuted; modelopt: e4m3 as stored"),
+            ptr("w13_global_scale", Pointee.F32, "(E,) float32; modelopt gated: (E, 2) [gate, up]"),
             ptr("w2_global_scale", Pointee.F32, "(E,) float32"),
             ptr("route_indices", Pointee.I32, "int32 packed route slots, or flat topk_ids (decode)"),
             ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = none/remote)"),
@@ -120,6 +121,17 @@ class FusedSpec(SpecKey):
             if v is not None and not math.isfinite(v):
                 raise BadInputError(f"{name} must be finite, got {v}")
         self.activation_spec  # validates I and the swiglu parameters
+        if self.weight_format.layout == "modelopt":
+            if self.weight_format.up_first and not self.gated:
+                raise BadInputError(f"{self.weight_format.value} (W13 stored up rows first) needs a gated activation "
+                                    f"(gate and up halves), got {self.activation.value}")
+            dims = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+            logical = ((self.fc1_width, self.hidden_size), (self.hidden_size, self.intermediate_size))
+            if dims != logical:
+                raise BadInputError(
+                    f"{self.weight_format.value} weights are read as stored, without the zero padding other layouts "
+                    f"get: hidden_size={self.hidden_size} and intermediate_size={self.intermediate_size} must be "
+                    f"multiples of {STORED_MULTIPLE}")
         self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
 
     # --------------------------------------------------------------- parts
@@ -138,6 +150,9 @@ class FusedSpec(SpecKey):
                               self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
 
     def _gemm(self, n, k, logical_n, logical_k, tile_n, tile_k, **facts) -> GemmSpec:
+        if self.weight_format.layout != "modelopt":
+            facts.pop("n_rotation", None)
+            facts.pop("split_global_scale", None)
         return GemmSpec(
             dtype=self.dtype, n=n, k=k, n_out=None if logical_n == n else logical_n,
             k_in=None if logical_k == k else logical_k, tile_n=tile_n, tile_k=tile_k,
@@ -156,7 +171,10 @@ class FusedSpec(SpecKey):
         (n1, k1), _ = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
         return self._gemm(n1, k1, self.fc1_width, self.hidden_size, self.fc1_tile_n, self.fc1_tile_k,
                           top_k=self.top_k, mul_topk_weights=self.router_weight_on_input,
-                          epilogue=Epilogue.NONE if self.gated else Epilogue.RELU2)
+                          epilogue=Epilogue.NONE if self.gated else Epilogue.RELU2,
+                          # modelopt: [gate | up] read from the stored row order, one global scale per half
+                          n_rotation=self.intermediate_size if self.weight_format.up_first else None,
+                          split_global_scale=True if self.gated else None)
 
     @property
     def fc2_gemm(self) -> GemmSpec:

@@ -42,8 +42,9 @@ from ...nf3 import NF3_BLOCK_K, NF3_COLUMN_BYTES
 from ...types import DType
 from ..activation import ActivationSpec
 
-# (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it) and NF3
-WEIGHT_FORMATS = (("packed", "e4m3_k16"), ("nf3", "e4m3_k32"))
+# (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it), NF3, and NVFP4 as
+# ModelOpt stores it
+WEIGHT_FORMATS = (("packed", "e4m3_k16"), ("nf3", "e4m3_k32"), ("modelopt", "e4m3_k16"))
 
 
 class Routes(str, Enum):
@@ -89,10 +90,13 @@ class GemmSpec(SpecKey):
     SIGNATURE = Signature(
         (
             ptr("a", Pointee.ELEM, "(rows, K) dtype row-major activations"),
-            ptr("qweight", Pointee.I32, "(E, K/16, 2N) int32 packed FP4 weights (docs/layouts.md)"),
+            ptr("qweight", Pointee.I32, "(E, K/16, 2N) int32 packed FP4 weights (docs/layouts.md); "
+                "modelopt: (E, N, K/2) uint8 as stored"),
             ptr("out", Pointee.ELEM, "(routes, N) dtype row-major output, row = route index"),
-            ptr("scales", Pointee.U8, "(E, K/16, N) uint8 S0E5M3 block scales, permuted"),
-            ptr("global_scale", Pointee.F32, "(E,) float32, decode compensation folded in"),
+            ptr("scales", Pointee.U8, "(E, K/16, N) uint8 S0E5M3 block scales, permuted; modelopt: "
+                "(E, N, K/16) e4m3 as stored"),
+            ptr("global_scale", Pointee.F32, "(E,) float32, decode compensation folded in; (E, 2) "
+                "[gate, up] with split_global_scale"),
             ptr("route_indices", Pointee.I32, "int32 packed route indices, or flat topk_ids (direct)"),
             ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = empty)"),
             ptr("route_count", Pointee.I32, "int32[1] packed slot count"),
@@ -140,9 +144,15 @@ class GemmSpec(SpecKey):
     swiglu_alpha: float | None = None
     swiglu_beta: float | None = None
     swiglu_limit: float | None = None
+    # The modelopt layout (weights read as ModelOpt stores them): output column c of the GEMM reads
+    # stored weight row (c + n_rotation) % n (W13 stored up rows first, "w31": n_rotation = I), and
+    # with split_global_scale the global scale is (E, 2), one per half of N ([gate | up]).
+    n_rotation: int | None = None
+    split_global_scale: bool | None = None
 
     # added after keys existed: left out of the key while None, so those keys keep their digests
-    KEY_OMITS_NONE = frozenset({"fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit"})
+    KEY_OMITS_NONE = frozenset({"fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit", "n_rotation",
+                                "split_global_scale"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -157,6 +167,7 @@ class GemmSpec(SpecKey):
         if self.nf3 and (self.dtype is not DType.BF16 or self.mainloop is not Mainloop.MMA_SYNC):
             raise BadInputError(f"NF3 weights are decoded by the mma.sync loop for bf16 activations, got "
                                 f"{self.dtype.value} / {self.mainloop.value}")
+        self._check_modelopt()
         for name in ("n", "k", "top_k", "tile_n", "tile_k", "moe_block_size", "blocks_per_sm"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -210,6 +221,28 @@ class GemmSpec(SpecKey):
             self.activation_spec  # validates the swiglu parameters
         elif act_facts != (None, None, None, None):
             raise BadInputError(f"fast_math and swiglu_* belong to the gated epilogues, not {self.epilogue.value}")
+
+    def _check_modelopt(self) -> None:
+        if not self.modelopt:
+            if (self.n_rotation, self.split_global_scale) != (None, None):
+                raise BadInputError("n_rotation and split_global_scale belong to the modelopt layout, "
+                                    f"got layout {self.layout}")
+            return
+        if (self.mainloop is not Mainloop.MMA_SYNC or self.n_out is not None or self.k_in is not None
+                or self.epilogue.is_gated):
+            raise BadInputError(
+                "modelopt weights (read as stored, unpadded) are decoded by the mma.sync loop with the none or "
+                f"relu2 epilogue; got mainloop {self.mainloop.value}, n_out {self.n_out}, k_in {self.k_in}, "
+                f"epilogue {self.epilogue.value}")
+        if self.n_rotation is not None and (not isinstance(self.n_rotation, int) or isinstance(self.n_rotation, bool)
+                                            or not 0 < self.n_rotation < self.n or self.n_rotation % self.tile_n):
+            raise BadInputError(f"n_rotation must be None or a multiple of tile_n={self.tile_n} in (0, {self.n}), "
+                                f"got {self.n_rotation!r}")
+        if self.split_global_scale not in (None, True):
+            raise BadInputError(f"split_global_scale must be None or True, got {self.split_global_scale!r}")
+        if self.split_global_scale and self.n % (2 * self.tile_n):
+            raise BadInputError(f"split_global_scale needs whole tiles in each half of N={self.n} "
+                                f"(tile_n={self.tile_n})")
 
     # --------------------------------------------------------------- geometry
 
@@ -299,6 +332,15 @@ class GemmSpec(SpecKey):
     @property
     def nf3(self) -> bool:
         return self.layout == "nf3"
+
+    @property
+    def modelopt(self) -> bool:
+        return self.layout == "modelopt"
+
+    @property
+    def modelopt_chunks(self) -> int:
+        """16-byte chunks (32 k each) of one weight row in a modelopt stage (row = one output column)."""
+        return self.tile_k // 32
 
     # B (weights): a 16-k row of the tile is tile_n * 16 / 8 words = tile_n / 2 int4.  NF3: a 32-k
     # row is tile_n * 12 bytes (runtime/nf3.py), 3/4 of the two 16-k rows it replaces.

@@ -1,0 +1,97 @@
+"""The modelopt main loop's data movement as docs/layouts.md ("NVFP4 read as stored") states it,
+played out lane by lane in numpy: the shared-memory swizzles are bijections and bank-conflict free
+for the loads the warps issue, and the relabelled k slots (ldmatrix bytes 4t .. 4t+3, activation
+chunk 8t .. 8t+7) make the m16n8k16 fragments compute the plain product.  The swizzle formulas are
+the kernel's (`_modelopt_b_swizzle`, `_a_swizzle`); the GPU tests run the kernel itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+LANES = 32
+
+
+def b_swizzle(n: int, chunks: int) -> int:
+    return (n // (8 // chunks)) % chunks
+
+
+def a_swizzle(row: int) -> int:
+    return (row & 7) ^ ((row & 1) << 2)
+
+
+@pytest.mark.parametrize("tile_n, tile_k", [(128, 64), (64, 128), (256, 64), (128, 128)])
+def test_b_stage_swizzle_is_a_bijection_and_ldmatrix_is_conflict_free(tile_n, tile_k):
+    chunks = tile_k // 32
+    slots = {n * chunks + (c ^ b_swizzle(n, chunks)) for n in range(tile_n) for c in range(chunks)}
+    assert slots == set(range(tile_n * chunks))
+    for wn in range(tile_n // 64):
+        for wr in range(chunks):
+            for kk in range(2):
+                for j in range(4):  # one 8x8 matrix = one shared-memory wavefront
+                    rows = [64 * wn + 32 * kk + 8 * j + r for r in range(8)]
+                    banks = {(n * chunks + (wr ^ b_swizzle(n, chunks))) % 8 for n in rows}
+                    assert len(banks) == 8, (wn, wr, kk, j)
+
+
+@pytest.mark.parametrize("stride", [8, 16])  # 16-byte chunks per activation row (tile_k 64 / 128)
+def test_activation_chunk_loads_are_conflict_free(stride):
+    for wr in range(stride // 4):
+        for base_row in (0, 8, 16, 24):
+            for q in range(4):  # a quarter-warp: lanes 8q .. 8q + 7 = (g, t), g in {2q, 2q + 1}
+                slots = []
+                for lane in range(8 * q, 8 * q + 8):
+                    g, t = lane // 4, lane % 4
+                    row = base_row + g
+                    slots.append(row * stride + ((4 * wr + t) ^ a_swizzle(row)))
+                assert len({s % 8 for s in slots}) == 8, (wr, base_row, q)
+    assert all({c ^ a_swizzle(r) for c in range(stride)} == set(range(stride)) for r in range(8))  # a bijection
+
+
+def _mma(a_frag, b_frag):
+    """m16n8k16 with fragments given per lane: a (32, 4 pairs), b (32, 2 pairs) -> D (16, 8)."""
+    a = np.zeros((16, 16))
+    b = np.zeros((16, 8))
+    for lane in range(LANES):
+        g, t = lane // 4, lane % 4
+        for reg, (row, k) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            a[row, k:k + 2] = a_frag[lane][reg]
+        for reg, k in enumerate((2 * t, 2 * t + 8)):
+            b[k:k + 2, g] = b_frag[lane][reg]
+    return a @ b
+
+
+def test_relabelled_k_slots_compute_the_product():
+    """One warp's 32-k slice, 16 tokens x 8 columns (one n8 block), both k-steps."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 32))  # activations [token, k] of the slice
+    w = rng.standard_normal((8, 32))  # weights [column, k] as stored (k-contiguous rows)
+    d = np.zeros((16, 8))
+    for ks in range(2):
+        a_frag, b_frag = [], []
+        for lane in range(LANES):
+            g, t = lane // 4, lane % 4
+            word = w[g, 8 * t:8 * t + 8]  # ldmatrix: bytes 4t .. 4t + 3 of row g = k 8t .. 8t + 7
+            b_frag.append((word[4 * ks:4 * ks + 2], word[4 * ks + 2:4 * ks + 4]))  # pairs 2ks, 2ks + 1
+            u, v = x[g, 8 * t:8 * t + 8], x[g + 8, 8 * t:8 * t + 8]  # 16-byte chunks of rows g, g + 8
+            a_frag.append((u[4 * ks:4 * ks + 2], v[4 * ks:4 * ks + 2], u[4 * ks + 2:4 * ks + 4], v[4 * ks + 2:4 * ks + 4]))
+        d += _mma(a_frag, b_frag)
+    np.testing.assert_allclose(d, x @ w.T, rtol=1e-12, atol=1e-12)
+
+
+def test_relabelled_k_slots_with_weights_as_the_a_operand():
+    """The 8-row (m8) orientation: 16 columns (c0 block, c1 block) x 8 tokens."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 32))
+    w = rng.standard_normal((16, 32))
+    d = np.zeros((16, 8))
+    for ks in range(2):
+        a_frag, b_frag = [], []
+        for lane in range(LANES):
+            g, t = lane // 4, lane % 4
+            c0, c1 = w[g, 8 * t:8 * t + 8], w[g + 8, 8 * t:8 * t + 8]
+            a_frag.append((c0[4 * ks:4 * ks + 2], c1[4 * ks:4 * ks + 2], c0[4 * ks + 2:4 * ks + 4], c1[4 * ks + 2:4 * ks + 4]))
+            u = x[g, 8 * t:8 * t + 8]
+            b_frag.append((u[4 * ks:4 * ks + 2], u[4 * ks + 2:4 * ks + 4]))
+        d += _mma(a_frag, b_frag)
+    np.testing.assert_allclose(d, w @ x.T, rtol=1e-12, atol=1e-12)
