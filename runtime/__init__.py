@@ -31,6 +31,7 @@ from .parallel import (
     ParallelMoeLayer, ep_partition, ep_select, tp_shard_bias2, tp_shard_bias13, tp_shard_w2, tp_shard_w2_mxfp4,
     tp_shard_w13, tp_shard_w13_mxfp4,
 )
+from .modelopt import ModelOptNvfp4, prepare_w2_modelopt, prepare_w13_modelopt
 from .nf3 import PackedNf3, pack_nf3, prepare_w2_nf3, prepare_w13_nf3, quantize_nf3, unpack_nf3
 from .types import Activation, DType, WeightFormat
 from .weights import (
@@ -93,6 +94,9 @@ __all__ = [
     "unpack_nf3",
     "prepare_w13_nf3",
     "prepare_w2_nf3",
+    "ModelOptNvfp4",
+    "prepare_w13_modelopt",
+    "prepare_w2_modelopt",
     "CheckpointError",
     "CheckpointFiles",
     "CheckpointLayout",

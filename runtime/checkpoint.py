@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from .errors import BadInputError
+from .modelopt import prepare_w2_modelopt, prepare_w13_modelopt
 from .types import DType
 from .weights import (
     MXFP4_BLOCK_BYTES, MXFP4_BLOCK_K, PackedNvfp4, W13Order, prepare_w2, prepare_w2_mxfp4, prepare_w13,
@@ -327,7 +328,7 @@ def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
     )
 
 
-def _load_fused(files, prefix, num_experts, dtype, layout, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored) -> tuple[PackedNvfp4, PackedNvfp4]:
     name13 = "w13" if layout is CheckpointLayout.W13 else "w31"
     base = f"{prefix}.experts."
     _, shape13, path = files.header(f"{base}{name13}_weight", prefix)
@@ -348,14 +349,14 @@ def _load_fused(files, prefix, num_experts, dtype, layout, device) -> tuple[Pack
     _check_optional(files, f"{base}w2_input_scale", prefix, spec2["input_scale"])
     t13["bias"] = _read_bias(files, f"{base}{name13}_bias", prefix, (e, 2 * inter), f"{name13} bias [E, 2I]")
     t2["bias"] = _read_bias(files, f"{base}w2_bias", prefix, (e, h), "w2 bias [E, H]")
-    return _prepare(t13, t2, dtype, _FUSED_ORDER[layout], device)
+    return _prepare(t13, t2, dtype, _FUSED_ORDER[layout], device, as_stored)
 
 
 _PER_EXPERT_SCALAR = ((), (1,))
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _load_per_expert(files, prefix, num_experts, dtype, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tuple[PackedNvfp4, PackedNvfp4]:
     first = f"{prefix}.experts.0.gate_proj.weight"
     _, gate_shape, path = files.header(first, prefix)
     if len(gate_shape) != 2:
@@ -396,7 +397,7 @@ def _load_per_expert(files, prefix, num_experts, dtype, device) -> tuple[PackedN
         raise CheckpointError(f"layer {prefix!r}: gate_proj and up_proj must both have biases or neither")
     t13["bias"] = None if gate is None else torch.cat((gate, up), dim=1)
     t2["bias"] = bias("down_proj")
-    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device)
+    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored)
 
 
 def _read_expert(files, prefix, expert, specs, gate_shape) -> dict[str, dict[str, torch.Tensor]]:
@@ -424,8 +425,16 @@ def _to(tensors: dict, device) -> dict:
     return {k: None if v is None else v.to(device) for k, v in tensors.items()}
 
 
-def _prepare(t13, t2, dtype, order, device) -> tuple[PackedNvfp4, PackedNvfp4]:
-    """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU)."""
+def _prepare(t13, t2, dtype, order, device, as_stored=False) -> tuple[PackedNvfp4, PackedNvfp4]:
+    """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU), or with
+    `as_stored` wrap the tensors moved there as they are (runtime/modelopt.py: no repacking pass)."""
+    if as_stored:
+        on = _to(t13, device)
+        w13 = prepare_w13_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
+                                   bias=on.get("bias"))
+        on = _to(t2, device)
+        return w13, prepare_w2_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype,
+                                        bias=on.get("bias"))
     on = _to(t13, device)
     w13 = prepare_w13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
                       bias=on.get("bias"))
@@ -477,9 +486,14 @@ def load_moe_layer(
     dtype: DType | str | torch.dtype,
     layout: CheckpointLayout | str = CheckpointLayout.AUTO,
     device: torch.device | str = "cpu",
+    as_stored: bool = False,
 ) -> tuple[PackedNvfp4, PackedNvfp4]:
     """(w13, w2) of the MoE layer under `prefix` (e.g. ``model.layers.3.mlp``), packed for the GEMM
-    with `dtype` activations, on `device`.  `files` is a `CheckpointFiles` or what its `open` takes."""
+    with `dtype` activations, on `device`.  `files` is a `CheckpointFiles` or what its `open` takes.
+
+    `as_stored=True` (NVFP4 layouts): the tensors as the checkpoint stores them, `ModelOptNvfp4`
+    for the `weights: modelopt` / `modelopt_w31` kernels, with no repacking (a per-expert checkpoint's
+    projections are stacked into one (E, 2I, H/2) tensor: that is the only copy)."""
     if not isinstance(files, CheckpointFiles):
         files = CheckpointFiles.open(files)
     try:
@@ -493,10 +507,13 @@ def load_moe_layer(
         chosen = detect_layout(files, prefix)
     try:
         if chosen is CheckpointLayout.PER_EXPERT:
-            return _load_per_expert(files, prefix, num_experts, dtype, device)
+            return _load_per_expert(files, prefix, num_experts, dtype, device, as_stored)
         if chosen is CheckpointLayout.GPT_OSS:
+            if as_stored:
+                raise CheckpointError(f"layer {prefix!r} holds gpt-oss MXFP4 weights, which are packed "
+                                      "(prepare_w13_mxfp4); as_stored reads ModelOpt NVFP4 layouts only")
             return _load_gpt_oss(files, prefix, num_experts, dtype, device)
-        return _load_fused(files, prefix, num_experts, dtype, chosen, device)
+        return _load_fused(files, prefix, num_experts, dtype, chosen, device, as_stored)
     except CheckpointError:
         raise
     except BadInputError as e:  # prepare_w13 / prepare_w2 rejected the values: say which layer and files

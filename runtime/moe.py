@@ -144,8 +144,9 @@ class MoeLayer:
 
     w13: prepare_w13(...) (N = 2I gate|up for silu/swigluoai, N = I for relu2; K = H)
     w2:  prepare_w2(...)  (N = H, K = I)
-        or their _mxfp4 / _nf3 forms; both of one format (the layer's `weights` fact; NF3 layers
-        need the bundle's `weights: nf3` kernels, experts of two formats a HybridMoeLayer).
+        or their _mxfp4 / _nf3 / _modelopt forms; both of one format (the layer's `weights` fact; NF3
+        layers need the bundle's `weights: nf3` kernels, layers read as ModelOpt stores them its
+        `weights: modelopt` or `modelopt_w31` ones; experts of two formats a HybridMoeLayer).
         Biases given to prepare_w13 / prepare_w2 (`PackedNvfp4.bias`, gpt-oss) are added in the
         GEMM epilogues, before the activation and the router weight; the bundle must hold the
         layer's `bias: true` kernels.
@@ -228,13 +229,17 @@ class MoeLayer:
     def _check_weights(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4) -> None:
         for name, w in (("w13", w13), ("w2", w2)):
             if not isinstance(w, PackedNvfp4):
-                raise BadInputError(f"{name} must be packed weights (prepare_{name}, prepare_{name}_mxfp4 or "
-                                    f"prepare_{name}_nf3), got {type(w).__name__}")
+                raise BadInputError(f"{name} must be prepared weights (prepare_{name}, prepare_{name}_mxfp4, "
+                                    f"prepare_{name}_nf3 or prepare_{name}_modelopt), got {type(w).__name__}")
             if w.device != bundle.device:
                 raise BadInputError(f"{name} is on {w.device}, the bundle on {bundle.device}")
-        if w13.weights is not w2.weights:
+        if w13.layout != w2.layout:
             raise BadInputError(f"w13 holds {w13.weights.value} weights and w2 {w2.weights.value}; a layer has one "
                                 "format (the NVFP4/NF3 hybrid is two layers with complementary expert maps)")
+        if w13.layout == "modelopt" and (w13.global_scale.dim() == 2) != self.activation.is_gated:
+            raise BadInputError(f"w13 was prepared for a {'gated' if w13.global_scale.dim() == 2 else 'relu2'} "
+                                f"activation, the layer's is {self.activation.value}: pass "
+                                f"prepare_w13_modelopt(..., gated={self.activation.is_gated})")
         if w13.dtype != w2.dtype:
             raise BadInputError(f"w13 was prepared for {w13.dtype.value}, w2 for {w2.dtype.value}")
         if w13.num_experts != w2.num_experts:

@@ -156,6 +156,41 @@ def test_fused_layouts(tmp_path, moe, name13):
     assert torch.equal(again[0].qweight, got[0].qweight)
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "w13", "w31"])
+def test_as_stored_keeps_the_checkpoint_bytes(tmp_path, moe, layout):
+    """as_stored: ModelOptNvfp4 holding the stored bytes (W13 rows in the checkpoint's own order) and
+    both projections' global scales, for the `weights: modelopt` / `modelopt_w31` kernels."""
+    from cuteaot.runtime import ModelOptNvfp4, WeightFormat
+    from cuteaot.runtime.modelopt import MODELOPT_COMPENSATION
+
+    scaled = dict(moe)
+    scaled["up_proj"] = (moe["up_proj"][0], moe["up_proj"][1], moe["up_proj"][2] * 0.5)
+    if layout == "per_expert":
+        root = _per_expert_checkpoint(tmp_path, scaled)
+    else:
+        root = tmp_path / "model.safetensors"
+        tensors = _fused_tensors(scaled, layout)
+        tensors[f"{PREFIX}.experts.{layout}_weight_scale_2"] = torch.stack(
+            (scaled["gate_proj"][2], scaled["up_proj"][2]), dim=1)
+        save_file(tensors, str(root))
+    w13, w2 = load_moe_layer(root, PREFIX, num_experts=E, dtype="bf16", as_stored=True)
+    assert isinstance(w13, ModelOptNvfp4) and isinstance(w2, ModelOptNvfp4)
+    assert w13.weights is (WeightFormat.MODELOPT_W31 if layout == "w31" else WeightFormat.MODELOPT)
+    first, second = ("up_proj", "gate_proj") if layout == "w31" else ("gate_proj", "up_proj")
+    assert torch.equal(w13.qweight, torch.cat((scaled[first][0], scaled[second][0]), dim=1))
+    assert torch.equal(w13.scales, torch.cat((scaled[first][1], scaled[second][1]), dim=1).view(torch.uint8))
+    pair = torch.stack((scaled["gate_proj"][2], scaled["up_proj"][2]), dim=1)
+    assert torch.equal(w13.global_scale, pair * MODELOPT_COMPENSATION[w13.dtype])
+    assert torch.equal(w2.qweight, moe["down_proj"][0])
+
+
+def test_as_stored_refuses_gpt_oss(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(_gpt_oss_tensors(), str(path))
+    with pytest.raises(CheckpointError, match="as_stored reads ModelOpt NVFP4"):
+        load_moe_layer(path, PREFIX, num_experts=E, dtype="bf16", as_stored=True)
+
+
 def test_load_moe_layers_progress_without_tqdm(tmp_path, moe, monkeypatch, capsys):
     tensors = _fused_tensors(moe, "w13")
     second = {k.replace("layers.3", "layers.4"): v for k, v in _fused_tensors(moe, "w31").items()}

@@ -1,0 +1,177 @@
+"""NVFP4 weights served as ModelOpt stores them (the "modelopt" layout): no repacking, no second copy.
+
+`prepare_w13_modelopt` / `prepare_w2_modelopt` wrap a checkpoint's stacked tensors for the kernels
+without copying them: the code bytes (E, N, K/2) u8 and the e4m3 block scales (E, N, K/16), viewed
+as bytes, are the very tensors given; the only new tensor is the per-expert float32 global scale
+(E floats, or E pairs for W13), with the decode's power-of-two offset folded in.
+
+The kernels decode these bytes in the mma.sync loop (docs/layouts.md, "NVFP4 read as stored"):
+each lane takes 4 consecutive bytes of a weight row (k = 8t .. 8t+7 of a 32-k slice) and the
+activations are read with the same k permutation, so no byte needs moving.  The price is a
+costlier decode than the packed layout's (per 8 weights, 4 prmt + 16 logic/shift instructions
+against 7 + 4 IMAD), and no warpgroup-MMA loop: the planner keeps these layers on the fused
+mma.sync kernel at every M.
+
+W13 may be stored gate rows first ("w13", `WeightFormat.MODELOPT`) or up rows first ("w31",
+`MODELOPT_W31`): the kernels read the halves where they are.  The two projections keep their own
+global scales ((E, 2) `weight_scale_2`, indexed gate, up): a tile never straddles the halves, so
+nothing is re-rounded (the packed layout folds the smaller scale into the block scales instead).
+Logical sizes are the stored ones: N and K multiples of 128 (no zero padding is possible).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .errors import BadInputError
+from .types import DType, WeightFormat
+from .weights import (
+    FP4_DECODE_EXPONENT, STORED_K_MULTIPLE, STORED_N_MULTIPLE, PackedNvfp4, W13Order, _check_bias, _check_dtype,
+    _check_global_2, _check_modelopt, _w13_order,
+)
+
+# The scale decode yields s * 2**MODELOPT_SCALE_EXPONENT (codegen/intrinsics.py `scale_pair_e4m3_*`): bf16
+# keeps the products w * s normal with the offset, fp16 takes e4m3 exactly as it is.
+MODELOPT_SCALE_EXPONENT = {DType.BF16: 23, DType.FP16: 0}
+MODELOPT_COMPENSATION = {
+    dt: 2.0 ** -(exponent + MODELOPT_SCALE_EXPONENT[dt]) for dt, exponent in FP4_DECODE_EXPONENT.items()
+}  # bf16: 2**103, fp16: 2**14
+
+
+@dataclass(frozen=True)
+class ModelOptNvfp4(PackedNvfp4):
+    """NVFP4 weights of E experts exactly as a ModelOpt checkpoint stores them.
+
+    qweight: (E, N, K/2) u8, the checkpoint's `weight` (two codes a byte, low nibble = even k)
+    scales: (E, N, K/16) u8, the checkpoint's `weight_scale` (e4m3fn) viewed as bytes
+    global_scale: (E,) f32, or (E, 2) (gate, up) for W13 of a gated activation; compensation included
+    """
+
+    layout: ClassVar[str] = "modelopt"
+    up_first: bool = False  # W13 stored up rows first (w31)
+
+    @property
+    def weights(self) -> WeightFormat:  # the layer fact: W13's row order is part of the format
+        return WeightFormat.MODELOPT_W31 if self.up_first else WeightFormat.MODELOPT
+
+    @property
+    def n_stored(self) -> int:
+        return self.n
+
+    @property
+    def k_stored(self) -> int:
+        return self.k
+
+    def _qweight_shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, self.n, self.k // 2)
+
+    def __post_init__(self):
+        e, cls = self.num_experts, type(self).__name__
+        if self.n % STORED_N_MULTIPLE or self.k % STORED_K_MULTIPLE:
+            raise BadInputError(
+                f"{cls} is read as stored, without zero padding: N and K must be multiples of "
+                f"{STORED_N_MULTIPLE}, got N={self.n}, K={self.k} (prepare_w13 / prepare_w2 pack other sizes)")
+        pairs = self.global_scale.dim() == 2
+        expected = {
+            "qweight": (self.qweight, torch.uint8, self._qweight_shape()),
+            "scales": (self.scales, torch.uint8, (e, self.n, self.k // 16)),
+            "global_scale": (self.global_scale, torch.float32, (e, 2) if pairs else (e,)),
+        }
+        for name, (tensor, dtype, shape) in expected.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                given = (tensor.dtype, tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor)
+                raise BadInputError(f"{cls}.{name} must be a {dtype} tensor of shape {shape}, got {given}")
+            if not tensor.is_contiguous():
+                raise BadInputError(f"{cls}.{name} must be contiguous, got strides {tensor.stride()}")
+        if self.up_first and not pairs:
+            raise BadInputError(f"{cls}: a W13 stored up rows first carries (gate, up) global scales, (E, 2)")
+        if not isinstance(self.dtype, DType):
+            raise BadInputError(f"{cls}.dtype must be a DType, got {self.dtype!r}")
+        self._check_bias_and_devices()
+
+    def _check_bias_and_devices(self) -> None:
+        devices = {self.qweight.device, self.scales.device, self.global_scale.device}
+        if self.bias is not None:
+            b = self.bias
+            if not isinstance(b, torch.Tensor) or b.dtype != self.dtype.torch or tuple(b.shape) != (
+                    self.num_experts, self.n) or not b.is_contiguous():
+                raise BadInputError(f"{type(self).__name__}.bias must be a contiguous {self.dtype.torch} tensor of "
+                                    f"shape {(self.num_experts, self.n)}, or None")
+            devices.add(b.device)
+        if len(devices) != 1:
+            raise BadInputError(f"{type(self).__name__} tensors must share one device, got {sorted(map(str, devices))}")
+        for name in ("qweight", "scales"):
+            if getattr(self, name).data_ptr() % 16:
+                raise BadInputError(f"{type(self).__name__}.{name} must start 16-byte aligned (the kernels copy "
+                                    f"16-byte chunks), got {getattr(self, name).data_ptr():#x}")
+
+    def to(self, device: torch.device | str) -> "ModelOptNvfp4":
+        return dataclasses.replace(
+            self, qweight=self.qweight.to(device), scales=self.scales.to(device),
+            global_scale=self.global_scale.to(device), bias=None if self.bias is None else self.bias.to(device),
+        )
+
+
+def _compensated(weight_scale_2: torch.Tensor, dtype: DType, name: str) -> torch.Tensor:
+    out = (weight_scale_2.float() * MODELOPT_COMPENSATION[dtype]).contiguous()
+    if not bool(torch.isfinite(out).all()):
+        raise BadInputError(f"{name} * {MODELOPT_COMPENSATION[dtype]:g} (the {dtype.value} decode compensation) "
+                            f"overflows float32: got max {float(weight_scale_2.max()):g}")
+    return out
+
+
+def prepare_w13_modelopt(
+    weight: torch.Tensor,  # (E, 2I, H/2) u8, or (E, I, H/2) for relu2
+    weight_scale: torch.Tensor,  # (E, 2I, H/16) e4m3fn
+    weight_scale_2: torch.Tensor,  # (E,), (E, 1) or (E, 2) = (gate, up) f32
+    dtype: DType | str | torch.dtype,
+    *,
+    order: W13Order | str = W13Order.GATE_UP,
+    gated: bool = True,
+    bias: torch.Tensor | None = None,  # (E, 2I) in the stored row order
+) -> ModelOptNvfp4:
+    """The fused gate/up projection as stored: `order` "gate_up" (ModelOpt's w13) or "up_gate" (w31).
+
+    No copy of the weight or its block scales is made (they must stay alive and unchanged while
+    layers use them).  `gated=False` for relu2 layers, whose W13 is one projection (N = I).  An (E, 2)
+    `weight_scale_2` is indexed by projection (gate, up) whatever the order; both are kept exactly.
+    """
+    row_order = _w13_order(order)
+    if row_order is W13Order.INTERLEAVED:
+        raise BadInputError("interleaved gate/up rows (gpt-oss) cannot be read as stored; use prepare_w13 "
+                            "(or prepare_w13_mxfp4), which reorders them")
+    elem = _check_dtype(dtype)
+    e, n, k = _check_modelopt(weight, weight_scale, "w13_")
+    if not gated and row_order is not W13Order.GATE_UP:
+        raise BadInputError("a relu2 W13 is one projection: order applies to gated (gate | up) weights only")
+    if gated and n % 2:
+        raise BadInputError(f"w13_weight has {n} rows; [gate | up] needs an even count (2 * I)")
+    global_2 = _check_global_2(weight_scale_2, e, weight.device, "w13_weight_scale_2", pair=gated)
+    if gated and global_2.dim() == 1:
+        global_2 = torch.stack((global_2, global_2), dim=1)
+    bias = _check_bias(bias, "w13_bias", e, n, elem, weight.device, row_order)  # [gate | up], copied (small)
+    return ModelOptNvfp4(qweight=weight, scales=weight_scale.view(torch.uint8),
+                         global_scale=_compensated(global_2, elem, "w13_weight_scale_2"), num_experts=e, n=n, k=k,
+                         dtype=elem, bias=bias, up_first=row_order is W13Order.UP_GATE)
+
+
+def prepare_w2_modelopt(
+    weight: torch.Tensor,  # (E, H, I/2) u8
+    weight_scale: torch.Tensor,  # (E, H, I/16) e4m3fn
+    weight_scale_2: torch.Tensor,  # (E,) or (E, 1) f32
+    dtype: DType | str | torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,  # (E, H)
+) -> ModelOptNvfp4:
+    """The down projection as stored (N = H, K = I); no copy of the weight or its block scales."""
+    elem = _check_dtype(dtype)
+    e, n, k = _check_modelopt(weight, weight_scale, "w2_")
+    global_2 = _check_global_2(weight_scale_2, e, weight.device, "w2_weight_scale_2", pair=False)
+    bias = _check_bias(bias, "w2_bias", e, n, elem, weight.device)
+    return ModelOptNvfp4(qweight=weight, scales=weight_scale.view(torch.uint8),
+                         global_scale=_compensated(global_2, elem, "w2_weight_scale_2"), num_experts=e, n=n, k=k,
+                         dtype=elem, bias=bias)

@@ -1,0 +1,176 @@
+"""NVFP4 read as ModelOpt stores it (weights: modelopt / modelopt_w31): preparation without copies,
+refusals, spec and planner choices, the layer's launches, and a compile check of the kernels.
+
+The decodes themselves are checked instruction by instruction in tests/test_modelopt_decode.py;
+the GPU numerics in tests/gpu/test_modelopt_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuteaot.runtime import ModelOptNvfp4, WeightFormat, prepare_w13_modelopt, prepare_w2_modelopt
+from cuteaot.runtime.errors import BadInputError
+from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+from cuteaot.runtime.modelopt import MODELOPT_COMPENSATION
+from cuteaot.runtime.resolution import MoeLayerFacts
+from cuteaot.runtime.types import DType
+from tests.reference.nvfp4 import quantize_nvfp4
+
+ROOT_SPEC = "specs/tiny-modelopt.yaml"
+
+
+def _checkpoint(e=4, n=256, k=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_nvfp4(torch.randn(e, n, k, generator=g))
+
+
+def test_prepare_keeps_the_checkpoint_tensors():
+    weight, scale, scale_2 = _checkpoint()
+    w13 = prepare_w13_modelopt(weight, scale, scale_2, "bf16")
+    assert isinstance(w13, ModelOptNvfp4) and w13.weights is WeightFormat.MODELOPT
+    assert w13.qweight.data_ptr() == weight.data_ptr() and w13.scales.data_ptr() == scale.data_ptr()
+    assert w13.scales.dtype == torch.uint8 and torch.equal(w13.scales, scale.view(torch.uint8))
+    # one global scale per projection, the bf16 decode's offset (2**103) folded in
+    assert w13.global_scale.shape == (4, 2)
+    assert torch.equal(w13.global_scale, torch.stack((scale_2, scale_2), 1) * 2.0**103)
+    w2 = prepare_w2_modelopt(weight, scale, scale_2, "fp16")
+    assert w2.global_scale.shape == (4,) and torch.equal(w2.global_scale, scale_2 * MODELOPT_COMPENSATION[DType.FP16])
+    assert MODELOPT_COMPENSATION == {DType.BF16: 2.0**103, DType.FP16: 2.0**14}
+
+
+def test_w31_keeps_both_scales_and_reorders_only_the_bias():
+    weight, scale, _ = _checkpoint()
+    pair = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]) * 1e-3  # (gate, up)
+    bias = torch.arange(4 * 256, dtype=torch.float32).view(4, 256)  # stored order: up rows first
+    w = prepare_w13_modelopt(weight, scale, pair, "bf16", order="up_gate", bias=bias)
+    assert w.weights is WeightFormat.MODELOPT_W31 and w.up_first
+    assert torch.equal(w.global_scale, pair * 2.0**103)
+    assert w.qweight.data_ptr() == weight.data_ptr()
+    assert torch.equal(w.bias.float(), torch.cat((bias[:, 128:], bias[:, :128]), 1).bfloat16().float())
+    relu2 = prepare_w13_modelopt(weight, scale, pair[:, 0].contiguous(), "fp16", gated=False)
+    assert relu2.global_scale.shape == (4,)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(order="interleaved"), "interleaved"),
+    (dict(order="up_gate", gated=False), "relu2 W13 is one projection"),
+    (dict(n=200), "multiple of 8|multiples of 128"),
+    (dict(k=96), "multiples of 128"),
+])
+def test_prepare_refusals(change, message):
+    n, k = change.pop("n", 256), change.pop("k", 128)
+    weight, scale, scale_2 = _checkpoint(n=n, k=k)
+    with pytest.raises(BadInputError, match=message):
+        prepare_w13_modelopt(weight, scale, scale_2, "bf16", **change)
+
+
+def test_prepare_refuses_nan_scales_and_a_sliced_weight():
+    weight, scale, scale_2 = _checkpoint()
+    bad = scale.clone()
+    bad.view(torch.uint8)[0, 0, 0] = 0x7F  # e4m3 NaN
+    with pytest.raises(BadInputError, match="NaN"):
+        prepare_w2_modelopt(weight, bad, scale_2, "bf16")
+    with pytest.raises(BadInputError, match="contiguous"):
+        prepare_w2_modelopt(weight[:, ::2], scale[:, ::2], scale_2, "bf16")
+
+
+def test_kernel_specs_refuse_what_the_layout_cannot_do():
+    base = dict(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=1,
+                layout="modelopt")
+    with pytest.raises(BadInputError, match="mma.sync loop"):
+        GemmSpec(**base | dict(mainloop="wgmma"))
+    with pytest.raises(BadInputError, match="mma.sync loop"):
+        GemmSpec(**base | dict(n_out=504))
+    with pytest.raises(BadInputError, match="n_rotation"):
+        GemmSpec(**base | dict(n_rotation=64))
+    with pytest.raises(BadInputError, match="belong to the modelopt layout"):
+        GemmSpec(**base | dict(layout="packed", n_rotation=256))
+    fused = dict(dtype="bf16", hidden_size=512, intermediate_size=256, top_k=2, activation="relu2", fc1_tile_n=128,
+                 fc1_tile_k=64, fc2_tile_n=128, fc2_tile_k=64, moe_block_size=16, blocks_per_sm=2)
+    with pytest.raises(BadInputError, match="needs a gated activation"):
+        FusedSpec(**fused, weights="modelopt_w31")
+    with pytest.raises(BadInputError, match="multiples of 128"):
+        FusedSpec(**fused | dict(activation="silu", intermediate_size=320), weights="modelopt")
+    spec = FusedSpec(**fused | dict(activation="silu"), weights="modelopt_w31")
+    assert spec.fc1_gemm.n_rotation == 256 and spec.fc1_gemm.split_global_scale
+    assert spec.fc2_gemm.n_rotation is None and spec.fc2_gemm.split_global_scale is None
+
+
+def test_planner_keeps_modelopt_layers_on_the_fused_mma_sync_kernel():
+    from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
+    from cuteaot.runtime.devices import PROFILES
+
+    for weights in ("modelopt", "modelopt_w31"):
+        # I = 1408 = 5.5 x 256: FC1 tiles of 256 would straddle gate | up
+        facts = MoeLayerFacts(dtype="bf16", hidden_size=4096, intermediate_size=1408, num_experts=128, top_k=8,
+                              activation="silu", weights=weights)
+        for m in (1, 2, 5, 8, 64, 256, 1024, 4096, 16384):
+            plan = plan_layer(m, facts, PROFILES["h200"])
+            spec = fused_spec_for(plan, facts)
+            assert spec.mainloop.value == "mma_sync" and spec.fc1_gemm.modelopt and spec.fc2_gemm.modelopt
+            assert 1408 % spec.fc1_tile_n == 0, (m, spec.fc1_tile_n)
+            assert split_layer(m, facts, PROFILES["h200"]) is None
+    nvfp4 = MoeLayerFacts(dtype="bf16", hidden_size=4096, intermediate_size=1408, num_experts=128, top_k=8,
+                          activation="silu")
+    assert fused_spec_for(plan_layer(4096, nvfp4, PROFILES["h200"]), nvfp4).mainloop.value == "wgmma"
+
+
+def test_layer_launches_read_the_checkpoint_tensors(monkeypatch):
+    """A stand-in bundle planned from specs/tiny-modelopt.yaml: the fused kernel gets the stored tensors'
+    own addresses, and a w31 layer resolves the modelopt_w31 kernels."""
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.runtime.moe import MoeLayer
+    from tests.stub_bundle import StubLaunch, stub_bundle, stub_launches
+
+    calls = stub_launches(monkeypatch)
+    bundle = stub_bundle(ROOT_SPEC)
+    g = torch.Generator().manual_seed(3)
+    gate, up = (quantize_nvfp4(torch.randn(16, 384, 512, generator=g)) for _ in range(2))
+    w13_t = [torch.cat((up[j], gate[j]), 1) for j in (0, 1)]  # w31: up rows first
+    w2_t = quantize_nvfp4(torch.randn(16, 512, 384, generator=g))
+    w13 = prepare_w13_modelopt(*w13_t, torch.stack((gate[2], up[2]), 1), "bf16", order="up_gate")
+    layer = MoeLayer(bundle, w13, prepare_w2_modelopt(*w2_t, "bf16"), top_k=4, activation="silu")
+    assert layer.facts.weights is WeightFormat.MODELOPT_W31
+    x = torch.zeros(37, 512, dtype=torch.bfloat16)
+    ids = (torch.arange(37 * 4, dtype=torch.int32).view(37, 4) % 16)
+    layer(x, torch.full((37, 4), 0.25), ids)
+    fused = [c for c in calls if c[0] == "fused"]
+    assert len(fused) == 1
+    values = fused[0][2]
+    assert values["w13"] == w13_t[0].data_ptr() and values["w13_scales"] == w13_t[1].data_ptr()
+    assert values["w2"] == w2_t[0].data_ptr() and values["w13_global_scale"] == w13.global_scale.data_ptr()
+    spec = bundle.specs[layer.resolve(37).launch.kernels["fused"]]
+    assert spec.weights is WeightFormat.MODELOPT_W31 and spec.fc1_gemm.n_rotation == 384
+    assert moe_module and StubLaunch
+
+
+def test_layer_refuses_mixed_or_mismatched_preparations(monkeypatch):
+    from cuteaot.runtime.moe import MoeLayer
+    from cuteaot.runtime.weights import prepare_w2
+    from tests.stub_bundle import stub_bundle, stub_launches
+
+    stub_launches(monkeypatch)
+    bundle = stub_bundle(ROOT_SPEC)
+    w13 = prepare_w13_modelopt(*_checkpoint(e=16, n=768, k=512), "bf16")
+    w2_t = _checkpoint(e=16, n=512, k=384)
+    with pytest.raises(BadInputError, match="one format"):
+        MoeLayer(bundle, w13, prepare_w2(*w2_t, "bf16"), top_k=4, activation="silu")
+    relu2_w13 = prepare_w13_modelopt(*_checkpoint(e=16, n=384, k=512), "bf16", gated=False)
+    with pytest.raises(BadInputError, match="gated=True"):
+        MoeLayer(bundle, relu2_w13, prepare_w2_modelopt(*w2_t, "bf16"), top_k=4, activation="silu")
+
+
+def test_modelopt_kernels_compile_without_spills():
+    from cuteaot.codegen.compile import compile_kernel
+
+    for dtype, block, routes, tile_n, tile_k, bps, extra in (
+            ("bf16", 8, "direct", 128, 64, 4, {}),
+            ("fp16", 64, "packed", 128, 128, 1, {}),
+            ("bf16", 16, "packed", 128, 64, 2, dict(n_rotation=256, split_global_scale=True))):
+        spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=tile_k, moe_block_size=block,
+                        blocks_per_sm=bps, mul_topk_weights=True, routes=routes, layout="modelopt", **extra)
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+        assert record["dynamic_smem_bytes"] == spec.shared_bytes
