@@ -44,6 +44,12 @@ def probe_bundle_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def modelopt_bundle_dir() -> Path:
+    """Layers read as ModelOpt stores them: `cuteaot build specs/tiny-modelopt.yaml` (or CUTEAOT_MODELOPT_BUNDLE)."""
+    return _built_bundle("CUTEAOT_MODELOPT_BUNDLE", "tiny-modelopt")
+
+
+@pytest.fixture(scope="session")
 def fused_bundle_dir() -> Path:
     """The fused MoE test bundle built by `cuteaot build specs/tiny-fused.yaml` (or CUTEAOT_FUSED_BUNDLE)."""
     return _built_bundle("CUTEAOT_FUSED_BUNDLE", "tiny-fused")

@@ -5,7 +5,10 @@
 #   bash benchmarks/scripts/serving_session.sh peers        # benchmarks/scripts/peers.sh (carry .whl)
 #   bash benchmarks/scripts/serving_session.sh nf3          # NF3 vs NVFP4 (bench-nf3), memcheck of the NF3
 #                                                           # layer, host cost of a layer call (moe-models)
-# Carry generated/ (tiny, probes, tiny-gemm, tiny-fused, moe-models, bench-large-m). Logs under $OUT.
+#   bash benchmarks/scripts/serving_session.sh modelopt     # NVFP4 read as stored: its GPU tests and probes
+#                                                           # (tiny-modelopt, probes), racecheck and memcheck of
+#                                                           # one layer test, then modelopt vs packed (bench-modelopt)
+# Carry generated/ (tiny, probes, tiny-gemm, tiny-fused, tiny-modelopt, moe-models, bench-*). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -42,6 +45,22 @@ nf3)
   echo "memcheck nf3 rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_nf3.log" | tail -3
   timeout 120 python3 -m benchmarks.layer_overhead --bundle generated/moe-models --json "$OUT/layer_overhead.json"
   echo "layer_overhead rc=$?"
+  ;;
+modelopt)
+  export CUTEAOT_RESULTS="$OUT/gpu_results.jsonl"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 tests/gpu/test_modelopt_gpu.py \
+    tests/gpu/test_intrinsics_gpu.py -k "modelopt or e2m1_bytes or e4m3_pair" > "$OUT/modelopt_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed" "$OUT/modelopt_tests.log" | tail -2
+  grep -E "^(FAILED|ERROR)|probe e|mismatch" "$OUT/modelopt_tests.log" | head -20
+  sed -n '/worst relative error/,/^=/p' "$OUT/modelopt_tests.log" | head -20
+  for tool in racecheck memcheck; do
+    timeout 150 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+      -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and silu-fp16" \
+      > "$OUT/${tool}_modelopt.log" 2>&1
+    echo "$tool modelopt rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}_modelopt.log" | tail -3
+  done
+  [ -d generated/bench-modelopt ] && { timeout 240 python3 -m benchmarks.modelopt --bundle generated/bench-modelopt \
+    --json "$OUT/modelopt.json" > "$OUT/modelopt.txt" 2>&1; echo "modelopt bench rc=$?"; tail -16 "$OUT/modelopt.txt"; }
   ;;
 peers)
   shift

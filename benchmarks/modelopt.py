@@ -1,0 +1,101 @@
+"""NVFP4 read as stored (weights: modelopt) against the packed layout, on the H200 (issue 15).
+
+    python -m benchmarks.modelopt --bundle generated/bench-modelopt [--models qwen3-30b-a3b,glm-4.5-air]
+                                  [--m 1,8,64,256,1024,4096] [--json docs/results/modelopt-<date>.json]
+
+Per model and M, in one process, on one random ModelOpt NVFP4 checkpoint (gate and up quantized
+apart, given one global scale so that the packed form is exact too), one routing (uniform top-k) and one input:
+
+* `packed`    MoeLayer on prepare_w13 / prepare_w2 of the checkpoint (repacked);
+* `modelopt`  MoeLayer on prepare_w13_modelopt / prepare_w2_modelopt of the same tensors (no copy).
+
+Timing: benchmarks/common.FlushedTimer (CUDA-graph replay of (L2 flush, layer call), the flush's own
+time subtracted, medians over interleaved rounds).  Beside each time: the weight bytes the routing
+touches (the distinct routed experts' codes and scales of W13 and W2; the same for both layouts) at the
+measured copy bandwidth (`floor`).  At --check-m both outputs are compared with the float32 reference
+on the dequantized checkpoint, after poisoning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import FlushedTimer, hbm_copy_bandwidth, layer_benchmark_main, run_layers, uniform_routing
+from tests.reference.moe import moe_reference
+from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}  # H, I, E, top_k (silu)
+
+
+def _expert_bytes(w) -> int:
+    return (w.qweight.numel() * w.qweight.element_size() + w.scales.numel()) // w.num_experts
+
+
+def _layers(bundle, h, i, e, top_k, g):
+    from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_modelopt, prepare_w13, prepare_w13_modelopt
+
+    gate, up, down = random_nvfp4(e, i, h, g), random_nvfp4(e, i, h, g), random_nvfp4(e, h, i, g)
+    w13_t = [torch.cat((gate[j], up[j]), dim=1) for j in (0, 1)]
+    pair = torch.stack((gate[2], gate[2]), dim=1)  # one global scale: the packed form is exact too
+    ref = (torch.cat((dequantize_modelopt(*gate), dequantize_modelopt(up[0], up[1], gate[2])), dim=1),
+           dequantize_modelopt(*down))
+    out = {}
+    for impl, (p13, p2) in {"packed": (prepare_w13, prepare_w2),
+                            "modelopt": (prepare_w13_modelopt, prepare_w2_modelopt)}.items():
+        w13, w2 = p13(*w13_t, pair, "bf16"), p2(*down, "bf16")
+        out[impl] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation="silu"), ref,
+                     _expert_bytes(w13) + _expert_bytes(w2))
+    return out
+
+
+def run(bundle, models, ms, check_m, rounds) -> list[dict]:
+    timer = FlushedTimer()
+    bandwidth = hbm_copy_bandwidth()
+    rows = []
+    for name in models:
+        h, i, e, top_k = MODELS[name]
+        g = torch.Generator(device="cuda").manual_seed(len(name))
+        layers = _layers(bundle, h, i, e, top_k, g)
+        for m in sorted(set(ms) | {check_m}):
+            x, w, ids = uniform_routing(m, h, e, top_k, g)
+            experts = int(ids.unique().numel())
+            references = None
+            if m == check_m:
+                references = {impl: (lambda ref_w=ref_w: moe_reference(x, *ref_w, w, ids, "silu")[0])
+                              for impl, (_, ref_w, _) in layers.items()}
+            found, _ = run_layers({impl: layer for impl, (layer, _, _) in layers.items()}, x, w, ids,
+                                  references=references, timer=timer if m in ms else None, rounds=rounds)
+            for impl, (layer, _, per_expert) in layers.items():
+                touched = experts * per_expert
+                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(), "experts": experts,
+                       "weight_bytes": touched, "floor_us": touched / bandwidth * 1e6, **found[impl]}
+                rows.append(row)
+                us = f"{row['us']:9.1f} us (floor {row['floor_us']:6.1f})" if "us" in row else " " * 26
+                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
+                print(f"{name:14s} M={m:5d} {row['impl']:8s} {us}{err}  {row['plan']}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    by = {(r["model"], r["M"], r["impl"]): r for r in rows}
+    lines = ["| model | M | floor µs | packed µs | modelopt µs | modelopt / packed time |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for model, m in dict.fromkeys((r["model"], r["M"]) for r in rows if "us" in r):
+        a, b = by[(model, m, "packed")], by[(model, m, "modelopt")]
+        lines.append(f"| {model} | {m} | {a['floor_us']:.1f} | {a['us']:.1f} | {b['us']:.1f} | {b['us'] / a['us']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    return layer_benchmark_main(argv, doc=__doc__, name="modelopt", models=MODELS, run=run, table=table,
+                                defaults=dict(bundle=str(REPO / "generated" / "bench-modelopt"),
+                                              m="1,8,64,256,1024,4096", check_m=64, rounds=5))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
