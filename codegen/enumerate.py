@@ -47,6 +47,9 @@ def helper_kernels(spec: BundleSpec) -> dict[str, KernelKey]:
                 for ids in IdsDType:
                     key = problem.topk_sum_spec(dtype, ids).key()
                     roles[f"topk_sum+masked_{ids.value} {key.digest[:12]}"] = key
+                    if any(expert_map for _, expert_map, _ in problem.fused):  # a HybridMoeLayer's later parts add
+                        key = problem.topk_sum_spec(dtype, ids, accumulate=True).key()
+                        roles[f"topk_sum+masked_{ids.value}+accumulate {key.digest[:12]}"] = key
     if any(p.gemm or p.fused for p in spec.moe):
         roles.update({f"route_pack {s.key().digest[:12]}": s.key() for s in route_pack_specs()})
     if spec.probes:

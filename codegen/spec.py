@@ -136,9 +136,10 @@ class MoeProblem:
             swiglu_alpha=self.swiglu_alpha, swiglu_beta=self.swiglu_beta, swiglu_limit=self.swiglu_limit,
         )
 
-    def topk_sum_spec(self, dtype: DType, ids_dtype: IdsDType | None = None) -> TopKSumSpec:
-        """The top-k sum; with ids_dtype, the masked variant that skips routes dropped for their id."""
-        return TopKSumSpec(dtype, self.top_k, self.hidden_size, ids_dtype)
+    def topk_sum_spec(self, dtype: DType, ids_dtype: IdsDType | None = None, accumulate: bool = False) -> TopKSumSpec:
+        """The top-k sum; with ids_dtype, the masked variant that skips routes dropped for their id; with
+        accumulate, the one that adds into its output (a HybridMoeLayer's later parts)."""
+        return TopKSumSpec(dtype, self.top_k, self.hidden_size, ids_dtype, True if accumulate else None)
 
 
 @dataclass(frozen=True)

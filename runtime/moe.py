@@ -38,11 +38,11 @@ from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.w4a16.gemm_spec import Epilogue
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
-    MAX_EXPERTS, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements,
+    MAX_EXPERTS, IdsDType, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements,
 )
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
-from .kernels.topk_sum import PreparedTopkSum
+from .kernels.topk_sum import PreparedTopkSum, TopKSumSpec
 from .tensors import check_rank, check_tensor, conforms
 from .types import Activation
 from .weights import PackedNvfp4
@@ -160,6 +160,10 @@ class MoeLayer:
     validate_ids: also check topk_ids on the host (one device sync per call; skipped under
         capture and torch.compile).  Without it, routes whose id is outside [0, E) (e.g. -1
         for masked routes) are dropped by the kernels and contribute 0.
+    accumulate: add the layer's output into `out` (which every call must then pass) instead of
+        overwriting it: the top-k sum starts from out's rows (one float32 add, one rounding).
+        For layers with an expert_map, which take the packed path at every M (the later parts of
+        a HybridMoeLayer); the bundle needs the accumulating top-k sums (built with expert_map).
 
     Building the layer resolves its kernels for every token bucket of the bundle (so options
     the bundle cannot serve fail here, naming the nearest built kernels) and reserves its
@@ -170,7 +174,8 @@ class MoeLayer:
                  activation: Activation | str = "silu", swiglu_alpha: float | None = None,
                  swiglu_beta: float | None = None, swiglu_limit: float | None = None, fast_math: bool = True,
                  router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None,
-                 max_tokens: int | None = None, deterministic: bool = False, validate_ids: bool = False):
+                 max_tokens: int | None = None, deterministic: bool = False, validate_ids: bool = False,
+                 accumulate: bool = False):
         try:
             self.activation = Activation(activation)
         except ValueError:
@@ -188,6 +193,7 @@ class MoeLayer:
         self.expert_map = expert_map
         if expert_map is not None:
             self._check_expert_map(expert_map)
+        self.accumulate = self._check_accumulate(accumulate)
         self.route_experts = self.num_experts if expert_map is None else expert_map.shape[0]
         if self.route_experts > MAX_EXPERTS:
             raise BadInputError(f"at most {MAX_EXPERTS} experts are supported, got {self.route_experts}")
@@ -262,6 +268,17 @@ class MoeLayer:
                 raise BadInputError(f"{name} must start 16-byte aligned (the kernels read it in 16-byte "
                                     f"vectors), got address {b.data_ptr():#x}; pass a fresh .clone()")
         return pair[0], pair[1]
+
+    def _check_accumulate(self, accumulate: object) -> bool:
+        if not isinstance(accumulate, bool):
+            raise BadInputError(f"accumulate must be True or False, got {accumulate!r}")
+        if accumulate:
+            if self.expert_map is None:
+                raise BadInputError("accumulate=True adds through the packed path's top-k sum, which only layers "
+                                    "with an expert_map take at every M (decode writes the output directly)")
+            for ids in IdsDType:  # refused now, not at the first call that needs it
+                self.bundle.kernel(TopKSumSpec(self.dtype, self.top_k, self.hidden_size, ids, True).key())
+        return accumulate
 
     def _check_expert_map(self, expert_map: torch.Tensor) -> None:
         check_rank(expert_map, "expert_map", 1, "(global experts,) int32")
@@ -339,6 +356,8 @@ class MoeLayer:
                                         -1 if layer_idx is None else layer_idx, self.id)
             return out
         m = self._check(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx)
+        if out is None and self.accumulate:
+            raise BadInputError("this layer was built with accumulate=True: it adds into `out`, so pass out=")
         if out is None:
             out = torch.empty((m, self.hidden_size), dtype=self.dtype.torch, device=self.device)
         if m == 0:
@@ -396,7 +415,7 @@ class MoeLayer:
                               packed=ws.route_indices[:slots], block_ids=ws.block_experts[: slots // block],
                               count=ws.route_count,
                               workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)]),
-            PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts),
+            PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts, accumulate=self.accumulate),
         )
         if len(self._steps) >= self._STEPS_CACHE:
             self._steps.pop(next(iter(self._steps)))  # the oldest

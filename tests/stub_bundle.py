@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 
+from cuteaot.codegen.enumerate import kernel_keys
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.bundle import PreparedLaunch
 from cuteaot.runtime.devices import PROFILES
+from cuteaot.runtime.errors import UnknownSpecializationError
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.kernels import FAMILIES
 from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
@@ -41,9 +43,16 @@ def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", prof
     cpu = torch.device("cpu")
     entries, specs = _planned(str(spec_path))
     table = ResolutionTable(list(entries), profile, "stub")
+    helpers = {key.digest for key in kernel_keys(load_spec(str(spec_path)))}  # what the build makes besides
+
+    def kernel(key):  # a loaded helper kernel (the top-k sums a layer checks for), as Bundle.kernel finds it
+        if key.digest not in helpers:
+            raise UnknownSpecializationError(f"stub bundle: no kernel {key.describe()}")
+        return key
+
     return types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES[profile], resolution=table,
                                  plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub",
-                                 specs=specs)
+                                 specs=specs, kernel=kernel)
 
 
 class StubLaunch:
@@ -103,13 +112,14 @@ class StubRoutePack:
 
 
 class StubTopkSum:
-    """PreparedTopkSum without a driver: records ("topk_sum", fc2 shape) in StubLaunch.calls."""
+    """PreparedTopkSum without a driver: records ("topk_sum", fc2 shape) in StubLaunch.calls, with
+    "accumulate" appended for the accumulating variant."""
 
-    def __init__(self, bundle, fc2, out, topk_ids, num_experts):
-        self.fc2_shape = tuple(fc2.shape)
+    def __init__(self, bundle, fc2, out, topk_ids, num_experts, accumulate=False):
+        self.fc2_shape, self.accumulate = tuple(fc2.shape), accumulate
 
     def __call__(self, out, topk_ids, stream):
-        StubLaunch.calls.append(("topk_sum", self.fc2_shape))
+        StubLaunch.calls.append(("topk_sum", self.fc2_shape) + (("accumulate",) if self.accumulate else ()))
 
 
 def stub_launches(monkeypatch) -> list:

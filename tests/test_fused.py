@@ -197,6 +197,10 @@ def test_spec_fused_builds_the_masked_topk_sums_the_layer_launches(tmp_path):
     fc2 = torch.empty(8, 4, 512, dtype=torch.bfloat16)  # (M, top_k, H) of the problem
     for ids_dtype in (torch.int32, torch.int64):
         assert spec_for_call(fc2, torch.empty(8, 4, dtype=ids_dtype)).key() in keys
+        # the accumulating sums (a HybridMoeLayer's later parts) come with expert-map layers only
+        assert spec_for_call(fc2, torch.empty(8, 4, dtype=ids_dtype), accumulate=True).key() not in keys
+        mapped = set(kernel_keys(_spec(tmp_path, "{expert_map: [false, true]}")))
+        assert spec_for_call(fc2, torch.empty(8, 4, dtype=ids_dtype), accumulate=True).key() in mapped
 
 
 def test_spec_fused_variants_enumerate_the_cross_product(tmp_path):

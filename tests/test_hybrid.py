@@ -18,7 +18,6 @@ H, I, E, TOP_K = 512, 256, 16, 4  # tiny-fused-silu / tiny-fused-nf3-silu
 
 @pytest.fixture()
 def calls(monkeypatch):
-    monkeypatch.setattr("cuteaot.runtime.hybrid.current_stream_handle", lambda index: 0)
     return stub_launches(monkeypatch)
 
 
@@ -60,10 +59,10 @@ def test_refusals(calls):
 
 
 def test_chunks_above_max_tokens_and_streams(calls):
-    """Calls above max_tokens run every part chunk by chunk; reserve() gives streams their scratch."""
+    """Calls above max_tokens run every part chunk by chunk, the later part adding into the one output."""
     layer = HybridMoeLayer(stub_bundle(), _parts(list(range(0, E, 2)), list(range(1, E, 2))), top_k=TOP_K,
                            max_tokens=16)
-    assert layer.max_tokens == 16 and layer._scratch["default"].shape == (16, H)
+    assert layer.max_tokens == 16 and [p.accumulate for p in layer.parts] == [False, True]
     m = 40
     x, w = torch.zeros(m, H, dtype=torch.bfloat16), torch.full((m, TOP_K), 0.25)
     ids = (torch.arange(m * TOP_K, dtype=torch.int32) % E).view(m, TOP_K)
@@ -71,5 +70,24 @@ def test_chunks_above_max_tokens_and_streams(calls):
     assert out.shape == (m, H)
     fused = [c for c in calls if c[0] == "fused"]
     assert [v["tokens"] for _, _, v in fused] == [16, 16, 8, 16, 16, 8]  # part 0's chunks, then part 1's
+    sums = [c for c in calls if c[0] == "topk_sum"]
+    assert [len(c) == 3 for c in sums] == [False] * 3 + [True] * 3  # part 1's top-k sums add into out
     with pytest.raises(BadInputError, match="torch.cuda.Stream"):
         layer.reserve(["not a stream"])
+
+
+def test_accumulate_needs_an_expert_map_and_an_output(calls):
+    from cuteaot.runtime.moe import MoeLayer
+
+    bundle = stub_bundle()
+    (w13, w2, _), _ = _parts(list(range(8)), list(range(8, 16)))
+    with pytest.raises(BadInputError, match="only layers with an expert_map"):
+        MoeLayer(bundle, w13, w2, top_k=TOP_K, accumulate=True)
+    expert_map = torch.cat((torch.arange(8), torch.full((8,), -1))).to(torch.int32)
+    layer = MoeLayer(bundle, w13, w2, top_k=TOP_K, expert_map=expert_map, accumulate=True)
+    x, w = torch.zeros(3, H, dtype=torch.bfloat16), torch.full((3, TOP_K), 0.25)
+    ids = (torch.arange(3 * TOP_K, dtype=torch.int32) % E).view(3, TOP_K)
+    with pytest.raises(BadInputError, match="pass out="):
+        layer(x, w, ids)
+    with pytest.raises(BadInputError, match="True or False"):
+        MoeLayer(bundle, w13, w2, top_k=TOP_K, expert_map=expert_map, accumulate=1)

@@ -136,6 +136,11 @@ def test_masked_topk_sum_spec_and_arguments():
     assert masked.key() != TopKSumSpec("bf16", 4, 512, "int32").key()
     assert [p.name for p in masked.SIGNATURE.params] == ["fc2", "out", "tokens", "topk_ids", "num_experts"]
     assert masked.SIGNATURE.params[:3] == plain.SIGNATURE.params
+    adding = TopKSumSpec("bf16", 4, 512, "int64", True)  # out += the sum: same parameters, own kernel
+    assert "accumulate" not in masked.key().facts and adding.key().facts["accumulate"] is True
+    assert adding.key() != masked.key() and adding.SIGNATURE == masked.SIGNATURE
+    with pytest.raises(BadInputError, match="accumulate must be None or True"):
+        TopKSumSpec("bf16", 4, 512, "int64", False)
     fc2 = torch.empty(3, 4, 512, dtype=torch.bfloat16)
     assert spec_for_call(fc2, torch.zeros(3, 4, dtype=torch.int32)).ids_dtype.value == "int32"
     with pytest.raises(BadInputError, match="topk_ids must be int32 or int64"):

@@ -7,6 +7,7 @@ token's top_k routed rows in float32 (the route loop is unrolled):
     m = v // (H / VECTOR),  col = (v % (H / VECTOR)) * VECTOR
     out[m, col:col+VECTOR] = sum_k fc2[m, k, col:col+VECTOR]
 
+The accumulating variant (spec.accumulate) starts from out's row instead of zero.
 The masked variant (spec.ids_dtype set) sums only routes k with
 0 <= topk_ids[m, k] < num_experts: the other rows were not written by FC2 (dropped
 routes), so they may hold anything, NaN included.  All threads of a token read the
@@ -35,6 +36,7 @@ class TopKSumKernel:
         self.top_k = spec.top_k
         self.vectors_per_row = spec.hidden_size // VECTOR
         self.masked = spec.ids_dtype is not None
+        self.accumulate = bool(spec.accumulate)
         self.ids_type = Int64 if spec.ids_dtype is IdsDType.INT64 else Int32
 
     @cute.jit
@@ -56,6 +58,11 @@ class TopKSumKernel:
             acc = cute.make_rmem_tensor(VECTOR, cutlass.Float32)
             acc.fill(0.0)
             x = cute.make_rmem_tensor(VECTOR, self.elem)
+            dst = cute.make_tensor(out + (m * self.hidden + col), cute.make_layout(VECTOR))
+            if cutlass.const_expr(self.accumulate):  # out += the sum, added in float32
+                x.store(dst.load())
+                for i in cutlass.range_constexpr(VECTOR):
+                    acc[i] = x[i].to(cutlass.Float32)
             keep = [None] * self.top_k
             if cutlass.const_expr(self.masked):
                 for k in cutlass.range_constexpr(self.top_k):  # all ids first: their loads overlap
@@ -74,7 +81,6 @@ class TopKSumKernel:
                     acc[i] = acc[i] + term
             y = cute.make_rmem_tensor(VECTOR, self.elem)
             y.store(acc.load().to(self.elem))
-            dst = cute.make_tensor(out + (m * self.hidden + col), cute.make_layout(VECTOR))
             dst.store(y.load())
 
 

@@ -4,7 +4,9 @@
     out: (M, H)         out[m, :] = sum_k fc2[m, k, :]   (float32 accumulation)
 
 Masked variant (`topk_ids=`, `num_experts=`): only routes whose expert id is in
-[0, num_experts) are summed.  A route the GEMMs dropped (id -1 for a masked route,
+[0, num_experts) are summed.  Accumulating variant (`accumulate=True`): out[m, :] += the sum,
+in float32 on out's own value (one rounding): how the later parts of a HybridMoeLayer write into
+the first part's output.  A route the GEMMs dropped (id -1 for a masked route,
 or any out-of-range id) has no FC2 row: its row of `fc2` holds whatever the
 workspace held before, so it must not be read.  The ids are read on the device
 (int32 or int64, compared at their own width): no host sync.
@@ -48,12 +50,14 @@ class TopKSumSpec(SpecKey):
     PLAIN_SIGNATURE = Signature(_PLAIN_PARAMS)
     MASKED_SIGNATURE = Signature(_PLAIN_PARAMS + _MASK_PARAMS)  # the plain one, then the ids
     CONSTANT_FACTS = {"vector": VECTOR}
-    KEY_OMITS_NONE = frozenset({"ids_dtype"})  # only the masked variant carries it: the plain keys stay as they were
+    # only the masked / accumulating variants carry these: the plain keys stay as they were
+    KEY_OMITS_NONE = frozenset({"ids_dtype", "accumulate"})
 
     dtype: DType
     top_k: int
     hidden_size: int
     ids_dtype: Optional[IdsDType] = None  # masked variant: the dtype of the topk_ids it reads; None = plain
+    accumulate: Optional[bool] = None  # True: add the sum into out's rows instead of overwriting them
 
     @property
     def SIGNATURE(self) -> Signature:  # noqa: N802 -- the name every family's spec exposes
@@ -63,6 +67,8 @@ class TopKSumSpec(SpecKey):
         object.__setattr__(self, "dtype", DType(self.dtype))
         if self.ids_dtype is not None:
             object.__setattr__(self, "ids_dtype", IdsDType(self.ids_dtype))
+        if self.accumulate not in (None, True):
+            raise BadInputError(f"accumulate must be None or True, got {self.accumulate!r}")
         if not isinstance(self.top_k, int) or not 1 <= self.top_k <= MAX_TOP_K:
             raise BadInputError(f"top_k must be an int in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not isinstance(self.hidden_size, int) or self.hidden_size <= 0 or self.hidden_size % VECTOR:
@@ -81,13 +87,13 @@ class TopKSumSpec(SpecKey):
         return tokens
 
 
-def spec_for_call(fc2: torch.Tensor, topk_ids: torch.Tensor | None = None) -> TopKSumSpec:
+def spec_for_call(fc2: torch.Tensor, topk_ids: torch.Tensor | None = None, accumulate: bool = False) -> TopKSumSpec:
     check_rank(fc2, "fc2", 3, "(tokens, top_k, hidden)")
     dt = DType.from_torch(fc2.dtype)
     if dt is None:
         raise BadInputError(f"fc2 must be bfloat16 or float16, got {fc2.dtype}")
     ids = None if topk_ids is None else IdsDType.from_torch(topk_ids.dtype)
-    return TopKSumSpec(dt, fc2.shape[1], fc2.shape[2], ids)
+    return TopKSumSpec(dt, fc2.shape[1], fc2.shape[2], ids, True if accumulate else None)
 
 
 class _TopKSumPlan(RowwisePlan):
@@ -133,14 +139,14 @@ class _TopKSumPlan(RowwisePlan):
 
 
 class PreparedTopkSum:
-    """The masked top-k sum of fixed FC2 rows (`fc2`, (M, top_k, H)) into an (M, H) output, checked once
-    when built; a call passes the output and the ids, whose shape, dtype, device and contiguity the
+    """The masked top-k sum of fixed FC2 rows (`fc2`, (M, top_k, H)) into an (M, H) output (added to it
+    with `accumulate`), checked once when built; a call passes the output and the ids, whose shape, dtype, device and contiguity the
     caller guarantees to be those it was built with (MoeLayer checks them per call)."""
 
     def __init__(self, bundle: Bundle, fc2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor,
-                 num_experts: int):
-        key = ("moe_topk_sum", fc2.dtype, fc2.shape[1], fc2.shape[2], topk_ids.dtype)
-        plan = bundle.plans.rowwise.get(key, lambda: _TopKSumPlan(bundle, spec_for_call(fc2, topk_ids)))
+                 num_experts: int, accumulate: bool = False):
+        key = ("moe_topk_sum", fc2.dtype, fc2.shape[1], fc2.shape[2], topk_ids.dtype, bool(accumulate))
+        plan = bundle.plans.rowwise.get(key, lambda: _TopKSumPlan(bundle, spec_for_call(fc2, topk_ids, accumulate)))
         plan.explain(fc2, out)  # the checks a call would run, now
         plan.check_ids(fc2, fc2.shape, topk_ids, num_experts)
         rows = fc2.shape[0]
