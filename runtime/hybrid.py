@@ -31,8 +31,9 @@ class HybridMoeLayer:
 
     def __init__(self, bundle: Bundle, parts: Sequence[tuple[PackedNvfp4, PackedNvfp4, Sequence[int] | torch.Tensor]],
                  *, top_k: int, max_tokens: int | None = None, **options):
-        if "expert_map" in options:
-            raise BadInputError("a hybrid layer builds its parts' expert maps from their expert ids")
+        if "expert_map" in options or "accumulate" in options:
+            raise BadInputError("a hybrid layer builds its parts' expert maps from their expert ids, and has its "
+                                "later parts add into the first one's output (expert_map, accumulate are its own)")
         if len(parts) < 2:
             raise BadInputError(f"a hybrid layer has two or more parts (w13, w2, experts), got {len(parts)}")
         ids = [self._expert_ids(experts, w13, i) for i, (w13, _, experts) in enumerate(parts)]
