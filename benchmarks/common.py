@@ -147,6 +147,47 @@ def run_layers(layers: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.
     return found, outs
 
 
+def compare_formats(bundle, models: list[str], ms: list[int], check_m: int, rounds: int, build: Callable, *,
+                    floors: bool, device: str = "cuda") -> list[dict]:
+    """The model x M loop of the same-process layer comparisons (benchmarks/mxfp4.py, nf3.py, modelopt.py).
+
+    build(bundle, model, generator) -> ((H, E, top_k), {impl: (layer, reference, expert_bytes)}):
+    `reference(x, weights, ids)` gives the float32 output, checked at `check_m` (outputs poisoned);
+    every M of `ms` is timed (FlushedTimer).  With `floors`, each row also carries the weight bytes the
+    routing touches (distinct routed experts x expert_bytes) and that many bytes at the measured copy
+    bandwidth (`floor_us`).  One generator per model (seeded by its name's length) draws the weights
+    and every routing, so two runs see the same problems."""
+    timer = FlushedTimer() if ms else None
+    bandwidth = hbm_copy_bandwidth() if floors else None
+    rows = []
+    for name in models:
+        g = torch.Generator(device=device).manual_seed(len(name))
+        (hidden, experts, top_k), layers = build(bundle, name, g)
+        for m in sorted(set(ms) | {check_m}):
+            x, w, ids = uniform_routing(m, hidden, experts, top_k, g)
+            references = None
+            if m == check_m:
+                references = {impl: (lambda ref=ref: ref(x, w, ids)) for impl, (_, ref, _) in layers.items()}
+            found, _ = run_layers({impl: entry[0] for impl, entry in layers.items()}, x, w, ids,
+                                  references=references, timer=timer if m in ms else None, rounds=rounds)
+            routed = int(ids.unique().numel())
+            for impl, (layer, _, expert_bytes) in layers.items():
+                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe()}
+                if bandwidth is not None:
+                    row.update(experts=routed, weight_bytes=routed * expert_bytes,
+                               floor_us=routed * expert_bytes / bandwidth * 1e6)
+                row.update(found[impl])
+                rows.append(row)
+                us = f"{row['us']:9.1f} us" if "us" in row else " " * 12
+                floor = f" (floor {row['floor_us']:6.1f})" if "us" in row and "floor_us" in row else ""
+                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
+                print(f"{name:14s} M={m:5d} {impl:11s} {us}{floor}{err}  {row['plan']}", flush=True)
+        del layers
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def layer_benchmark_main(argv, *, doc: str, name: str, models: dict, run: Callable, table: Callable,
                          defaults: dict) -> int:
     """The command line of a same-process layer comparison (benchmarks/mxfp4.py, nf3.py): --bundle,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, hbm_copy_bandwidth, layer_benchmark_main, run_layers, uniform_routing
+from benchmarks.common import compare_formats, layer_benchmark_main
 from tests.reference.moe import moe_reference
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
@@ -34,51 +34,31 @@ def _expert_bytes(w) -> int:
     return (w.qweight.numel() * w.qweight.element_size() + w.scales.numel()) // w.num_experts
 
 
-def _layers(bundle, h, i, e, top_k, g):
+def _build(bundle, name, g):
+    """Both layers of one model on one random checkpoint, with their float32 reference."""
     from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_modelopt, prepare_w13, prepare_w13_modelopt
 
+    h, i, e, top_k = MODELS[name]
     gate, up, down = random_nvfp4(e, i, h, g), random_nvfp4(e, i, h, g), random_nvfp4(e, h, i, g)
     w13_t = [torch.cat((gate[j], up[j]), dim=1) for j in (0, 1)]
     pair = torch.stack((gate[2], gate[2]), dim=1)  # one global scale: the packed form is exact too
-    ref = (torch.cat((dequantize_modelopt(*gate), dequantize_modelopt(up[0], up[1], gate[2])), dim=1),
-           dequantize_modelopt(*down))
-    out = {}
+    ref_w = (torch.cat((dequantize_modelopt(*gate), dequantize_modelopt(up[0], up[1], gate[2])), dim=1),
+             dequantize_modelopt(*down))
+
+    def reference(x, w, ids):
+        return moe_reference(x, *ref_w, w, ids, "silu")[0]
+
+    layers = {}
     for impl, (p13, p2) in {"packed": (prepare_w13, prepare_w2),
                             "modelopt": (prepare_w13_modelopt, prepare_w2_modelopt)}.items():
         w13, w2 = p13(*w13_t, pair, "bf16"), p2(*down, "bf16")
-        out[impl] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation="silu"), ref,
-                     _expert_bytes(w13) + _expert_bytes(w2))
-    return out
+        layers[impl] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation="silu"), reference,
+                        _expert_bytes(w13) + _expert_bytes(w2))
+    return (h, e, top_k), layers
 
 
 def run(bundle, models, ms, check_m, rounds) -> list[dict]:
-    timer = FlushedTimer()
-    bandwidth = hbm_copy_bandwidth()
-    rows = []
-    for name in models:
-        h, i, e, top_k = MODELS[name]
-        g = torch.Generator(device="cuda").manual_seed(len(name))
-        layers = _layers(bundle, h, i, e, top_k, g)
-        for m in sorted(set(ms) | {check_m}):
-            x, w, ids = uniform_routing(m, h, e, top_k, g)
-            experts = int(ids.unique().numel())
-            references = None
-            if m == check_m:
-                references = {impl: (lambda ref_w=ref_w: moe_reference(x, *ref_w, w, ids, "silu")[0])
-                              for impl, (_, ref_w, _) in layers.items()}
-            found, _ = run_layers({impl: layer for impl, (layer, _, _) in layers.items()}, x, w, ids,
-                                  references=references, timer=timer if m in ms else None, rounds=rounds)
-            for impl, (layer, _, per_expert) in layers.items():
-                touched = experts * per_expert
-                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(), "experts": experts,
-                       "weight_bytes": touched, "floor_us": touched / bandwidth * 1e6, **found[impl]}
-                rows.append(row)
-                us = f"{row['us']:9.1f} us (floor {row['floor_us']:6.1f})" if "us" in row else " " * 26
-                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
-                print(f"{name:14s} M={m:5d} {row['impl']:8s} {us}{err}  {row['plan']}", flush=True)
-        del layers
-        torch.cuda.empty_cache()
-    return rows
+    return compare_formats(bundle, models, ms, check_m, rounds, _build, floors=True)
 
 
 def table(rows: list[dict]) -> str:

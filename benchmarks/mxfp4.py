@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, layer_benchmark_main, run_layers, uniform_routing
+from benchmarks.common import compare_formats, layer_benchmark_main
 from tests.reference.moe import moe_reference
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
@@ -34,9 +34,11 @@ MODELS = {"gpt-oss-120b": (2880, 2880, 128, 4), "gpt-oss-20b": (2880, 2880, 32, 
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
 
 
-def _layers(bundle, h, i, e, top_k, g):
+def _build(bundle, name, g):
+    """The three layers of one model (NVFP4, NVFP4 + biases, MXFP4 + biases), with their references."""
     from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
 
+    h, i, e, top_k = MODELS[name]
     q13, q2 = random_nvfp4(e, 2 * i, h, g), random_nvfp4(e, h, i, g)
     bias13 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.5).to(torch.bfloat16)  # [gate | up]
     bias2 = (torch.randn(e, h, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
@@ -54,34 +56,16 @@ def _layers(bundle, h, i, e, top_k, g):
     w13 = dequantize_mxfp4(b13, s13)
     ref_mx = (torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1), dequantize_mxfp4(b2, s2),
               torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1), bias2)
-    return {"nvfp4": (nvfp4, ref_nv), "nvfp4+bias": (nv_bias, ref_nv_bias), "mxfp4+bias": (mx, ref_mx)}
+    layers = {"nvfp4": (nvfp4, ref_nv), "nvfp4+bias": (nv_bias, ref_nv_bias), "mxfp4+bias": (mx, ref_mx)}
+
+    def reference(r):
+        return lambda x, w, ids: moe_reference(x, r[0], r[1], w, ids, "swigluoai", b13=r[2], b2=r[3], **OAI)[0]
+
+    return (h, e, top_k), {impl: (layer, reference(r), None) for impl, (layer, r) in layers.items()}
 
 
 def run(bundle, models, ms, check_m, rounds) -> list[dict]:
-    timer = FlushedTimer()
-    rows = []
-    for name in models:
-        h, i, e, top_k = MODELS[name]
-        g = torch.Generator(device="cuda").manual_seed(len(name))
-        layers = _layers(bundle, h, i, e, top_k, g)
-        for m in sorted(set(ms) | {check_m}):
-            x, w, ids = uniform_routing(m, h, e, top_k, g)
-            references = None
-            if m == check_m:
-                references = {impl: (lambda r=ref_w: moe_reference(x, r[0], r[1], w, ids, "swigluoai", b13=r[2],
-                                                                   b2=r[3], **OAI)[0])
-                              for impl, (_, ref_w) in layers.items()}
-            found, _ = run_layers({impl: layer for impl, (layer, _) in layers.items()}, x, w, ids,
-                                  references=references, timer=timer if m in ms else None, rounds=rounds)
-            for impl, (layer, _) in layers.items():
-                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(), **found[impl]}
-                rows.append(row)
-                us = f"{row['us']:9.1f} us" if "us" in row else " " * 12
-                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
-                print(f"{name:14s} M={m:5d} {row['impl']:11s} {us}{err}  {row['plan']}", flush=True)
-        del layers
-        torch.cuda.empty_cache()
-    return rows
+    return compare_formats(bundle, models, ms, check_m, rounds, _build, floors=False)
 
 
 def table(rows: list[dict]) -> str:

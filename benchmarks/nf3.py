@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, hbm_copy_bandwidth, layer_benchmark_main, run_layers, uniform_routing
+from benchmarks.common import compare_formats, layer_benchmark_main
 from tests.reference.moe import moe_reference
 from tests.reference.nf3 import dequantize_nf3, random_nf3
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
@@ -37,53 +37,34 @@ def _expert_bytes(w) -> int:
     return (w.qweight.numel() * 4 + w.scales.numel()) // w.num_experts
 
 
-def _layers(bundle, h, i, e, top_k, activation, biases, g):
+def _build(bundle, name, g):
+    """The NVFP4 and the NF3 layer of one model (random weights of the same shapes), with their references."""
     from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_nf3, prepare_w13, prepare_w13_nf3
 
+    h, i, e, top_k, activation, biases = MODELS[name]
     b13 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.5).to(torch.bfloat16) if biases else None
     b2 = (torch.randn(e, h, generator=g, device="cuda") * 0.5).to(torch.bfloat16) if biases else None
-    out = {}
+    kw = dict(b13=b13, b2=b2, **(OAI if activation == "swigluoai" else {}))
+
+    def reference(ref_w):
+        return lambda x, w, ids: moe_reference(x, *ref_w, w, ids, activation, **kw)[0]
+
+    layers = {}
     q13, q2 = random_nvfp4(e, 2 * i, h, g), random_nvfp4(e, h, i, g)
     w13, w2 = prepare_w13(*q13, "bf16", bias=b13), prepare_w2(*q2, "bf16", bias=b2)
-    out["nvfp4"] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation),
-                    (dequantize_modelopt(*q13), dequantize_modelopt(*q2)), _expert_bytes(w13) + _expert_bytes(w2))
+    layers["nvfp4"] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation),
+                       reference((dequantize_modelopt(*q13), dequantize_modelopt(*q2))),
+                       _expert_bytes(w13) + _expert_bytes(w2))
     del q13, q2
     q13, q2 = random_nf3(e, 2 * i, h, g, scale_2=2e-4), random_nf3(e, h, i, g, scale_2=2e-4)
     w13, w2 = prepare_w13_nf3(*q13, bias=b13), prepare_w2_nf3(*q2, bias=b2)
-    out["nf3"] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation),
-                  (dequantize_nf3(*q13), dequantize_nf3(*q2)), _expert_bytes(w13) + _expert_bytes(w2))
-    return out, (b13, b2)
+    layers["nf3"] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation),
+                     reference((dequantize_nf3(*q13), dequantize_nf3(*q2))), _expert_bytes(w13) + _expert_bytes(w2))
+    return (h, e, top_k), layers
 
 
 def run(bundle, models, ms, check_m, rounds) -> list[dict]:
-    timer = FlushedTimer()
-    bandwidth = hbm_copy_bandwidth()
-    rows = []
-    for name in models:
-        h, i, e, top_k, activation, biases = MODELS[name]
-        g = torch.Generator(device="cuda").manual_seed(len(name))
-        layers, (b13, b2) = _layers(bundle, h, i, e, top_k, activation, biases, g)
-        kw = dict(b13=b13, b2=b2, **(OAI if activation == "swigluoai" else {}))
-        for m in sorted(set(ms) | {check_m}):
-            x, w, ids = uniform_routing(m, h, e, top_k, g)
-            experts = int(ids.unique().numel())
-            references = None
-            if m == check_m:
-                references = {impl: (lambda ref_w=ref_w: moe_reference(x, *ref_w, w, ids, activation, **kw)[0])
-                              for impl, (_, ref_w, _) in layers.items()}
-            found, _ = run_layers({impl: layer for impl, (layer, _, _) in layers.items()}, x, w, ids,
-                                  references=references, timer=timer if m in ms else None, rounds=rounds)
-            for impl, (layer, _, per_expert) in layers.items():
-                touched = experts * per_expert
-                row = {"model": name, "M": m, "impl": impl, "plan": layer.resolve(m).describe(), "experts": experts,
-                       "weight_bytes": touched, "floor_us": touched / bandwidth * 1e6, **found[impl]}
-                rows.append(row)
-                us = f"{row['us']:9.1f} us (floor {row['floor_us']:6.1f})" if "us" in row else " " * 26
-                err = f" rel_err {row['rel_err']:.2e}" if row.get("rel_err") is not None else ""
-                print(f"{name:14s} M={m:5d} {row['impl']:6s} {us}{err}  {row['plan']}", flush=True)
-        del layers
-        torch.cuda.empty_cache()
-    return rows
+    return compare_formats(bundle, models, ms, check_m, rounds, _build, floors=True)
 
 
 def table(rows: list[dict]) -> str:

@@ -37,3 +37,33 @@ def test_run_layers_eager_without_references_and_nothing_by_default():
     assert found == {"a": {}} and torch.equal(outs["a"], x)
     _, outs = run_layers({"a": _scaled(1.0)}, x, w, ids)
     assert outs["a"].isnan().all()  # neither eager nor timed: the poisoned buffer
+
+
+def test_compare_formats_checks_every_layer_at_check_m(capsys):
+    """The model x M loop of the format comparisons, with stand-in layers on the CPU (no timing)."""
+    from benchmarks.common import compare_formats
+
+    class Plan:
+        def describe(self):
+            return "stand-in plan"
+
+    class Layer:
+        def __init__(self, factor):
+            self.factor = factor
+
+        def __call__(self, x, weights, ids, *, out):
+            out.copy_(x * self.factor)
+
+        def resolve(self, m):
+            return Plan()
+
+    def build(bundle, name, g):
+        reference = lambda x, w, ids: x.float() * 2  # noqa: E731
+        return (8, 4, 2), {"right": (Layer(2.0), reference, None), "wrong": (Layer(3.0), reference, None)}
+
+    rows = compare_formats(None, ["a", "bb"], [], 5, 1, build, floors=False, device="cpu")
+    assert [(r["model"], r["M"], r["impl"]) for r in rows] == [
+        ("a", 5, "right"), ("a", 5, "wrong"), ("bb", 5, "right"), ("bb", 5, "wrong")]
+    assert all(r["plan"] == "stand-in plan" and "us" not in r and "floor_us" not in r for r in rows)
+    assert [r["rel_err"] == 0.0 for r in rows] == [True, False, True, False]
+    assert "stand-in plan" in capsys.readouterr().out
