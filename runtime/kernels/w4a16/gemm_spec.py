@@ -167,7 +167,6 @@ class GemmSpec(SpecKey):
         if self.nf3 and (self.dtype is not DType.BF16 or self.mainloop is not Mainloop.MMA_SYNC):
             raise BadInputError(f"NF3 weights are decoded by the mma.sync loop for bf16 activations, got "
                                 f"{self.dtype.value} / {self.mainloop.value}")
-        self._check_modelopt()
         for name in ("n", "k", "top_k", "tile_n", "tile_k", "moe_block_size", "blocks_per_sm"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -184,6 +183,7 @@ class GemmSpec(SpecKey):
             raise BadInputError(
                 f"N={self.n} and K={self.k} must be multiples of the tile {self.tile_n}x{self.tile_k} (no tail tiles)"
             )
+        self._check_modelopt()
         for name, stored in (("n_out", self.n), ("k_in", self.k)):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v < stored or v % 8):
