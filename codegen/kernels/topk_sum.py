@@ -58,9 +58,8 @@ class TopKSumKernel:
             acc = cute.make_rmem_tensor(VECTOR, cutlass.Float32)
             acc.fill(0.0)
             x = cute.make_rmem_tensor(VECTOR, self.elem)
-            dst = cute.make_tensor(out + (m * self.hidden + col), cute.make_layout(VECTOR))
             if cutlass.const_expr(self.accumulate):  # out += the sum, added in float32
-                x.store(dst.load())
+                x.store(cute.make_tensor(out + (m * self.hidden + col), cute.make_layout(VECTOR)).load())
                 for i in cutlass.range_constexpr(VECTOR):
                     acc[i] = x[i].to(cutlass.Float32)
             keep = [None] * self.top_k
@@ -81,6 +80,7 @@ class TopKSumKernel:
                     acc[i] = acc[i] + term
             y = cute.make_rmem_tensor(VECTOR, self.elem)
             y.store(acc.load().to(self.elem))
+            dst = cute.make_tensor(out + (m * self.hidden + col), cute.make_layout(VECTOR))
             dst.store(y.load())
 
 
