@@ -220,8 +220,10 @@ def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch
     codes (the packed form stores them so; the dequantized weights are the same zeros).
     """
     if not isinstance(packed, PackedNvfp4) or packed.weights is not WeightFormat.NVFP4:
+        hint = {"nf3": " (use unpack_nf3)", "modelopt": " (its qweight and scales are the checkpoint's own "
+                "weight and weight_scale; global_scale carries the decode compensation)"}
         raise BadInputError(f"packed must be a PackedNvfp4 of NVFP4 weights, got {type(packed).__name__}"
-                            f"{' (use unpack_nf3)' if isinstance(packed, PackedNvfp4) else ''}")
+                            f"{hint.get(getattr(packed, 'layout', None), '')}")
     n, k = packed.n, packed.k
     codes = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored, packed.dtype)
     weight = _codes_to_bytes(codes)[:, :n, : k // 2].contiguous()

@@ -40,6 +40,13 @@ def test_prepare_keeps_the_checkpoint_tensors():
     assert MODELOPT_COMPENSATION == {DType.BF16: 2.0**103, DType.FP16: 2.0**14}
 
 
+def test_unpack_nvfp4_points_modelopt_weights_at_their_own_tensors():
+    from cuteaot.runtime import unpack_nvfp4
+
+    with pytest.raises(BadInputError, match="the checkpoint's own weight and weight_scale"):
+        unpack_nvfp4(prepare_w2_modelopt(*_checkpoint(), "bf16"))
+
+
 def test_w31_keeps_both_scales_and_reorders_only_the_bias():
     weight, scale, _ = _checkpoint()
     pair = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]) * 1e-3  # (gate, up)
