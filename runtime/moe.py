@@ -349,6 +349,8 @@ class MoeLayer:
                  layer_idx: int | None = None) -> torch.Tensor:
         """(M, H) output = sum_k w_k * FC2_e(act(FC1_e(x))) over each token's top-k experts e
         (FC_e(x) = x W_e^T + b_e when the weights carry biases)."""
+        if out is None and self.accumulate:
+            raise BadInputError("this layer was built with accumulate=True: it adds into `out`, so pass out=")
         if torch.compiler.is_compiling():
             if out is None:
                 out = torch.empty_like(hidden_states)
@@ -356,8 +358,6 @@ class MoeLayer:
                                         -1 if layer_idx is None else layer_idx, self.id)
             return out
         m = self._check(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx)
-        if out is None and self.accumulate:
-            raise BadInputError("this layer was built with accumulate=True: it adds into `out`, so pass out=")
         if out is None:
             out = torch.empty((m, self.hidden_size), dtype=self.dtype.torch, device=self.device)
         if m == 0:
