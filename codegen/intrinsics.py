@@ -195,40 +195,59 @@ def scale_pair_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
 
 
 # ----------------------------------------------------------------------------- NVFP4 as ModelOpt stores it
-# A lane's word is 4 bytes of one weight row, as ldmatrix hands them over: byte i holds two
-# consecutive codes, the even k in its low nibble (docs/layouts.md, "NVFP4 read as stored").
+# A lane's word is 4 bytes of one weight row, as ldmatrix hands them over: 8 consecutive codes,
+# code j on bits 4j .. 4j+3 (two a byte, the even k in the low nibble; docs/layouts.md, "NVFP4 read
+# as stored").
 
 
 def modelopt_word_ptx(dtype: DType) -> str:
-    """PTX of `dequant_e2m1_bytes_*`: $4 = the word; $0..$3 = the pairs of bytes 0..3.
+    """PTX of `dequant_e2m1_codes_*`: $4 = the word; $0..$3 = pairs (code j, code j + 4).
 
-    Per byte i, one prmt puts byte i of (x << 4) on bits 8..15 and byte i of x on bits 24..31:
-    the byte's low code then sits on bits 12..15 and its high code on bits 28..31, so both signs
-    are on the pair's sign bits (15, 31) and one right shift brings both magnitudes to the
-    bits of the split-nibble decode (bf16 8..6 / 24..22, fp16 11..9 / 27..25)."""
+    Codes j and j + 4 sit 16 bits apart, on the same bits of the two halves: one left or right
+    shift per field brings both signs onto the pair's sign bits (15, 31) and another both
+    magnitudes onto the split-nibble decode's bits (bf16 8..6 / 24..22, fp16 11..9 / 27..25),
+    each masked; no byte moves (left shifts may go to IMAD.SHL, off the integer ALU pipe)."""
     mag = _E2M1_MAG_MASK[dtype]
-    shift = {DType.BF16: 6, DType.FP16: 3}[dtype]
-    lines = ["shl.b32 u, $4, 4;"]
-    for i in range(4):
-        selector = i | i << 4 | (4 + i) << 8 | (4 + i) << 12  # bytes 0, 2 are don't-cares (masked off)
-        lines += [f"prmt.b32 y, u, $4, {selector:#06x};", f"shr.b32 z, y, {shift};", f"and.b32 z, z, {mag:#010x};",
-                  f"and.b32 y, y, {_SIGN_BITS:#010x};", f"or.b32 ${i}, y, z;"]
-    return "{\n .reg .b32 u, y, z;\n " + "\n ".join(lines) + "\n}"
+    low = {DType.BF16: 6, DType.FP16: 9}[dtype]  # lowest magnitude bit of the element
+
+    def shifted(reg: str, by: int, lines: list) -> str:
+        if by == 0:
+            return "$4"
+        lines.append(f"shl.b32 {reg}, $4, {by};" if by > 0 else f"shr.b32 {reg}, $4, {-by};")
+        return reg
+
+    lines: list[str] = []
+    for j in range(4):
+        sign = shifted("s", 12 - 4 * j, lines)  # code bit 3 (at 4j + 3) -> 15
+        magnitude = shifted("t", low - 4 * j, lines)  # code bits 0..2 (at 4j) -> low .. low + 2
+        lines += [f"and.b32 s, {sign}, {_SIGN_BITS:#010x};", f"and.b32 t, {magnitude}, {mag:#010x};",
+                  f"or.b32 ${j}, s, t;"]
+    return "{\n .reg .b32 s, t;\n " + "\n ".join(lines) + "\n}"
 
 
 @dsl_user_op
-def dequant_e2m1_bytes_bf16(x: Uint32, *, loc=None, ip=None):
-    """Four bytes of a ModelOpt weight row (8 e2m1 codes) -> four bf16x2, pair i = the codes of byte i
-    (low nibble = low element) holding w * 2**-126, as `dequant_e2m1x8_bf16`: 1 shift, then per pair
-    prmt, shift and three logic ops."""
+def dequant_e2m1_codes_bf16(x: Uint32, *, loc=None, ip=None):
+    """Four bytes of a ModelOpt weight row (8 e2m1 codes) -> four bf16x2, pair j = (code j, code j + 4)
+    holding w * 2**-126, as `dequant_e2m1x8_bf16` (the GEMM pairs the activations the same way)."""
     return _u32(_asm(4, T.i32, _ir([Uint32(x)], loc, ip), modelopt_word_ptx(DType.BF16), "=r,=r,=r,=r,r",
                      effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op
-def dequant_e2m1_bytes_f16(x: Uint32, *, loc=None, ip=None):
-    """As `dequant_e2m1_bytes_bf16` for half2, w * 2**-14."""
+def dequant_e2m1_codes_f16(x: Uint32, *, loc=None, ip=None):
+    """As `dequant_e2m1_codes_bf16` for half2, w * 2**-14."""
     return _u32(_asm(4, T.i32, _ir([Uint32(x)], loc, ip), modelopt_word_ptx(DType.FP16), "=r,=r,=r,=r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+PAIR_HALVES_SELECTOR = {0: 0x5410, 1: 0x7632}  # prmt: (a.lo, b.lo) / (a.hi, b.hi)
+
+
+@dsl_user_op
+def pair_halves(a: Uint32, b: Uint32, high: int, *, loc=None, ip=None) -> Uint32:
+    """(a.lo, b.lo) for high = 0, (a.hi, b.hi) for high = 1: one prmt."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(a), Uint32(b)], loc, ip),
+                     f"prmt.b32 $0, $1, $2, {PAIR_HALVES_SELECTOR[int(high)]:#06x};", "=r,r,r",
                      effects=False, loc=loc, ip=ip))
 
 

@@ -8,8 +8,8 @@ as bytes, are the very tensors given; the only new tensor is the per-expert floa
 The kernels decode these bytes in the mma.sync loop (docs/layouts.md, "NVFP4 read as stored"):
 each lane takes 4 consecutive bytes of a weight row (k = 8t .. 8t+7 of a 32-k slice) and the
 activations are read with the same k permutation, so no byte needs moving.  The price is a
-costlier decode than the packed layout's (per 8 weights 16 integer-ALU instructions in SASS,
-4 PRMT, 4 SHF, 8 LOP3, against 7), and no warpgroup-MMA loop: the planner keeps these layers on
+costlier decode than the packed layout's (per 8 weights 10 integer-ALU instructions in SASS,
+8 LOP3 and 2 SHF, against 7), and no warpgroup-MMA loop: the planner keeps these layers on
 the fused mma.sync kernel at every M.
 
 W13 may be stored gate rows first ("w13", `WeightFormat.MODELOPT`) or up rows first ("w31",

@@ -1,7 +1,7 @@
 """The modelopt main loop's data movement as docs/layouts.md ("NVFP4 read as stored") states it,
 played out lane by lane in numpy: the shared-memory swizzles are bijections and bank-conflict free
 for the loads the warps issue, and the relabelled k slots (ldmatrix bytes 4t .. 4t+3, activation
-chunk 8t .. 8t+7) make the m16n8k16 fragments compute the plain product.  The swizzle formulas are
+chunk 8t .. 8t+7, both paired (k, k + 4)) make the m16n8k16 fragments compute the plain product.  The swizzle formulas are
 the kernel's (`_modelopt_b_swizzle`, `_a_swizzle`); the GPU tests run the kernel itself."""
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ def _mma(a_frag, b_frag):
     return a @ b
 
 
+def _pairs(chunk):
+    """The 8 values k = 8t .. 8t+7 of one word / chunk as the decode pairs them: pair j = (k j, k j + 4)."""
+    return [np.array([chunk[j], chunk[j + 4]]) for j in range(4)]
+
+
 def test_relabelled_k_slots_compute_the_product():
     """One warp's 32-k slice, 16 tokens x 8 columns (one n8 block), both k-steps."""
     rng = np.random.default_rng(0)
@@ -71,10 +76,10 @@ def test_relabelled_k_slots_compute_the_product():
         a_frag, b_frag = [], []
         for lane in range(LANES):
             g, t = lane // 4, lane % 4
-            word = w[g, 8 * t:8 * t + 8]  # ldmatrix: bytes 4t .. 4t + 3 of row g = k 8t .. 8t + 7
-            b_frag.append((word[4 * ks:4 * ks + 2], word[4 * ks + 2:4 * ks + 4]))  # pairs 2ks, 2ks + 1
-            u, v = x[g, 8 * t:8 * t + 8], x[g + 8, 8 * t:8 * t + 8]  # 16-byte chunks of rows g, g + 8
-            a_frag.append((u[4 * ks:4 * ks + 2], v[4 * ks:4 * ks + 2], u[4 * ks + 2:4 * ks + 4], v[4 * ks + 2:4 * ks + 4]))
+            word = _pairs(w[g, 8 * t:8 * t + 8])  # ldmatrix: bytes 4t .. 4t + 3 of row g = k 8t .. 8t + 7
+            b_frag.append((word[2 * ks], word[2 * ks + 1]))
+            u, v = _pairs(x[g, 8 * t:8 * t + 8]), _pairs(x[g + 8, 8 * t:8 * t + 8])  # rows g, g + 8
+            a_frag.append((u[2 * ks], v[2 * ks], u[2 * ks + 1], v[2 * ks + 1]))
         d += _mma(a_frag, b_frag)
     np.testing.assert_allclose(d, x @ w.T, rtol=1e-12, atol=1e-12)
 
@@ -89,9 +94,9 @@ def test_relabelled_k_slots_with_weights_as_the_a_operand():
         a_frag, b_frag = [], []
         for lane in range(LANES):
             g, t = lane // 4, lane % 4
-            c0, c1 = w[g, 8 * t:8 * t + 8], w[g + 8, 8 * t:8 * t + 8]
-            a_frag.append((c0[4 * ks:4 * ks + 2], c1[4 * ks:4 * ks + 2], c0[4 * ks + 2:4 * ks + 4], c1[4 * ks + 2:4 * ks + 4]))
-            u = x[g, 8 * t:8 * t + 8]
-            b_frag.append((u[4 * ks:4 * ks + 2], u[4 * ks + 2:4 * ks + 4]))
+            c0, c1 = _pairs(w[g, 8 * t:8 * t + 8]), _pairs(w[g + 8, 8 * t:8 * t + 8])
+            a_frag.append((c0[2 * ks], c1[2 * ks], c0[2 * ks + 1], c1[2 * ks + 1]))
+            u = _pairs(x[g, 8 * t:8 * t + 8])
+            b_frag.append((u[2 * ks], u[2 * ks + 1]))
         d += _mma(a_frag, b_frag)
     np.testing.assert_allclose(d, w @ x.T, rtol=1e-12, atol=1e-12)

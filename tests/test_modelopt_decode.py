@@ -27,18 +27,26 @@ def _e2m1(codes: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
-def test_e2m1_byte_decode_gives_each_bytes_two_codes_as_one_pair(dtype):
+def test_e2m1_code_decode_pairs_code_j_with_code_j_plus_4(dtype):
+    """Pair j = (code j, code j + 4) of the word's 8 codes (code j on bits 4j .. 4j + 3)."""
     rng = np.random.default_rng(0)
     every_byte = np.arange(256, dtype=np.uint64)
     words = np.concatenate([every_byte * 0x01010101, every_byte << 8, every_byte << 24,
                             rng.integers(0, 2**32, 20000, dtype=np.uint64)])
     pairs = run(I.modelopt_word_ptx(dtype), {4: words}, 4)
-    for i, pair in enumerate(pairs):
-        byte = (words >> np.uint64(8 * i)) & np.uint64(0xFF)
-        lo, hi = (_e2m1((byte >> np.uint64(s)) & np.uint64(0xF)) * 2.0 ** DECODE_EXP[dtype] for s in (0, 4))
+    for j, pair in enumerate(pairs):
+        lo, hi = (_e2m1((words >> np.uint64(4 * c)) & np.uint64(0xF)) * 2.0 ** DECODE_EXP[dtype] for c in (j, j + 4))
         expected = _bits(lo, dtype) | (_bits(hi, dtype) << np.uint64(16))
         bad = np.nonzero(pair != expected)[0]
-        assert bad.size == 0, f"byte {i} of {words[bad[0]]:#010x}: got {pair[bad[0]]:#010x}, want {expected[bad[0]]:#010x}"
+        assert bad.size == 0, f"pair {j} of {words[bad[0]]:#010x}: got {pair[bad[0]]:#010x}, want {expected[bad[0]]:#010x}"
+
+
+def test_pair_halves_is_the_activation_relabelling():
+    """prmt 0x5410 / 0x7632 pair two registers' low / high halves (the activations' (k, k + 4) pairs)."""
+    a, b = np.uint64(0x22221111), np.uint64(0x44443333)
+    for high, want in ((0, 0x33331111), (1, 0x44442222)):
+        ptx = "{\n prmt.b32 $0, $1, $2, " + f"{I.PAIR_HALVES_SELECTOR[high]:#06x}" + ";\n}"
+        assert int(run(ptx, {1: np.array([a]), 2: np.array([b])}, 1)[0][0]) == want
 
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])

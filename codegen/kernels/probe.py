@@ -112,11 +112,11 @@ class ProbeKernel:
             for j in range(4):
                 d.u32[16 * i + 4 * jj + j] = out[j]
 
-    def _e2m1_bytes_bf16(self, s, d, i):
-        self._quads(s, d, i, I.dequant_e2m1_bytes_bf16)
+    def _e2m1_codes_bf16(self, s, d, i):
+        self._quads(s, d, i, I.dequant_e2m1_codes_bf16)
 
-    def _e2m1_bytes_f16(self, s, d, i):
-        self._quads(s, d, i, I.dequant_e2m1_bytes_f16)
+    def _e2m1_codes_f16(self, s, d, i):
+        self._quads(s, d, i, I.dequant_e2m1_codes_f16)
 
     def _e4m3_pair_bf16(self, s, d, i):
         for byte in range(4):

@@ -74,8 +74,8 @@ class Probe(str, Enum):
     E8M0_BF16 = "e8m0_bf16"
     E8M0_F16 = "e8m0_f16"
     NF3_BF16 = "nf3_bf16"
-    E2M1_BYTES_BF16 = "e2m1_bytes_bf16"
-    E2M1_BYTES_F16 = "e2m1_bytes_f16"
+    E2M1_CODES_BF16 = "e2m1_codes_bf16"
+    E2M1_CODES_F16 = "e2m1_codes_f16"
     E4M3_PAIR_BF16 = "e4m3_pair_bf16"
     E4M3_PAIR_F16 = "e4m3_pair_f16"
     MMA_BF16 = "mma_bf16"
@@ -108,8 +108,10 @@ LAYOUTS: dict[Probe, ProbeLayout] = {
     Probe.NF3_BF16: ProbeLayout(
         _T, 3, 16, "src[i] = (x0, x1, x2); dst = R0..R3 of dequant_nf3_word_bf16 of x0, x1, x2 and nf3_gather(x0, x1, x2)"
     ),
-    Probe.E2M1_BYTES_BF16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs of dequant_e2m1_bytes_bf16"),
-    Probe.E2M1_BYTES_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs of dequant_e2m1_bytes_f16"),
+    Probe.E2M1_CODES_BF16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs (code j, code j + 4) of "
+                                       "dequant_e2m1_codes_bf16"),
+    Probe.E2M1_CODES_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs (code j, code j + 4) of "
+                                      "dequant_e2m1_codes_f16"),
     Probe.E4M3_PAIR_BF16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = scale_pair_e4m3_bf16(x, "
                                       "e4m3_pair_selector(byte)), byte = 0..3"),
     Probe.E4M3_PAIR_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = scale_pair_e4m3_f16(x, "

@@ -521,19 +521,20 @@ def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float64)[code]
 
 
-@pytest.mark.parametrize("probe,exp,elem", [(Probe.E2M1_BYTES_BF16, -126, torch.bfloat16),
-                                            (Probe.E2M1_BYTES_F16, -14, torch.float16)],
+@pytest.mark.parametrize("probe,exp,elem", [(Probe.E2M1_CODES_BF16, -126, torch.bfloat16),
+                                            (Probe.E2M1_CODES_F16, -14, torch.float16)],
                          ids=lambda v: v.value if isinstance(v, Probe) else "")
-def test_e2m1_bytes_decode(bundle, capsys, probe, exp, elem):
-    """dequant_e2m1_bytes_*: pair i = (low code, high code) of byte i, w * 2**exp (NVFP4's definition)."""
+def test_e2m1_codes_decode(bundle, capsys, probe, exp, elem):
+    """dequant_e2m1_codes_*: pair j = (code j, code j + 4) of the word (code j on bits 4j .. 4j + 3),
+    w * 2**exp (NVFP4's definition)."""
     g = torch.Generator().manual_seed(5)
     words = torch.cat([torch.arange(256, dtype=torch.int64) * 0x01010101, _random_words(8192, g)])
     got = _run(bundle, probe, _i32(words), words.numel())
 
-    def bits(code):
-        return _bits16((_e2m1_value(code) * 2.0**exp).to(torch.float32).to(elem))
+    def bits(c):
+        return _bits16((_e2m1_value((words >> (4 * c)) & 0xF) * 2.0**exp).to(torch.float32).to(elem))
 
-    want = torch.stack([_pair(bits(_bytes_of(words, i) & 0xF), bits(_bytes_of(words, i) >> 4)) for i in range(4)], dim=1)
+    want = torch.stack([_pair(bits(j), bits(j + 4)) for j in range(4)], dim=1)
     _check(capsys, probe.value, got, want, inputs=words)
 
 

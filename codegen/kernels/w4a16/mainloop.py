@@ -46,11 +46,11 @@ class MainloopMixin:
         return I.scale_pair_s0e5m3_bf16(p, byte)
 
     @cute.jit
-    def _dequant_bytes(self, x: Uint32):
-        """modelopt: four bytes of a stored weight row -> the four pairs of their codes (docs/layouts.md)."""
+    def _dequant_codes(self, x: Uint32):
+        """modelopt: four bytes of a stored weight row -> pairs (code j, code j + 4) (docs/layouts.md)."""
         if cutlass.const_expr(self.is_fp16):
-            return I.dequant_e2m1_bytes_f16(x)
-        return I.dequant_e2m1_bytes_bf16(x)
+            return I.dequant_e2m1_codes_f16(x)
+        return I.dequant_e2m1_codes_bf16(x)
 
     @cute.jit
     def _scale_pair_e4m3(self, p: Uint32, selector: Int32) -> Uint32:
@@ -237,13 +237,13 @@ class MainloopMixin:
         if cutlass.const_expr(s.modelopt):  # both k-steps of the warp's 32-k slice, whole 16-byte chunks
             base = t.a_mo + Int32((s.sh_a_off + pipe * s.a_sh_stage) * 16)
             if cutlass.const_expr(self.m8):
-                u = I.ld_shared_v4_u32(base)
+                u = self._modelopt_activation_pairs(base)
                 for j in cutlass.range_constexpr(4):
                     regs[j] = u[j]
             else:
                 for mb in cutlass.range_constexpr(s.m_blocks):
-                    u = I.ld_shared_v4_u32(base + Int32(mb * 16 * s.a_sh_stride * 16))
-                    v = I.ld_shared_v4_u32(base + Int32((mb * 16 + 8) * s.a_sh_stride * 16))
+                    u = self._modelopt_activation_pairs(base + Int32(mb * 16 * s.a_sh_stride * 16))
+                    v = self._modelopt_activation_pairs(base + Int32((mb * 16 + 8) * s.a_sh_stride * 16))
                     for j in cutlass.range_constexpr(4):
                         regs[mb, j] = u[j]
                         regs[mb, 4 + j] = v[j]
@@ -260,6 +260,14 @@ class MainloopMixin:
                 regs[mb, 1] = r1
                 regs[mb, 2] = r2
                 regs[mb, 3] = r3
+
+    @cute.jit
+    def _modelopt_activation_pairs(self, addr: Int32):
+        """modelopt: one row's 16-byte chunk k = 8t .. 8t+7 as the pairs (k, k + 4), k = 8t .. 8t+3:
+        the pairing of the stored codes' decode (code j with code j + 4), so each product meets
+        its own activation."""
+        u = I.ld_shared_v4_u32(addr)
+        return [I.pair_halves(u[j // 2], u[2 + j // 2], j % 2) for j in range(4)]
 
     @cute.jit
     def _load_bs_regs(self, regs: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
@@ -374,18 +382,18 @@ class MainloopMixin:
                           kk: cutlass.Constexpr[int]):
         """modelopt: the MMAs of column half kk over the warp's whole 32-k slice.
 
-        A lane's stored word holds k = 8t .. 8t + 7 of the slice (two codes a byte), not the
-        fragment's 2t, 2t + 1, 2t + 8, 2t + 9: k-step ks takes bytes 2ks, 2ks + 1 as its k-pairs, and
-        the activations are loaded with the same permutation (16-byte chunk 8t .. 8t + 7: pairs 2ks,
-        2ks + 1), so every product still meets its own activation.  One scale per word (its 8 k lie in
-        one 16-k group)."""
+        A lane's stored word holds k = 8t .. 8t + 7 of the slice, not the fragment's 2t, 2t + 1,
+        2t + 8, 2t + 9: its decode pairs code j with code j + 4 (k = 8t + j, 8t + j + 4), k-step ks
+        takes pairs 2ks, 2ks + 1, and the activations are paired the same way
+        (`_modelopt_activation_pairs`), so every product still meets its own activation.  One scale
+        per word (its 8 k lie in one 16-k group)."""
         s = self.s
         for jl in cutlass.range_constexpr(2):
             jj = 2 * kk + jl  # columns 16 jj + g (block c0) and + 8 (c1)
             pairs = []
             for half in cutlass.range_constexpr(2):
                 scale = self._scale_pair_e4m3(bs[4 + 2 * jl + half], t.s_sel)
-                pairs.append([self._pair_mul(r, scale) for r in self._dequant_bytes(bs[2 * jl + half])])
+                pairs.append([self._pair_mul(r, scale) for r in self._dequant_codes(bs[2 * jl + half])])
             for ks in cutlass.range_constexpr(2):
                 for half in cutlass.range_constexpr(2):
                     frag[half, 0] = pairs[half][2 * ks]
