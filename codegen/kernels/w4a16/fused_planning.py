@@ -102,9 +102,10 @@ FUSED_PACKED_BLOCKS_PER_SM = {"sm_90a": {16: 4, 32: 3}}
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
 # modelopt FC1 tiles narrower than this divide every intermediate size the layout takes (multiples of 128)
 MODELOPT_HALF_TILE_N = 128
-# modelopt layers: the most CTAs per SM whose register share holds the loop without spills (its
-# 16-byte activation chunks and stored-byte decode need more than the packed loop: 16-row blocks took
-# 144 registers and 32-row blocks 195 on sm_90a, over the packed caps' 128 and 168)
+# modelopt layers: at most this many CTAs per SM for 16- and 32-row blocks, below the packed caps (4, 3).
+# Its first decode needed 144 and 195 registers there on sm_90a (the packed caps' 128 and 168 spilled);
+# with the (j, j + 4) pairing 32-row blocks still spill 8 B at 168 while 16-row ones fit 128 in the
+# shape checked (H 512, I 384).  Whether 4 CTAs beat 3 for 16-row blocks is a measurement not made yet.
 MODELOPT_BLOCKS_PER_SM = {16: 3, 32: 2}
 
 
