@@ -428,18 +428,11 @@ def _to(tensors: dict, device) -> dict:
 def _prepare(t13, t2, dtype, order, device, as_stored=False) -> tuple[PackedNvfp4, PackedNvfp4]:
     """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU), or with
     `as_stored` wrap the tensors moved there as they are (runtime/modelopt.py: no repacking pass)."""
-    if as_stored:
-        on = _to(t13, device)
-        w13 = prepare_w13_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
-                                   bias=on.get("bias"))
-        on = _to(t2, device)
-        return w13, prepare_w2_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype,
-                                        bias=on.get("bias"))
+    p13, p2 = (prepare_w13_modelopt, prepare_w2_modelopt) if as_stored else (prepare_w13, prepare_w2)
     on = _to(t13, device)
-    w13 = prepare_w13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
-                      bias=on.get("bias"))
+    w13 = p13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order, bias=on.get("bias"))
     on = _to(t2, device)
-    w2 = prepare_w2(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, bias=on.get("bias"))
+    w2 = p2(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, bias=on.get("bias"))
     return w13, w2
 
 

@@ -21,7 +21,6 @@ Logical sizes are the stored ones: N and K multiples of 128 (no zero padding is 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,7 +30,7 @@ from .errors import BadInputError
 from .types import DType, WeightFormat
 from .weights import (
     FP4_DECODE_EXPONENT, STORED_K_MULTIPLE, STORED_N_MULTIPLE, PackedNvfp4, W13Order, _check_bias, _check_dtype,
-    _check_global_2, _check_modelopt, _w13_order,
+    _check_global_2, _check_modelopt, _global_scale, _w13_order,
 )
 
 # The scale decode yields s * 2**MODELOPT_SCALE_EXPONENT (codegen/intrinsics.py `scale_pair_e4m3_*`): bf16
@@ -69,59 +68,29 @@ class ModelOptNvfp4(PackedNvfp4):
     def _qweight_shape(self) -> tuple[int, int, int]:
         return (self.num_experts, self.n, self.k // 2)
 
-    def __post_init__(self):
-        e, cls = self.num_experts, type(self).__name__
-        if self.n % STORED_N_MULTIPLE or self.k % STORED_K_MULTIPLE:
-            raise BadInputError(
-                f"{cls} is read as stored, without zero padding: N and K must be multiples of "
-                f"{STORED_N_MULTIPLE}, got N={self.n}, K={self.k} (prepare_w13 / prepare_w2 pack other sizes)")
-        pairs = self.global_scale.dim() == 2
-        expected = {
+    def _expected_tensors(self) -> dict[str, tuple[object, torch.dtype, tuple[int, ...]]]:
+        e = self.num_experts
+        pairs = isinstance(self.global_scale, torch.Tensor) and self.global_scale.dim() == 2
+        return {
             "qweight": (self.qweight, torch.uint8, self._qweight_shape()),
             "scales": (self.scales, torch.uint8, (e, self.n, self.k // 16)),
             "global_scale": (self.global_scale, torch.float32, (e, 2) if pairs else (e,)),
         }
-        for name, (tensor, dtype, shape) in expected.items():
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                given = (tensor.dtype, tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor)
-                raise BadInputError(f"{cls}.{name} must be a {dtype} tensor of shape {shape}, got {given}")
-            if not tensor.is_contiguous():
-                raise BadInputError(f"{cls}.{name} must be contiguous, got strides {tensor.stride()}")
-        if self.up_first and not pairs:
+
+    def __post_init__(self):
+        cls = type(self).__name__
+        if self.n % STORED_N_MULTIPLE or self.k % STORED_K_MULTIPLE:
+            raise BadInputError(
+                f"{cls} is read as stored, without zero padding: N and K must be multiples of "
+                f"{STORED_N_MULTIPLE}, got N={self.n}, K={self.k} (prepare_w13 / prepare_w2 pack other sizes)")
+        super().__post_init__()  # dtypes and shapes (_expected_tensors), dtype, bias, one device
+        if self.up_first and self.global_scale.dim() != 2:
             raise BadInputError(f"{cls}: a W13 stored up rows first carries (gate, up) global scales, (E, 2)")
-        if not isinstance(self.dtype, DType):
-            raise BadInputError(f"{cls}.dtype must be a DType, got {self.dtype!r}")
-        self._check_bias_and_devices()
-
-    def _check_bias_and_devices(self) -> None:
-        devices = {self.qweight.device, self.scales.device, self.global_scale.device}
-        if self.bias is not None:
-            b = self.bias
-            if not isinstance(b, torch.Tensor) or b.dtype != self.dtype.torch or tuple(b.shape) != (
-                    self.num_experts, self.n) or not b.is_contiguous():
-                raise BadInputError(f"{type(self).__name__}.bias must be a contiguous {self.dtype.torch} tensor of "
-                                    f"shape {(self.num_experts, self.n)}, or None")
-            devices.add(b.device)
-        if len(devices) != 1:
-            raise BadInputError(f"{type(self).__name__} tensors must share one device, got {sorted(map(str, devices))}")
-        for name in ("qweight", "scales"):
-            if getattr(self, name).data_ptr() % 16:
-                raise BadInputError(f"{type(self).__name__}.{name} must start 16-byte aligned (the kernels copy "
-                                    f"16-byte chunks), got {getattr(self, name).data_ptr():#x}")
-
-    def to(self, device: torch.device | str) -> "ModelOptNvfp4":
-        return dataclasses.replace(
-            self, qweight=self.qweight.to(device), scales=self.scales.to(device),
-            global_scale=self.global_scale.to(device), bias=None if self.bias is None else self.bias.to(device),
-        )
-
-
-def _compensated(weight_scale_2: torch.Tensor, dtype: DType, name: str) -> torch.Tensor:
-    out = (weight_scale_2.float() * MODELOPT_COMPENSATION[dtype]).contiguous()
-    if not bool(torch.isfinite(out).all()):
-        raise BadInputError(f"{name} * {MODELOPT_COMPENSATION[dtype]:g} (the {dtype.value} decode compensation) "
-                            f"overflows float32: got max {float(weight_scale_2.max()):g}")
-    return out
+        for name in ("qweight", "scales"):  # the checkpoint's own tensors: nothing made them so
+            t = getattr(self, name)
+            if not t.is_contiguous() or t.data_ptr() % 16:
+                raise BadInputError(f"{cls}.{name} must be contiguous and start 16-byte aligned (the kernels copy "
+                                    f"16-byte chunks), got strides {t.stride()}, address {t.data_ptr():#x}")
 
 
 def prepare_w13_modelopt(
@@ -155,8 +124,8 @@ def prepare_w13_modelopt(
         global_2 = torch.stack((global_2, global_2), dim=1)
     bias = _check_bias(bias, "w13_bias", e, n, elem, weight.device, row_order)  # [gate | up], copied (small)
     return ModelOptNvfp4(qweight=weight, scales=weight_scale.view(torch.uint8),
-                         global_scale=_compensated(global_2, elem, "w13_weight_scale_2"), num_experts=e, n=n, k=k,
-                         dtype=elem, bias=bias, up_first=row_order is W13Order.UP_GATE)
+                         global_scale=_global_scale(global_2, elem, "w13_", MODELOPT_COMPENSATION), num_experts=e,
+                         n=n, k=k, dtype=elem, bias=bias, up_first=row_order is W13Order.UP_GATE)
 
 
 def prepare_w2_modelopt(
@@ -173,5 +142,5 @@ def prepare_w2_modelopt(
     global_2 = _check_global_2(weight_scale_2, e, weight.device, "w2_weight_scale_2", pair=False)
     bias = _check_bias(bias, "w2_bias", e, n, elem, weight.device)
     return ModelOptNvfp4(qweight=weight, scales=weight_scale.view(torch.uint8),
-                         global_scale=_compensated(global_2, elem, "w2_weight_scale_2"), num_experts=e, n=n, k=k,
-                         dtype=elem, bias=bias)
+                         global_scale=_global_scale(global_2, elem, "w2_", MODELOPT_COMPENSATION), num_experts=e,
+                         n=n, k=k, dtype=elem, bias=bias)

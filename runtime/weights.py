@@ -152,13 +152,18 @@ class PackedNvfp4:
     def _qweight_shape(self) -> tuple[int, int, int]:
         return (self.num_experts, self.k_stored // SCALE_GROUP_K, 2 * self.n_stored)
 
-    def __post_init__(self):
-        e, n, cls = self.num_experts, self.n_stored, type(self).__name__
-        expected = {
+    def _expected_tensors(self) -> dict[str, tuple[object, torch.dtype, tuple[int, ...]]]:
+        """name -> (tensor, dtype, shape) this layout holds (a subclass's layout states its own)."""
+        e = self.num_experts
+        return {
             "qweight": (self.qweight, torch.int32, self._qweight_shape()),
-            "scales": (self.scales, torch.uint8, (e, self.k_stored // self.scale_group_k, n)),
+            "scales": (self.scales, torch.uint8, (e, self.k_stored // self.scale_group_k, self.n_stored)),
             "global_scale": (self.global_scale, torch.float32, (e,)),
         }
+
+    def __post_init__(self):
+        e, n, cls = self.num_experts, self.n_stored, type(self).__name__
+        expected = self._expected_tensors()
         for name, (tensor, dtype, shape) in expected.items():
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 given = (tensor.dtype, tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor)
@@ -177,13 +182,13 @@ class PackedNvfp4:
             b = self.bias
             if not isinstance(b, torch.Tensor) or b.dtype != self.dtype.torch or tuple(b.shape) != (e, self.n):
                 given = (b.dtype, tuple(b.shape)) if isinstance(b, torch.Tensor) else type(b)
-                raise BadInputError(f"PackedNvfp4.bias must be a {self.dtype.torch} tensor of shape {(e, self.n)} "
+                raise BadInputError(f"{cls}.bias must be a {self.dtype.torch} tensor of shape {(e, self.n)} "
                                     f"(E, logical N) or None, got {given}")
             if not b.is_contiguous():
-                raise BadInputError(f"PackedNvfp4.bias must be contiguous, got strides {b.stride()}")
+                raise BadInputError(f"{cls}.bias must be contiguous, got strides {b.stride()}")
             devices.add(b.device)
         if len(devices) != 1:
-            raise BadInputError(f"PackedNvfp4 tensors must share one device, got {sorted(map(str, devices))}")
+            raise BadInputError(f"{cls} tensors must share one device, got {sorted(map(str, devices))}")
 
     @property
     def device(self) -> torch.device:
@@ -558,13 +563,14 @@ def _pack(
     return _pack_encoded(weight, _encode_scale_bytes(weight_scale), global_scale, dtype, num_experts, n, k, bias)
 
 
-def _global_scale(weight_scale_2: torch.Tensor, dtype: DType, prefix: str) -> torch.Tensor:
-    """The per-expert global scale with the dtype's decode compensation folded in."""
-    global_scale = weight_scale_2.float() * GLOBAL_SCALE_COMPENSATION[dtype]
+def _global_scale(weight_scale_2: torch.Tensor, dtype: DType, prefix: str,
+                  compensation: dict[DType, float] = GLOBAL_SCALE_COMPENSATION) -> torch.Tensor:
+    """The per-expert global scale with the dtype's decode compensation (the layout's) folded in."""
+    global_scale = weight_scale_2.float() * compensation[dtype]
     if not bool(torch.isfinite(global_scale).all()):
-        limit = torch.finfo(torch.float32).max / GLOBAL_SCALE_COMPENSATION[dtype]
+        limit = torch.finfo(torch.float32).max / compensation[dtype]
         raise BadInputError(
-            f"{prefix}weight_scale_2 * {GLOBAL_SCALE_COMPENSATION[dtype]:g} (the {dtype.value} decode "
+            f"{prefix}weight_scale_2 * {compensation[dtype]:g} (the {dtype.value} decode "
             f"compensation) overflows float32; {dtype.value} needs weight_scale_2 < {limit:g}, got max "
             f"{float(weight_scale_2.max()):g}"
         )

@@ -12,7 +12,9 @@ import torch
 
 from cuteaot.runtime import load_bundle, prepare_w13_modelopt, prepare_w2_modelopt
 from cuteaot.runtime.moe import MoeLayer
-from tests.gpu.test_moe_fused_gpu import OAI, assert_clean, poisoned, rel_err, replayed, routed_inputs
+from tests.gpu.test_moe_fused_gpu import (  # noqa: F401 -- check is a fixture
+    OAI, assert_clean, check, poisoned, rel_err, replayed, routed_inputs,
+)
 from tests.reference.moe import moe_reference
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
 
@@ -26,7 +28,6 @@ PROBLEMS = {
     "relu2-fp16": (768, 384, 8, 3, "relu2", "fp16", ("gate_up",)),
 }
 TOKENS = (1, 2, 3, 7, 8, 37, 64, 129, 512, 1000, 3000)
-TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +79,6 @@ class Checkpoint:
 CASES = [(name, order) for name, p in PROBLEMS.items() for order in p[-1]]
 
 
-@pytest.fixture
-def check(worst_errors):
-    def check(out, ref, what: str, key: str) -> None:
-        assert not out.isnan().any(), f"{what}: NaN in the output (a row was never written)"
-        err = rel_err(out, ref)
-        worst_errors.record(f"modelopt {key}", err)
-        assert err <= TOL, f"{what}: rel err {err:.2e}"
-
-    return check
-
-
 @pytest.mark.parametrize("name, order", CASES)
 def test_modelopt_layer_matches_reference(bundle, check, name, order):
     ckpt = Checkpoint(name, order, seed=61)
@@ -99,7 +89,7 @@ def test_modelopt_layer_matches_reference(bundle, check, name, order):
         x, w, ids = routed_inputs(m, ckpt.h, ckpt.e, ckpt.top_k, ckpt.g, ckpt.dtype)
         out = layer(x, w, ids, out=poisoned(m, ckpt.h, ckpt.dtype))
         check(out, ckpt.reference(x, w, ids), f"{name} {order} M={m} ({layer.resolve(m).describe()})",
-              f"{name} {order}")
+              f"modelopt {name} {order}")
         assert_clean(layer.workspace())
 
 
@@ -113,7 +103,7 @@ def test_modelopt_skewed_routing(bundle, check):
         scores[torch.rand(m, generator=ckpt.g) < 0.8, :] += torch.isin(torch.arange(ckpt.e), torch.tensor([3, 11])).float()
         ids = scores.topk(ckpt.top_k, dim=1).indices.to(torch.int32).cuda()  # 80 % of tokens on experts 3 and 11
         out = layer(x, w, ids, out=poisoned(m, ckpt.h, "bf16"))
-        check(out, ckpt.reference(x, w, ids), f"skewed M={m}", "silu skewed")
+        check(out, ckpt.reference(x, w, ids), f"skewed M={m}", "modelopt silu skewed")
 
 
 def test_modelopt_router_weight_on_input_and_expert_map(bundle, check):
@@ -122,7 +112,7 @@ def test_modelopt_router_weight_on_input_and_expert_map(bundle, check):
     for m in (1, 7, 129, 1000):
         x, w, ids = routed_inputs(m, ckpt.h, ckpt.e, ckpt.top_k, ckpt.g)
         out = layer(x, w, ids, out=poisoned(m, ckpt.h, "bf16"))
-        check(out, ckpt.reference(x, w, ids, on_input=True), f"on_input M={m}", "silu on_input")
+        check(out, ckpt.reference(x, w, ids, on_input=True), f"on_input M={m}", "modelopt silu on_input")
     local = torch.arange(ckpt.e, device="cuda", dtype=torch.int32)
     local[::3] = -1  # every third expert lives on another rank
     mapped = ckpt.layer(bundle, expert_map=local)
@@ -130,7 +120,7 @@ def test_modelopt_router_weight_on_input_and_expert_map(bundle, check):
         x, w, ids = routed_inputs(m, ckpt.h, ckpt.e, ckpt.top_k, ckpt.g)
         out = mapped(x, w, ids, out=poisoned(m, ckpt.h, "bf16"))
         keep = (local[ids.long()] >= 0).float()
-        check(out, ckpt.reference(x, w * keep, ids), f"expert_map M={m}", "silu expert_map")
+        check(out, ckpt.reference(x, w * keep, ids), f"expert_map M={m}", "modelopt silu expert_map")
 
 
 def test_modelopt_graph_replay_equals_eager(bundle):

@@ -150,9 +150,6 @@ class FusedSpec(SpecKey):
                               self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
 
     def _gemm(self, n, k, logical_n, logical_k, tile_n, tile_k, **facts) -> GemmSpec:
-        if self.weight_format.layout != "modelopt":
-            facts.pop("n_rotation", None)
-            facts.pop("split_global_scale", None)
         return GemmSpec(
             dtype=self.dtype, n=n, k=k, n_out=None if logical_n == n else logical_n,
             k_in=None if logical_k == k else logical_k, tile_n=tile_n, tile_k=tile_k,
@@ -174,7 +171,7 @@ class FusedSpec(SpecKey):
                           epilogue=Epilogue.NONE if self.gated else Epilogue.RELU2,
                           # modelopt: [gate | up] read from the stored row order, one global scale per half
                           n_rotation=self.intermediate_size if self.weight_format.up_first else None,
-                          split_global_scale=True if self.gated else None)
+                          split_global_scale=True if self.gated and self.weight_format.layout == "modelopt" else None)
 
     @property
     def fc2_gemm(self) -> GemmSpec:
