@@ -240,6 +240,44 @@ def dequant_e2m1_codes_f16(x: Uint32, *, loc=None, ip=None):
                      effects=False, loc=loc, ip=ip))
 
 
+def e2m1_byte_selector(byte):
+    """The prmt selector `dequant_e2m1_byte_*` takes for byte `byte` (0..3, an Int32 or an int) of its
+    word: byte `byte` of (word << 4) onto positions 0 and 1, byte `byte` of the word onto 2 and 3."""
+    return byte * 0x11 + (byte + 4) * 0x1100
+
+
+def modelopt_byte_ptx(dtype: DType) -> str:
+    """PTX of `dequant_e2m1_byte_*`: $1 = the word, $2 = the selector (e2m1_byte_selector); $0 = the pair
+    (low code, high code) of the selected byte.
+
+    One prmt puts that byte of (word << 4) on bits 8..15 and the byte itself on bits 24..31: its low
+    code then sits on bits 12..15 and its high code on bits 28..31, both signs on the pair's sign bits
+    (15, 31); one right shift brings both magnitudes onto the split-nibble decode's bits (bf16 8..6 /
+    24..22, fp16 11..9 / 27..25), and two masks keep the fields."""
+    mag = _E2M1_MAG_MASK[dtype]
+    shift = {DType.BF16: 6, DType.FP16: 3}[dtype]
+    return ("{\n .reg .b32 u, y, z;\n shl.b32 u, $1, 4;\n prmt.b32 y, u, $1, $2;\n"
+            f" shr.b32 z, y, {shift};\n and.b32 z, z, {mag:#010x};\n and.b32 y, y, {_SIGN_BITS:#010x};\n"
+            " or.b32 $0, y, z;\n}")
+
+
+@dsl_user_op
+def dequant_e2m1_byte_bf16(x: Uint32, selector: Int32, *, loc=None, ip=None) -> Uint32:
+    """One byte of a ModelOpt weight row (two consecutive e2m1 codes, the even k in the low nibble),
+    picked by `selector` (e2m1_byte_selector) -> bf16x2 (low code, high code) holding w * 2**-126, as
+    `dequant_e2m1x8_bf16`: k order as stored, for the wgmma loop whose activations stay in shared
+    memory (shift, prmt, shift, two logic ops)."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(x), Int32(selector)], loc, ip), modelopt_byte_ptx(DType.BF16), "=r,r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def dequant_e2m1_byte_f16(x: Uint32, selector: Int32, *, loc=None, ip=None) -> Uint32:
+    """As `dequant_e2m1_byte_bf16` for half2, w * 2**-14."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(x), Int32(selector)], loc, ip), modelopt_byte_ptx(DType.FP16), "=r,r,r",
+                     effects=False, loc=loc, ip=ip))
+
+
 PAIR_HALVES_SELECTOR = {0: 0x5410, 1: 0x7632}  # prmt: (a.lo, b.lo) / (a.hi, b.hi)
 
 

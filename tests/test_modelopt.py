@@ -6,6 +6,8 @@ the GPU numerics in tests/gpu/test_modelopt_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,12 +88,16 @@ def test_prepare_refuses_nan_scales_and_a_sliced_weight():
 def test_kernel_specs_refuse_what_the_layout_cannot_do():
     base = dict(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=1,
                 layout="modelopt")
-    with pytest.raises(BadInputError, match="mma.sync loop"):
-        GemmSpec(**base | dict(mainloop="wgmma"))
-    with pytest.raises(BadInputError, match="mma.sync loop"):
+    with pytest.raises(BadInputError, match="read as stored"):
         GemmSpec(**base | dict(n_out=504))
+    with pytest.raises(BadInputError, match="mma.sync loop takes the none or relu2"):
+        GemmSpec(**base | dict(epilogue="silu", fast_math=True))
     with pytest.raises(BadInputError, match="n_rotation"):
-        GemmSpec(**base | dict(n_rotation=64))
+        GemmSpec(**base | dict(n_rotation=64))  # the mma.sync loop reads whole tiles from one rotated row
+    wgmma = base | dict(mainloop="wgmma", moe_block_size=128, epilogue="silu", fast_math=True)
+    assert GemmSpec(**wgmma, n_rotation=64, split_global_scale=True).modelopt  # row by row: any 64 rows
+    with pytest.raises(BadInputError, match="n_rotation"):
+        GemmSpec(**wgmma | dict(n_rotation=32))
     with pytest.raises(BadInputError, match="belong to the modelopt layout"):
         GemmSpec(**base | dict(layout="packed", n_rotation=256))
     fused = dict(dtype="bf16", hidden_size=512, intermediate_size=256, top_k=2, activation="relu2", fc1_tile_n=128,
@@ -105,23 +111,35 @@ def test_kernel_specs_refuse_what_the_layout_cannot_do():
     assert spec.fc2_gemm.n_rotation is None and spec.fc2_gemm.split_global_scale is None
 
 
-def test_planner_keeps_modelopt_layers_on_the_fused_mma_sync_kernel():
+def test_planner_runs_modelopt_layers_where_packed_ones_run():
+    """The fused kernel stays on the mma.sync loop; from the M where packed NVFP4 splits into two
+    wgmma GEMMs, the stored layout splits at the same M, on 128-wide tiles."""
     from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
     from cuteaot.runtime.devices import PROFILES
 
-    for weights in ("modelopt", "modelopt_w31"):
-        # I = 1408 = 5.5 x 256: FC1 tiles of 256 would straddle gate | up
-        facts = MoeLayerFacts(dtype="bf16", hidden_size=4096, intermediate_size=1408, num_experts=128, top_k=8,
-                              activation="silu", weights=weights)
-        for m in (1, 2, 5, 8, 64, 256, 1024, 4096, 16384):
-            plan = plan_layer(m, facts, PROFILES["h200"])
-            spec = fused_spec_for(plan, facts)
-            assert spec.mainloop.value == "mma_sync" and spec.fc1_gemm.modelopt and spec.fc2_gemm.modelopt
-            assert 1408 % spec.fc1_tile_n == 0, (m, spec.fc1_tile_n)
-            assert split_layer(m, facts, PROFILES["h200"]) is None
+    h200 = PROFILES["h200"]
     nvfp4 = MoeLayerFacts(dtype="bf16", hidden_size=4096, intermediate_size=1408, num_experts=128, top_k=8,
                           activation="silu")
-    assert fused_spec_for(plan_layer(4096, nvfp4, PROFILES["h200"]), nvfp4).mainloop.value == "wgmma"
+    for weights in ("modelopt", "modelopt_w31"):
+        # I = 1408 = 5.5 x 256: FC1 tiles of 256 would straddle gate | up
+        facts = dataclasses.replace(nvfp4, weights=weights)
+        splits = 0
+        for m in (1, 2, 5, 8, 64, 256, 1024, 4096, 16384):
+            spec = fused_spec_for(plan_layer(m, facts, h200), facts)
+            assert spec.mainloop.value == "mma_sync" and spec.fc1_gemm.modelopt and spec.fc2_gemm.modelopt
+            assert 1408 % spec.fc1_tile_n == 0, (m, spec.fc1_tile_n)
+            split, packed = split_layer(m, facts, h200), split_layer(m, nvfp4, h200)
+            assert (split is None) == (packed is None), m
+            if split is None:
+                continue
+            splits += 1
+            fc1, fc2 = (phase.spec for phase in split)
+            assert fc1.modelopt and fc2.modelopt and fc1.mainloop.value == fc2.mainloop.value == "wgmma"
+            assert fc1.tile_n == fc2.tile_n == 128 and fc1.epilogue.value == "silu"
+            assert fc1.n_rotation == (1408 if weights == "modelopt_w31" else None) and fc1.split_global_scale
+            assert fc2.n_rotation is None and fc2.split_global_scale is None
+            assert fc1.moe_block_size == packed[0].spec.moe_block_size
+        assert splits >= 3  # M = 1024, 4096, 16384
 
 
 def test_layer_launches_read_the_checkpoint_tensors(monkeypatch):

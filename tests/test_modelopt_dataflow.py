@@ -100,3 +100,55 @@ def test_relabelled_k_slots_with_weights_as_the_a_operand():
             b_frag.append((u[2 * ks], u[2 * ks + 1]))
         d += _mma(a_frag, b_frag)
     np.testing.assert_allclose(d, w @ x.T, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the warpgroup-MMA loop
+# (codegen/kernels/w4a16/wgmma.py, `_wg_plan_modelopt` / `_wg_words_modelopt`): a stage row holds a
+# tile row's 32 stored bytes, chunk c at c ^ (row >> 2 & 1); lane (g, q) of a warp whose first column is
+# n0 reads, per 16-k row kk and 16-row block j, 8 bytes of rows n0 + 16 j + g and + 8 at byte
+# 8 (kk % 2) of chunk kk // 2, and decodes byte q of each word (`dequant_e2m1_byte_*`).
+
+
+def wg_slot(row: int, chunk: int) -> int:
+    """16-byte slot of (row, chunk) in a modelopt wgmma weight stage."""
+    return 2 * row + (chunk ^ ((row >> 2) & 1))
+
+
+@pytest.mark.parametrize("tile_n", [128])
+def test_wgmma_stage_is_a_bijection_and_the_word_loads_are_conflict_free(tile_n):
+    assert {wg_slot(r, c) for r in range(tile_n) for c in range(2)} == set(range(2 * tile_n))
+    for n0 in range(0, tile_n, 16):
+        for kk in range(4):
+            for plus in (0, 8):  # rows g, then rows g + 8: one 8-byte load each
+                words = set()
+                for g in range(8):  # lanes with the same g read the same 8 bytes (broadcast)
+                    byte = 16 * wg_slot(n0 + g + plus, kk // 2) + 8 * (kk % 2)
+                    words |= {(byte // 4 + w) % 32 for w in range(2)}
+                assert len(words) == 16, (n0, kk, plus)  # 8 distinct rows x 2 banks each
+
+
+def test_wgmma_fragments_hold_the_stored_k_order():
+    """Every lane's four pairs of every 16-k row are the m16n8k16 A fragment of the stored rows:
+    (row g, k 2q, 2q+1), (row g + 8, same), (row g, k 2q + 8, +9), (row g + 8, same), k from 16 kk."""
+    rng = np.random.default_rng(3)
+    tile_n, k_tile = 128, 64
+    codes = rng.integers(0, 16, (tile_n, k_tile))  # code of (row, k)
+    stored = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)  # two codes a byte, even k low
+    stage = np.zeros(tile_n * 32, dtype=np.uint8)
+    for r in range(tile_n):
+        for c in range(2):
+            stage[16 * wg_slot(r, c): 16 * wg_slot(r, c) + 16] = stored[r, 16 * c: 16 * c + 16]
+
+    def pair(row: int, kk: int, q: int, hi: int) -> tuple[int, int]:
+        at = 16 * wg_slot(row, kk // 2) + 8 * (kk % 2) + 4 * hi  # the first or second word of the load
+        byte = int(stage[at + q])
+        return byte & 0xF, byte >> 4  # (low code, high code): dequant_e2m1_byte's pair
+
+    for n0 in range(0, tile_n, 16):
+        for kk in range(4):
+            for g in range(8):
+                for q in range(4):
+                    k_lo, k_hi = 16 * kk + 2 * q, 16 * kk + 8 + 2 * q
+                    for row in (n0 + g, n0 + g + 8):
+                        assert pair(row, kk, q, 0) == (codes[row, k_lo], codes[row, k_lo + 1])
+                        assert pair(row, kk, q, 1) == (codes[row, k_hi], codes[row, k_hi + 1])

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from cuteaot.codegen import intrinsics as I
-from cuteaot.runtime.types import DType
-from tests.reference.nvfp4 import E2M1_MAGNITUDES
-from tests.reference.ptx import run
+pytest.importorskip("cutlass", reason="the intrinsics' PTX text comes from CuTeDSL (cuteaot[codegen])")
+
+from cuteaot.codegen import intrinsics as I  # noqa: E402
+from cuteaot.runtime.types import DType  # noqa: E402
+from tests.reference.nvfp4 import E2M1_MAGNITUDES  # noqa: E402
+from tests.reference.ptx import run  # noqa: E402
 
 TORCH = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 DECODE_EXP = {DType.BF16: -126, DType.FP16: -14}  # the bit trick's fixed offset (intrinsics docstring)
@@ -39,6 +41,22 @@ def test_e2m1_code_decode_pairs_code_j_with_code_j_plus_4(dtype):
         expected = _bits(lo, dtype) | (_bits(hi, dtype) << np.uint64(16))
         bad = np.nonzero(pair != expected)[0]
         assert bad.size == 0, f"pair {j} of {words[bad[0]]:#010x}: got {pair[bad[0]]:#010x}, want {expected[bad[0]]:#010x}"
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_e2m1_byte_decode_keeps_the_stored_k_order(dtype):
+    """The wgmma loop's decode: byte b of the word -> (low code, high code), for every byte value at
+    every position, the other bytes random (they must not leak into the pair)."""
+    rng = np.random.default_rng(1)
+    every_byte = np.arange(256, dtype=np.uint64)
+    for b in range(4):
+        junk = rng.integers(0, 2**32, 256, dtype=np.uint64) & ~np.uint64(0xFF << (8 * b))
+        words = (every_byte << np.uint64(8 * b)) | junk
+        (pair,) = run(I.modelopt_byte_ptx(dtype), {1: words, 2: np.uint64(I.e2m1_byte_selector(b))}, 1)
+        lo, hi = (_e2m1((every_byte >> np.uint64(s)) & np.uint64(0xF)) * 2.0 ** DECODE_EXP[dtype] for s in (0, 4))
+        expected = _bits(lo, dtype) | (_bits(hi, dtype) << np.uint64(16))
+        bad = np.nonzero(pair != expected)[0]
+        assert bad.size == 0, f"byte {b} of {words[bad[0]]:#010x}: got {pair[bad[0]]:#010x}, want {expected[bad[0]]:#010x}"
 
 
 def test_pair_halves_is_the_activation_relabelling():

@@ -26,6 +26,7 @@ PROBLEMS = {
     "silu-fp16": (512, 256, 16, 4, "silu", "fp16", ("gate_up",)),
     "swigluoai-bias": (512, 256, 8, 2, "swigluoai", "bf16", ("up_gate",)),
     "relu2-fp16": (768, 384, 8, 3, "relu2", "fp16", ("gate_up",)),
+    "wide": (1024, 1024, 8, 2, "silu", "bf16", ("up_gate",)),
 }
 TOKENS = (1, 2, 3, 7, 8, 37, 64, 129, 512, 1000, 3000)
 
@@ -91,6 +92,15 @@ def test_modelopt_layer_matches_reference(bundle, check, name, order):
         check(out, ckpt.reference(x, w, ids), f"{name} {order} M={m} ({layer.resolve(m).describe()})",
               f"modelopt {name} {order}")
         assert_clean(layer.workspace())
+
+
+def test_modelopt_large_m_runs_the_wgmma_loop(bundle):
+    """From the M where packed NVFP4 splits into two wgmma GEMMs, the stored layout does too (the
+    numerics of those plans are in the tests above: M = 1000 and 3000)."""
+    plans = {name: Checkpoint(name, PROBLEMS[name][-1][0], seed=60).layer(bundle).resolve(3000).describe()
+             for name in PROBLEMS}
+    assert all(p.startswith("split ") and "wgmma" in p for p in plans.values()), plans
+    assert "b256" in plans["wide"], plans["wide"]  # two warpgroups per CTA
 
 
 def test_modelopt_skewed_routing(bundle, check):

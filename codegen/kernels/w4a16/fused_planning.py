@@ -363,8 +363,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     Qwen3-30B, gpt-oss-120b and GLM-4.5-Air; on the mma.sync loop they do not win reliably.
     Both GEMMs must read one packing of the routes (the same block).  Expert maps and
     calibration keep the fused kernel (it zeroes remote experts' rows and collects amax).
+    NVFP4 read as stored (modelopt) splits where packed NVFP4 does: the wgmma loop reads it too.
     """
-    if facts.expert_map or facts.calibration or facts.weights is not WeightFormat.NVFP4:
+    if facts.expert_map or facts.calibration or facts.weights is WeightFormat.NF3:
         return None  # (NF3 has no wgmma loop, the split's reason to exist)
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
     if layer_choice("decode", m, facts, profile):
@@ -376,8 +377,10 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     wide = layer_choice("wide", m, facts, profile)
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
-    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide)
-    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide)
+    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide,
+                  facts.weights.layout)
+    p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide,
+                  facts.weights.layout)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
         return None
     on_input = facts.router_weight_on_input
@@ -389,8 +392,13 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
                           swiglu_limit=facts.swiglu_limit)
     else:
         fc1_epilogue, activation = "none", {}  # the activation kernel runs between the GEMMs
+    layout = dict(layout=facts.weights.layout, scale_format=facts.weights.scale_format)
+    fc1_layout = dict(layout)
+    if facts.weights.layout == "modelopt":  # [gate | up] from the stored row order, a global scale per half
+        fc1_layout.update(n_rotation=facts.intermediate_size if facts.weights.up_first else None,
+                          split_global_scale=True if facts.gated else None)
     s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
-                       mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **activation)
+                       mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **fc1_layout, **activation)
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
-                       mul_topk_weights=not on_input, epilogue="none", bias=facts.bias)
+                       mul_topk_weights=not on_input, epilogue="none", bias=facts.bias, **layout)
     return GemmPhase(p1, s1), GemmPhase(p2, s2)

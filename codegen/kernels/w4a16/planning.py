@@ -143,6 +143,9 @@ WGMMA_ARCHS = ("sm_90a",)
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
 WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
+# The same for NVFP4 read as stored (layout "modelopt"): its decode holds six words per 16-row block
+# (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).
+WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 226}
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
@@ -239,7 +242,7 @@ def estimated_registers(tile: TileConfig, moe_block_size: int) -> int:
 
 @functools.cache
 def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
-               profile: DeviceProfile) -> tuple[TileConfig | None, str | None]:
+               profile: DeviceProfile, layout: str = "packed") -> tuple[TileConfig | None, str | None]:
     """The widest wgmma tile that runs this GEMM on `profile`, or (None, why not)."""
     if profile.arch not in WGMMA_ARCHS:
         return None, f"{profile.name} ({profile.arch}) has no warpgroup MMA"
@@ -249,6 +252,8 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
         return None, f"the wgmma loop decodes e4m3_k16 scales, not {scale_format.value}"
     limit = profile.max_shared_memory_per_block_optin - _FIT_SHARED_MEMORY_MARGIN
     tiles = wgmma_tiles(moe_block_size)
+    if layout == "modelopt":
+        tiles = tuple(t for t in tiles if t.tile_n <= 128)
     for tile in tiles:
         if (n % tile.tile_n == 0 and k % tile.tile_k == 0
                 and wgmma_shared_memory_footprint(moe_block_size, tile) <= limit):
@@ -458,6 +463,7 @@ def plan_gemm(
     registers: int | None = None,
     tall: bool | None = None,
     wide: bool | None = None,
+    layout: str = "packed",
 ) -> GemmPlan:
     """Plan the grouped GEMM of m tokens x top_k routes against (N, K) expert weights.
 
@@ -470,7 +476,7 @@ def plan_gemm(
     tall: take 128-row wgmma blocks where they fit (True) or not (False); None: WGMMA_TALL_MIN_ROUTES.
     wide: 256-row wgmma blocks where the average expert fills them (True) or not (False); None: where K
     is at least WGMMA_WIDE_MIN_K (`wide_by_k`).  A layer's two GEMMs pass the same answer (they share
-    one packing).
+    one packing).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:
@@ -487,10 +493,11 @@ def plan_gemm(
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
         block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
-    wg_tile = wgmma_tile(n, k, block, scale_format, profile)[0] if pinned_tile is None else None
+    wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout)[0] if pinned_tile is None else None
     if wg_tile is not None:
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
-        mainloop, tile, used_registers = "wgmma", wg_tile, WGMMA_REGISTERS_SM90[(block, wg_tile.tile_n)]
+        registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
+        mainloop, tile, used_registers = "wgmma", wg_tile, registers[(block, wg_tile.tile_n)]
         per_sm = wgmma_blocks_per_sm(m, n, top_k, block, tile, profile, used_registers)
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
@@ -558,20 +565,22 @@ def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers)
 
 
 def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None,
-             wide: bool | None = None) -> GemmPlan:
+             wide: bool | None = None, layout: str = "packed") -> GemmPlan:
     """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
     n_stored, k_stored = stored_dims(n, k)
     return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall,
-                     wide=wide)
+                     wide=wide, layout=layout)
 
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
                   mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
-                  scale_format: str = "e4m3_k16", bias: bool = False, **activation) -> GemmSpec:
+                  scale_format: str = "e4m3_k16", bias: bool = False, n_rotation: int | None = None,
+                  split_global_scale: bool | None = None, **activation) -> GemmSpec:
     """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
 
     The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.  `activation`:
-    a gated epilogue's fast_math and swiglu_* (GemmSpec).
+    a gated epilogue's fast_math and swiglu_* (GemmSpec); `n_rotation`, `split_global_scale`: the
+    modelopt layout's (GemmSpec).
     """
     n_stored, k_stored = stored_dims(n, k)
     return GemmSpec(
@@ -593,5 +602,7 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         scale_format=scale_format,
         mainloop=Mainloop(plan.mainloop),
         bias=bias,
+        n_rotation=n_rotation,
+        split_global_scale=split_global_scale,
         **activation,
     )

@@ -124,6 +124,26 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             t.x_ok.append(ok)
             t.x_dst.append(t.x_base + row * Int32(_X_ROW) + ((chunk ^ (row & Int32(7))) * Int32(16)))
         t.x_chunk = chunk
+        # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`
+        warp = tid // Int32(32)
+        lane = tid & Int32(31)
+        group = warp // Int32(self.warps_per_group)
+        part = warp % Int32(self.warps_per_group)
+        # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
+        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
+        t.group = group
+        if cutlass.const_expr(s.modelopt):
+            self._wg_plan_modelopt(ops, t, tid, expert, n_tile, lane)
+        else:
+            self._wg_plan_packed(ops, t, tid, expert, n_tile, group, part, lane)
+        t.desc = I.wgmma_desc_sw128(t.x_base)
+        return t
+
+    @cute.jit
+    def _wg_plan_packed(self, ops, t, tid: Int32, expert: Int32, n_tile: Int32, group: Int32, part: Int32,
+                        lane: Int32):
+        """Packed layout: copy and read addresses of the weights and scales (docs/layouts.md)."""
+        s = self.s
         # weights: a 16-k row of the tile is tile_n / 2 int4; 128 threads copy 128 / (tile_n / 2)
         # rows per pass
         # (a 64-column slab of a 16-k row: 32 weight int4, 4 scale int4; _source_slab says which)
@@ -142,23 +162,56 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                                 + Int64(self._source_slab(n_tile, s_col // Int32(4)) * Int32(4) + s_col % Int32(4))
                                 ) * Int64(16)
         t.s_dst = t.s_base + tid * Int32(16)
-        # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`:
         # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes (one scale
         # word holds two blocks' pairs: with nw = 1 an odd part takes the word's odd bytes, shifted down)
-        warp = tid // Int32(32)
-        lane = tid & Int32(31)
-        group = warp // Int32(self.warps_per_group)
-        part = warp % Int32(self.warps_per_group)
         t.w_rd = t.w_base + (Int32(32) * group + lane) * Int32(16) + part * Int32(4 * self.nw)
         if cutlass.const_expr(self.nw == 1):
             t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + (part // Int32(2)) * Int32(4)
             t.s_shift = (part % Int32(2)) * Int32(8)
         else:
             t.s_rd = t.s_base + (Int32(8) * group + lane // Int32(4)) * Int32(8) + part * Int32(4)
-        # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
-        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
-        t.desc = I.wgmma_desc_sw128(t.x_base)
-        return t
+
+    @cute.jit
+    def _wg_plan_modelopt(self, ops, t, tid: Int32, expert: Int32, n_tile: Int32, lane: Int32):
+        """modelopt: a stage holds each of the tile's rows (one per output column, the stored rows that
+        `_stored_row` names) as 32 stored bytes (two 16-byte chunks, chunk c at c ^ bit 2 of the row, so
+        that the 8 rows g of a warp's loads fall on distinct banks) and its 4 scale bytes.
+
+        Lane (g, q) reads, for 16-k row kk, 8 bytes of rows n0 + 16 j + g and + 8: bytes 8 (kk % 2) ..
+        of chunk kk // 2, i.e. k = 16 kk .. 16 kk + 15.  Byte q of the first word holds k 16 kk + 2q, +1
+        and byte q of the second k 16 kk + 8 + 2q, +1: the A fragment's (k lo) and (k hi) pairs, in the
+        stored k order, so the activations stay as wgmma reads them (docs/layouts.md)."""
+        s = self.s
+        expert_row = Int64(expert) * Int64(s.n)
+        t.w_src, t.w_dst = [], []
+        for i in cutlass.range_constexpr(s.tile_n * 2 // s.threads):
+            q = tid + Int32(i * s.threads)
+            r = q // Int32(2)
+            c = q % Int32(2)
+            t.w_src.append(ops.qweight + (expert_row + Int64(self._stored_row(n_tile, r))) * Int64(s.k // 2)
+                           + Int64(c * Int32(16)))
+            t.w_dst.append(t.w_base + (r * Int32(2) + (c ^ ((r >> Int32(2)) & Int32(1)))) * Int32(16))
+        t.s_src, t.s_dst = [], []
+        for i in cutlass.range_constexpr(max(s.tile_n // s.threads, 1)):
+            r = tid + Int32(i * s.threads)
+            t.s_src.append(ops.scales + (expert_row + Int64(self._stored_row(n_tile, r))) * Int64(s.k // 16))
+            t.s_dst.append(t.s_base + r * Int32(4))
+        t.s_ok = tid < Int32(s.tile_n)
+        g = lane // Int32(4)
+        row = t.n0 + g
+        flip = (g >> Int32(2)) & Int32(1)
+        t.w_rd = [t.w_base + row * Int32(32) + (Int32(c) ^ flip) * Int32(16) for c in range(2)]
+        t.s_rd = t.s_base + row * Int32(4)
+        t.byte_sel = I.e2m1_byte_selector(lane % Int32(4))
+
+    @cute.jit
+    def _stored_row(self, n_tile: Int32, r: Int32) -> Int32:
+        """modelopt: the stored weight row of tile row r (its slab as `_source_slab` says, W13 stored up
+        rows first rotated by n_rotation)."""
+        row = self._source_slab(n_tile, r // Int32(64)) * Int32(64) + r % Int32(64)
+        if cutlass.const_expr(self.s.n_rotation is not None):
+            row = (row + Int32(self.s.n_rotation)) % Int32(self.s.n)
+        return row
 
     @cute.jit
     def _source_slab(self, n_tile: Int32, slab: Int32) -> Int32:
@@ -182,13 +235,22 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 load = load and k_tile * Int32(8) + t.x_chunk < Int32(s.k_in // 8)
             I.cp_async_16_zfill(t.x_dst[i] + Int32(pipe * s.wg_x_stage_bytes),
                                 t.x_src[i] + k64 * Int64(_X_ROW), load.to(Int32))
-        rows_per_pass = s.threads // (s.tile_n // 2)
-        for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):
-            I.cp_async_16(t.w_dst + Int32(pipe * s.wg_w_stage_bytes + i * s.threads * 16),
-                          t.w_src + (k64 * Int64(s.k_blocks) + Int64(i * rows_per_pass)) * Int64(s.n // 2 * 16))
-        if t.s_ok:
-            I.cp_async_16(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
-                          t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16))
+        if cutlass.const_expr(s.modelopt):  # 32 stored bytes and 4 scale bytes of each tile row
+            for i in cutlass.range_constexpr(len(t.w_src)):
+                I.cp_async_16(t.w_dst[i] + Int32(pipe * s.wg_w_stage_bytes), t.w_src[i] + k64 * Int64(s.tile_k // 2))
+            for i in cutlass.range_constexpr(len(t.s_src)):
+                if cutlass.const_expr(s.tile_n >= s.threads):
+                    I.cp_async_ca(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16), 4)
+                elif t.s_ok:
+                    I.cp_async_ca(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16), 4)
+        else:
+            rows_per_pass = s.threads // (s.tile_n // 2)
+            for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):
+                I.cp_async_16(t.w_dst + Int32(pipe * s.wg_w_stage_bytes + i * s.threads * 16),
+                              t.w_src + (k64 * Int64(s.k_blocks) + Int64(i * rows_per_pass)) * Int64(s.n // 2 * 16))
+            if t.s_ok:
+                I.cp_async_16(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
+                              t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -202,7 +264,15 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
     @cute.jit
     def _wg_words(self, words: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
-        """Load this thread's packed weight words (nw) and raw scale words of 16-k row `kk` of stage `pipe`."""
+        """Load this thread's weight and scale words of 16-k row `kk` of stage `pipe`."""
+        if cutlass.const_expr(self.s.modelopt):
+            self._wg_words_modelopt(words, t, pipe, kk)
+        else:
+            self._wg_words_packed(words, t, pipe, kk)
+
+    @cute.jit
+    def _wg_words_packed(self, words: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
+        """Packed: the thread's nw packed weight words and raw scale words."""
         s = self.s
         w_at = t.w_rd + Int32(pipe * s.wg_w_stage_bytes + kk * s.tile_n * 8)
         s_at = t.s_rd + Int32(pipe * s.wg_s_stage_bytes + kk * s.tile_n)
@@ -221,8 +291,51 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             words[self.nw + j] = p[j]
 
     @cute.jit
-    def _wg_decode(self, frag: cute.Tensor, words: cute.Tensor):
-        """Decode and scale the loaded words into this thread's nw A fragments."""
+    def _wg_words_modelopt(self, words: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
+        """modelopt: per block j, the two words of rows g and g + 8 that hold 16-k row kk (see
+        `_wg_plan_modelopt`), and the rows' scale words (one e4m3 byte per 16-k row)."""
+        s = self.s
+        w_at = t.w_rd[kk // 2] + Int32(pipe * s.wg_w_stage_bytes + 8 * (kk % 2))
+        s_at = t.s_rd + Int32(pipe * s.wg_s_stage_bytes)
+        for j in cutlass.range_constexpr(self.nw):
+            lo = I.ld_shared_v2_u32(w_at + Int32(16 * j * 32))
+            hi = I.ld_shared_v2_u32(w_at + Int32((16 * j + 8) * 32))
+            words[6 * j + 0] = lo[0]
+            words[6 * j + 1] = lo[1]
+            words[6 * j + 2] = hi[0]
+            words[6 * j + 3] = hi[1]
+            words[6 * j + 4] = I.ld_shared_u32(s_at + Int32(16 * j * 4))
+            words[6 * j + 5] = I.ld_shared_u32(s_at + Int32((16 * j + 8) * 4))
+
+    @cute.jit
+    def _wg_decode_modelopt(self, frag: cute.Tensor, words: cute.Tensor, t, kk: cutlass.Constexpr[int]):
+        """modelopt: byte q of each word -> the (k lo) / (k hi) pairs of rows g and g + 8, times the
+        rows' e4m3 scale of 16-k row kk."""
+        for j in cutlass.range_constexpr(self.nw):
+            s_g = self._scale_pair_e4m3(words[6 * j + 4], I.e4m3_pair_selector(kk % 4))
+            s_g8 = self._scale_pair_e4m3(words[6 * j + 5], I.e4m3_pair_selector(kk % 4))
+            frag[j, 0] = self._pair_mul(self._dequant_byte(words[6 * j + 0], t.byte_sel), s_g)
+            frag[j, 1] = self._pair_mul(self._dequant_byte(words[6 * j + 2], t.byte_sel), s_g8)
+            frag[j, 2] = self._pair_mul(self._dequant_byte(words[6 * j + 1], t.byte_sel), s_g)
+            frag[j, 3] = self._pair_mul(self._dequant_byte(words[6 * j + 3], t.byte_sel), s_g8)
+
+    @cute.jit
+    def _dequant_byte(self, x: Uint32, selector: Int32) -> Uint32:
+        if cutlass.const_expr(self.is_fp16):
+            return I.dequant_e2m1_byte_f16(x, selector)
+        return I.dequant_e2m1_byte_bf16(x, selector)
+
+    @cute.jit
+    def _wg_decode(self, frag: cute.Tensor, words: cute.Tensor, t, kk: cutlass.Constexpr[int]):
+        """Decode and scale the loaded words of 16-k row kk into this thread's nw A fragments."""
+        if cutlass.const_expr(self.s.modelopt):
+            self._wg_decode_modelopt(frag, words, t, kk)
+        else:
+            self._wg_decode_packed(frag, words)
+
+    @cute.jit
+    def _wg_decode_packed(self, frag: cute.Tensor, words: cute.Tensor):
+        """Packed: each word's 8 codes are a 16-row block's A fragment (docs/layouts.md)."""
         for j in cutlass.range_constexpr(self.nw):
             c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(words[j])
             scales = words[self.nw + j // 2]
@@ -240,7 +353,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         ahead (rows 1.. decode from words loaded one row earlier: the shared-load latency hides
         behind the running MMAs)."""
         self._wg_words(words, t, pipe, 0)
-        self._wg_decode(frag, words)
+        self._wg_decode(frag, words, t, 0)
         self._wg_words(words, t, pipe, 1)
 
     @cute.jit
@@ -286,7 +399,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 else:
                     cute.arch.cp_async_commit_group()
             if cutlass.const_expr(not last):
-                self._wg_decode(frag, words)  # row kk + 1, loaded a row ago
+                self._wg_decode(frag, words, t, kk + 1)  # row kk + 1, loaded a row ago
                 if cutlass.const_expr(kk + 2 < s.k_blocks):
                     self._wg_words(words, t, pipe, kk + 2)
             else:
@@ -315,7 +428,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 cute.arch.cp_async_commit_group()
         self._wg_publish(s.stages - 2)
         frag = cute.make_rmem_tensor((self.nw, 4), Uint32)
-        words = cute.make_rmem_tensor((self.nw + max(self.nw // 2, 1),), Uint32)  # a row's weight + scale words
+        # a row's weight + scale words
+        words = cute.make_rmem_tensor((6 * self.nw if self.s.modelopt else self.nw + max(self.nw // 2, 1),), Uint32)
         self._wg_tile_start(frag, words, t, 0)
         tile_idx = Int32(0)
         while tile_idx + Int32(s.stages) <= k_tiles:
@@ -430,7 +544,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, n_tile: Int32,
               k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
-        global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
+        scale_index = Int64(expert)
+        if cutlass.const_expr(self.s.split_global_scale):  # (E, 2): [gate, up], by this warp's slab's half
+            slab = self._source_slab(n_tile, (tid // Int32(32)) // Int32(self.warps_per_group))
+            scale_index = Int64(expert) * Int64(2) + Int64((slab * Int32(64)) // Int32(self.s.n // 2))
+        global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
         acc.fill(0.0)

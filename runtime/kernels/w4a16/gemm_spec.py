@@ -212,7 +212,7 @@ class GemmSpec(SpecKey):
         if self.epilogue.is_gated:
             if self.mainloop is not Mainloop.WGMMA or self.n_out is not None or self.n % 128 or self.nf3:
                 raise BadInputError(
-                    f"epilogue={self.epilogue.value} (gated) needs the wgmma loop, packed NVFP4 weights and an "
+                    f"epilogue={self.epilogue.value} (gated) needs the wgmma loop, NVFP4 weights and an "
                     f"unpadded N (gate | up halves of whole 64-column slabs); got mainloop {self.mainloop.value}, "
                     f"layout {self.layout}, N={self.n}, n_out={self.n_out}"
                 )
@@ -228,19 +228,23 @@ class GemmSpec(SpecKey):
                 raise BadInputError("n_rotation and split_global_scale belong to the modelopt layout, "
                                     f"got layout {self.layout}")
             return
-        if (self.mainloop is not Mainloop.MMA_SYNC or self.n_out is not None or self.k_in is not None
-                or self.epilogue.is_gated):
+        wgmma = self.mainloop is Mainloop.WGMMA
+        if (self.n_out is not None or self.k_in is not None
+                or (self.epilogue.is_gated and not wgmma)):
             raise BadInputError(
-                "modelopt weights (read as stored, unpadded) are decoded by the mma.sync loop with the none or "
-                f"relu2 epilogue; got mainloop {self.mainloop.value}, n_out {self.n_out}, k_in {self.k_in}, "
+                "modelopt weights are read as stored (unpadded); the mma.sync loop takes the none or relu2 "
+                f"epilogue; got mainloop {self.mainloop.value}, n_out {self.n_out}, k_in {self.k_in}, "
                 f"epilogue {self.epilogue.value}")
+        # the mma.sync loop reads a tile's rows as one run from its first; the wgmma loop row by row
+        rotation_step = 64 if wgmma else self.tile_n
         if self.n_rotation is not None and (not isinstance(self.n_rotation, int) or isinstance(self.n_rotation, bool)
-                                            or not 0 < self.n_rotation < self.n or self.n_rotation % self.tile_n):
-            raise BadInputError(f"n_rotation must be None or a multiple of tile_n={self.tile_n} in (0, {self.n}), "
+                                            or not 0 < self.n_rotation < self.n or self.n_rotation % rotation_step):
+            raise BadInputError(f"n_rotation must be None or a multiple of {rotation_step} in (0, {self.n}), "
                                 f"got {self.n_rotation!r}")
         if self.split_global_scale not in (None, True):
             raise BadInputError(f"split_global_scale must be None or True, got {self.split_global_scale!r}")
-        if self.split_global_scale and self.n % (2 * self.tile_n):
+        # each 64-column slab of a gated wgmma tile reads one half; other tiles must sit in one half
+        if self.split_global_scale and self.n % (128 if self.epilogue.is_gated else 2 * self.tile_n):
             raise BadInputError(f"split_global_scale needs whole tiles in each half of N={self.n} "
                                 f"(tile_n={self.tile_n})")
 
