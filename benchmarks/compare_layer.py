@@ -2,10 +2,11 @@
 
     python -m benchmarks.compare_layer --base generated/pf-off/bench-decode --new generated/pf-24m/bench-decode
                                        [--new LABEL=PATH ...] [--models qwen3-30b-a3b,...] [--m 1,2] [--rounds 5]
+                                       [--weights nvfp4 | modelopt]
 
 The layer-level twin of benchmarks/compare_gemm.py: every MoE layer problem the two bundles share
-(plain variant: no expert map, no calibration, no bias, not deterministic) gets random NVFP4 weights
-and, per M, one routing (uniform top-k) and one input; a MoeLayer of each bundle runs them.  Their
+(plain variant: no expert map, no calibration, no bias, not deterministic, layers of `--weights`)
+gets random NVFP4 weights (repacked for nvfp4 layers, read as stored for modelopt ones) and, per M, one routing (uniform top-k) and one input; a MoeLayer of each bundle runs them.  Their
 outputs are compared (‖new−base‖/‖base‖), then timed in interleaved rounds: each round times base
 then each new with `device_us` (CUDA-graph replay of an L2 flush and the call, the flush's own time
 subtracted), and the median over rounds is reported with new / base.  Rounds interleave so that
@@ -29,12 +30,13 @@ from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 
 
-def _problems(bundle) -> dict[str, dict]:
+def _problems(bundle, weights: str = "nvfp4") -> dict[str, dict]:
     out = {}
     for row in bundle.manifest["resolution"]:
         f = row["facts"]
         if row["op"] != "moe_layer" or f.get("expert_map") or f.get("calibration") or f.get("bias") \
-                or f.get("deterministic") or row["profile"] != bundle.profile.name:
+                or f.get("deterministic") or row["profile"] != bundle.profile.name \
+                or f.get("weights", "nvfp4") != weights:
             continue
         out[row["problem"]] = f
     return out
@@ -55,14 +57,21 @@ def random_layer_weights(facts: dict, g: torch.Generator):
     return random_nvfp4(e, n1, h, g), random_nvfp4(e, h, i, g)
 
 
-def compare(base, news: dict, models, ms, rounds, check: bool = False) -> list[dict]:
+def _prepared(facts: dict, q13, q2, weights: str):
+    from cuteaot.runtime import prepare_w2, prepare_w2_modelopt, prepare_w13, prepare_w13_modelopt
+
+    if weights == "modelopt":
+        return (prepare_w13_modelopt(*q13, "bf16", gated=facts["activation"] != "relu2"),
+                prepare_w2_modelopt(*q2, "bf16"))
+    return prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16")
+
+
+def compare(base, news: dict, models, ms, rounds, check: bool = False, weights: str = "nvfp4") -> list[dict]:
     """Time `base` and every bundle of `news` (label -> bundle) on the same operands; with `check`,
     also each output's ‖out−ref‖/‖ref‖ against the float32 reference (tests/reference/moe.py)."""
-    from cuteaot.runtime import prepare_w2, prepare_w13
-
-    shared = set(_problems(base))
+    shared = set(_problems(base, weights))
     for bundle in news.values():
-        shared &= set(_problems(bundle))
+        shared &= set(_problems(bundle, weights))
     names = [m for m in (models or sorted(shared)) if m in shared]
     missing = sorted(set(models or []) - shared)
     if missing:
@@ -70,13 +79,14 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False) -> list[d
     timer = FlushedTimer()
     rows = []
     for name in names:
-        f = _problems(base)[name]
+        f = _problems(base, weights)[name]
         h, e, k = f["hidden_size"], f["num_experts"], f["top_k"]
         g = torch.Generator(device="cuda").manual_seed(len(name))
         q13, q2 = random_layer_weights(f, g)
-        w13, w2 = prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16")
+        w13, w2 = _prepared(f, q13, q2, weights)
         w_ref = (dequantize_modelopt(*q13), dequantize_modelopt(*q2)) if check else None
-        del q13, q2
+        if weights != "modelopt":  # (read as stored: the layers hold the checkpoint tensors themselves)
+            del q13, q2
         layers = {"base": _layer(base, f, w13, w2)}
         layers.update({label: _layer(bundle, f, w13, w2) for label, bundle in news.items()})
         for m in ms:
@@ -123,12 +133,14 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--check", action="store_true", help="also each output's error against the float32 reference")
+    p.add_argument("--weights", default="nvfp4", choices=("nvfp4", "modelopt"),
+                   help="the layers compared: packed NVFP4 ones, or ones that read the weights as stored")
     args = p.parse_args(argv)
     from cuteaot.runtime import load_bundle
 
     paths = dict(item.split("=", 1) if "=" in item else (item, item) for item in args.new)
     news = {label: load_bundle(path) for label, path in paths.items()}
-    rows = compare(load_bundle(args.base), news, args.models, args.m, args.rounds, args.check)
+    rows = compare(load_bundle(args.base), news, args.models, args.m, args.rounds, args.check, args.weights)
     labels = list(news)
     print("\n| model | M | base µs | " + " | ".join(f"{x} µs | {x} / base" for x in labels) + " | max ‖new−base‖/‖base‖ |")
     print("| --- | ---: | ---: | " + " | ".join("---: | ---:" for _ in labels) + " | ---: |")

@@ -138,7 +138,7 @@ def test_planner_runs_modelopt_layers_where_packed_ones_run():
             assert fc1.tile_n == fc2.tile_n == 128 and fc1.epilogue.value == "silu"
             assert fc1.n_rotation == (1408 if weights == "modelopt_w31" else None) and fc1.split_global_scale
             assert fc2.n_rotation is None and fc2.split_global_scale is None
-            assert fc1.moe_block_size == packed[0].spec.moe_block_size
+            assert fc1.moe_block_size == fc2.moe_block_size >= packed[0].spec.moe_block_size  # taller: see the rule
         assert splits >= 3  # M = 1024, 4096, 16384
 
 

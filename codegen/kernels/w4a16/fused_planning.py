@@ -107,6 +107,15 @@ MODELOPT_HALF_TILE_N = 128
 # with the (j, j + 4) pairing 32-row blocks still spill 8 B at 168 while 16-row ones fit 128 in the
 # shape checked (H 512, I 384).  Whether 4 CTAs beat 3 for 16-row blocks is a measurement not made yet.
 MODELOPT_BLOCKS_PER_SM = {16: 3, 32: 2}
+# modelopt layers split into wgmma GEMMs: 128-row blocks from this many routes per expert on average
+# (packed: WGMMA_TALL_MIN_ROUTES or the measured choice), and 256-row blocks wherever the average
+# expert fills them, whatever K (packed: the K rule or the measured choice).  The stored layout's
+# decode costs ~3x the packed one per weight, and taller blocks decode each weight for more rows.
+# A/B on the H200 (benchmarks/compare_layer.py --weights modelopt, docs/results/ab-modelopt-tall-*):
+# Qwen3-30B 0.87x the time at M = 1024, 0.93x at 4096, 0.90x at 8192; Qwen3-235B tp4 (FC2 K = 384)
+# 0.90x / 0.96x / 0.92x; GLM-4.5-Air (plans unchanged) and M = 2048 within 1 %.
+MODELOPT_TALL_MIN_ROUTES = 64
+MODELOPT_WIDE_ANY_K = True
 
 
 @dataclass(frozen=True)
@@ -375,6 +384,11 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     tall = layer_choice("tall", m, facts, profile)
     # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
     wide = layer_choice("wide", m, facts, profile)
+    if facts.weights.layout == "modelopt":
+        if tall is None and m * facts.top_k >= MODELOPT_TALL_MIN_ROUTES * facts.num_experts:
+            tall = True
+        if wide is None and MODELOPT_WIDE_ANY_K:
+            wide = True
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide,
