@@ -37,13 +37,14 @@ from cutlass.cutlass_dsl import Float32, Int32, Int64, T, Uint32, dsl_user_op
 import cutlass.cute as cute
 
 from cuteaot.runtime.types import DType
-from cuteaot.runtime.weights import E2M1_DECODE_ROTATIONS
+from cuteaot.runtime.weights import E2M1_DECODE_ROTATIONS, MODELOPT_SCALE_EXPONENT
 
 # Fixed power-of-two offsets of the bit-trick decodes (see the module docstring).
 E2M1_BF16_DECODE_EXP = -126
 E2M1_F16_DECODE_EXP = -14
 SCALE_DECODE_EXP = 7
-MODELOPT_SCALE_EXP_BF16 = 23  # the ModelOpt-layout bf16 scale pair holds s * 2**23 (fp16: s)
+# the ModelOpt-layout bf16 scale pair holds s * 2**15 (fp16: s), the runtime's convention
+MODELOPT_SCALE_EXP_BF16 = MODELOPT_SCALE_EXPONENT[DType.BF16]
 
 
 def _ir(values, loc, ip):
@@ -289,37 +290,53 @@ def pair_halves(a: Uint32, b: Uint32, high: int, *, loc=None, ip=None) -> Uint32
                      effects=False, loc=loc, ip=ip))
 
 
-def e4m3_pair_selector(byte):
-    """The prmt selector `scale_pair_e4m3_*` takes for scale byte `byte` (0..3, an Int32 or an int):
-    the byte onto positions 0 and 1, zeros above."""
-    return byte * 0x11 + 0x4400
+def e4m3_pairs_selector(byte):
+    """The prmt selector `scale_pairs_e4m3_*` takes for scale byte `byte` (0..3, an Int32 or an int):
+    that byte of the first word onto position 0, of the second onto position 1 (2 and 3 unused)."""
+    return byte + (byte + 4) * 0x10
 
 
-def e4m3_pair_ptx(dtype: DType) -> str:
-    """PTX of `scale_pair_e4m3_*`: $1 = the scale word, $2 = the selector; $0 = the pair."""
-    head = (" .reg .b32 t, z, p;\n .reg .b16 h, hh;\n mov.b32 z, 0;\n prmt.b32 t, $1, z, $2;\n"
-            " mov.b32 {h, hh}, t;\n")
+# fp16 bits >> 3 read as bf16 are s * 2**-112; this bf16x2 multiplier (2**127 each) makes them
+# s * 2**MODELOPT_SCALE_EXP_BF16
+_BF16_SCALE_MULTIPLIER = ((MODELOPT_SCALE_EXP_BF16 + 112 + 127) << 7) * 0x10001
+assert 0 < MODELOPT_SCALE_EXP_BF16 + 112 + 127 < 255, MODELOPT_SCALE_EXP_BF16
+
+
+def e4m3_pairs_ptx(dtype: DType) -> str:
+    """PTX of `scale_pairs_e4m3_*`: $2, $3 = two scale words, $4 = the selector; $0 = the pair of $2's
+    byte, $1 = the pair of $3's, each (s, s).
+
+    One prmt puts both bytes side by side and one cvt.rn.f16x2.e4m3x2 converts them exactly (zero and
+    subnormals included: every e4m3 value is a normal f16).  bf16 goes on without leaving the register:
+    an f16 shifted right by 3 is the bf16 of the same significand with the exponent bias 15 read as
+    127, i.e. s * 2**-112 (e4m3 leaves the f16's low 7 mantissa bits zero, so nothing crosses from the
+    upper half), and one multiply by 2**127 makes it s * 2**15 (MODELOPT_SCALE_EXP_BF16).  The sign
+    bits are cleared first so that -0 reads as 0 (negative scales are refused when weights are
+    prepared)."""
+    head = " .reg .b32 t, c, k;\n .reg .b16 h, hh, lo, hi;\n prmt.b32 t, $2, $3, $4;\n"
     if dtype is DType.FP16:
-        return "{\n" + head + " cvt.rn.f16x2.e4m3x2 $0, h;\n}"
-    return ("{\n" + head + " .reg .b16 l, u;\n .reg .f32 f;\n cvt.rn.f16x2.e4m3x2 p, h;\n mov.b32 {l, u}, p;\n"
-            f" cvt.f32.f16 f, l;\n mul.f32 f, f, 0f{(MODELOPT_SCALE_EXP_BF16 + 127) << 23:08X};\n"
-            " cvt.rn.bf16x2.f32 $0, f, f;\n}")
+        body = " mov.b32 {h, hh}, t;\n cvt.rn.f16x2.e4m3x2 c, h;\n"
+    else:
+        body = (" and.b32 t, t, 0x7F7F;\n mov.b32 {h, hh}, t;\n cvt.rn.f16x2.e4m3x2 c, h;\n"
+                f" shr.b32 c, c, 3;\n mov.b32 k, {_BF16_SCALE_MULTIPLIER:#010x};\n mul.rn.bf16x2 c, c, k;\n")
+    tail = " mov.b32 {lo, hi}, c;\n mov.b32 $0, {lo, lo};\n mov.b32 $1, {hi, hi};\n"
+    return "{\n" + head + body + tail + "}"
 
 
 @dsl_user_op
-def scale_pair_e4m3_bf16(q: Uint32, selector: Int32, *, loc=None, ip=None) -> Uint32:
-    """The e4m3 scale byte `selector` picks (e4m3_pair_selector) of q -> (s, s) as bf16x2 holding
-    s * 2**23, exact for every e4m3 value, zero and subnormals included: prmt, e4m3x2 -> f16x2
-    (exact), f16 -> f32, times 2**23, f32 -> bf16x2 (exact: 4 significant bits)."""
-    return _u32(_asm(1, T.i32, _ir([Uint32(q), Int32(selector)], loc, ip), e4m3_pair_ptx(DType.BF16), "=r,r,r",
-                     effects=False, loc=loc, ip=ip))
+def scale_pairs_e4m3_bf16(p: Uint32, q: Uint32, selector: Int32, *, loc=None, ip=None):
+    """The e4m3 scale bytes `selector` picks (e4m3_pairs_selector) of p and of q -> ((sp, sp), (sq, sq))
+    as bf16x2 holding s * 2**15, exact for every e4m3 value (zero and subnormals included): prmt, and,
+    e4m3x2 -> f16x2, shift, multiply for both scales."""
+    return _u32(_asm(2, T.i32, _ir([Uint32(p), Uint32(q), Int32(selector)], loc, ip), e4m3_pairs_ptx(DType.BF16),
+                     "=r,=r,r,r,r", effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op
-def scale_pair_e4m3_f16(q: Uint32, selector: Int32, *, loc=None, ip=None) -> Uint32:
-    """As `scale_pair_e4m3_bf16` for half2 holding s itself: prmt, then one e4m3x2 -> f16x2 conversion."""
-    return _u32(_asm(1, T.i32, _ir([Uint32(q), Int32(selector)], loc, ip), e4m3_pair_ptx(DType.FP16), "=r,r,r",
-                     effects=False, loc=loc, ip=ip))
+def scale_pairs_e4m3_f16(p: Uint32, q: Uint32, selector: Int32, *, loc=None, ip=None):
+    """As `scale_pairs_e4m3_bf16` for half2 holding s itself: prmt, then one e4m3x2 -> f16x2 conversion."""
+    return _u32(_asm(2, T.i32, _ir([Uint32(p), Uint32(q), Int32(selector)], loc, ip), e4m3_pairs_ptx(DType.FP16),
+                     "=r,=r,r,r,r", effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

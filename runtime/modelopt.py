@@ -29,16 +29,14 @@ import torch
 from .errors import BadInputError
 from .types import DType, WeightFormat
 from .weights import (
-    FP4_DECODE_EXPONENT, STORED_K_MULTIPLE, STORED_N_MULTIPLE, PackedNvfp4, W13Order, _check_bias, _check_dtype,
-    _check_global_2, _check_modelopt, _global_scale, _w13_order,
+    FP4_DECODE_EXPONENT, MODELOPT_SCALE_EXPONENT, STORED_K_MULTIPLE, STORED_N_MULTIPLE, PackedNvfp4, W13Order,
+    _check_bias, _check_dtype, _check_global_2, _check_modelopt, _global_scale, _w13_order,
 )
 
-# The scale decode yields s * 2**MODELOPT_SCALE_EXPONENT (codegen/intrinsics.py `scale_pair_e4m3_*`): bf16
-# keeps the products w * s normal with the offset, fp16 takes e4m3 exactly as it is.
-MODELOPT_SCALE_EXPONENT = {DType.BF16: 23, DType.FP16: 0}
+# The decodes yield w * 2**FP4_DECODE_EXPONENT and s * 2**MODELOPT_SCALE_EXPONENT; the global scale undoes both.
 MODELOPT_COMPENSATION = {
     dt: 2.0 ** -(exponent + MODELOPT_SCALE_EXPONENT[dt]) for dt, exponent in FP4_DECODE_EXPONENT.items()
-}  # bf16: 2**103, fp16: 2**14
+}  # bf16: 2**111, fp16: 2**14
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,11 @@ SCALE_DECODE_EXPONENT = {DType.BF16: 23, DType.FP16: SCALE_STORE_EXPONENT}
 GLOBAL_SCALE_COMPENSATION = {
     dt: 2.0 ** -(exponent + SCALE_DECODE_EXPONENT[dt]) for dt, exponent in FP4_DECODE_EXPONENT.items()
 }  # bf16: 2**103, fp16: 2**7
+# The same for e4m3 scales read as ModelOpt stores them (runtime/modelopt.py; codegen/intrinsics.py
+# `scale_pairs_e4m3_*`): bf16 keeps the products w * s normal with s * 2**15, fp16 takes e4m3 exactly
+# as it is.  A kernel records its exponent as the key fact `scale_exponent`, so a bundle built with
+# another convention is refused instead of scaling by the wrong power of two.
+MODELOPT_SCALE_EXPONENT = {DType.BF16: 15, DType.FP16: 0}
 
 
 class W13Order(str, Enum):

@@ -34,12 +34,12 @@ def test_prepare_keeps_the_checkpoint_tensors():
     assert isinstance(w13, ModelOptNvfp4) and w13.weights is WeightFormat.MODELOPT
     assert w13.qweight.data_ptr() == weight.data_ptr() and w13.scales.data_ptr() == scale.data_ptr()
     assert w13.scales.dtype == torch.uint8 and torch.equal(w13.scales, scale.view(torch.uint8))
-    # one global scale per projection, the bf16 decode's offset (2**103) folded in
+    # one global scale per projection, the bf16 decode's offset (2**111) folded in
     assert w13.global_scale.shape == (4, 2)
-    assert torch.equal(w13.global_scale, torch.stack((scale_2, scale_2), 1) * 2.0**103)
+    assert torch.equal(w13.global_scale, torch.stack((scale_2, scale_2), 1) * 2.0**111)
     w2 = prepare_w2_modelopt(weight, scale, scale_2, "fp16")
     assert w2.global_scale.shape == (4,) and torch.equal(w2.global_scale, scale_2 * MODELOPT_COMPENSATION[DType.FP16])
-    assert MODELOPT_COMPENSATION == {DType.BF16: 2.0**103, DType.FP16: 2.0**14}
+    assert MODELOPT_COMPENSATION == {DType.BF16: 2.0**111, DType.FP16: 2.0**14}
 
 
 def test_unpack_nvfp4_points_modelopt_weights_at_their_own_tensors():
@@ -55,7 +55,7 @@ def test_w31_keeps_both_scales_and_reorders_only_the_bias():
     bias = torch.arange(4 * 256, dtype=torch.float32).view(4, 256)  # stored order: up rows first
     w = prepare_w13_modelopt(weight, scale, pair, "bf16", order="up_gate", bias=bias)
     assert w.weights is WeightFormat.MODELOPT_W31 and w.up_first
-    assert torch.equal(w.global_scale, pair * 2.0**103)
+    assert torch.equal(w.global_scale, pair * 2.0**111)
     assert w.qweight.data_ptr() == weight.data_ptr()
     assert torch.equal(w.bias.float(), torch.cat((bias[:, 128:], bias[:, :128]), 1).bfloat16().float())
     relu2 = prepare_w13_modelopt(weight, scale, pair[:, 0].contiguous(), "fp16", gated=False)
@@ -87,7 +87,7 @@ def test_prepare_refuses_nan_scales_and_a_sliced_weight():
 
 def test_kernel_specs_refuse_what_the_layout_cannot_do():
     base = dict(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=1,
-                layout="modelopt")
+                layout="modelopt", scale_exponent=15)
     with pytest.raises(BadInputError, match="read as stored"):
         GemmSpec(**base | dict(n_out=504))
     with pytest.raises(BadInputError, match="mma.sync loop takes the none or relu2"):
@@ -98,15 +98,27 @@ def test_kernel_specs_refuse_what_the_layout_cannot_do():
     assert GemmSpec(**wgmma, n_rotation=64, split_global_scale=True).modelopt  # row by row: any 64 rows
     with pytest.raises(BadInputError, match="n_rotation"):
         GemmSpec(**wgmma | dict(n_rotation=32))
-    with pytest.raises(BadInputError, match="belong to the modelopt layout"):
-        GemmSpec(**base | dict(layout="packed", n_rotation=256))
+    with pytest.raises(BadInputError, match="belong to the modelopt"):
+        GemmSpec(**base | dict(layout="packed", n_rotation=256, scale_exponent=None))
+    # a kernel built with another scale convention (or before it was recorded) is refused: the weights'
+    # global scales undo this runtime's
+    for other in (None, 23):
+        with pytest.raises(BadInputError, match="rebuild it"):
+            GemmSpec(**base | dict(scale_exponent=other))
+    with pytest.raises(BadInputError, match="belong to the modelopt"):
+        GemmSpec(**base | dict(layout="packed"))
     fused = dict(dtype="bf16", hidden_size=512, intermediate_size=256, top_k=2, activation="relu2", fc1_tile_n=128,
-                 fc1_tile_k=64, fc2_tile_n=128, fc2_tile_k=64, moe_block_size=16, blocks_per_sm=2)
+                 fc1_tile_k=64, fc2_tile_n=128, fc2_tile_k=64, moe_block_size=16, blocks_per_sm=2, scale_exponent=15)
     with pytest.raises(BadInputError, match="needs a gated activation"):
         FusedSpec(**fused, weights="modelopt_w31")
     with pytest.raises(BadInputError, match="multiples of 128"):
         FusedSpec(**fused | dict(activation="silu", intermediate_size=320), weights="modelopt")
+    with pytest.raises(BadInputError, match="rebuild it"):
+        FusedSpec(**fused | dict(activation="silu", scale_exponent=None), weights="modelopt")
+    with pytest.raises(BadInputError, match="belongs to the modelopt"):
+        FusedSpec(**fused)  # packed NVFP4
     spec = FusedSpec(**fused | dict(activation="silu"), weights="modelopt_w31")
+    assert spec.fc1_gemm.scale_exponent == spec.fc2_gemm.scale_exponent == 15
     assert spec.fc1_gemm.n_rotation == 256 and spec.fc1_gemm.split_global_scale
     assert spec.fc2_gemm.n_rotation is None and spec.fc2_gemm.split_global_scale is None
 
@@ -189,13 +201,15 @@ def test_layer_refuses_mixed_or_mismatched_preparations(monkeypatch):
 
 def test_modelopt_kernels_compile_without_spills():
     from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import modelopt_scale_exponent
 
     for dtype, block, routes, tile_n, tile_k, bps, extra in (
             ("bf16", 8, "direct", 128, 64, 4, {}),
             ("fp16", 64, "packed", 128, 128, 1, {}),
             ("bf16", 16, "packed", 128, 64, 2, dict(n_rotation=256, split_global_scale=True))):
         spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=tile_k, moe_block_size=block,
-                        blocks_per_sm=bps, mul_topk_weights=True, routes=routes, layout="modelopt", **extra)
+                        blocks_per_sm=bps, mul_topk_weights=True, routes=routes, layout="modelopt",
+                        scale_exponent=modelopt_scale_exponent(dtype), **extra)
         record = compile_kernel(spec.key(), "sm_90a").record
         assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
         assert record["dynamic_smem_bytes"] == spec.shared_bytes

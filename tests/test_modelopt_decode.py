@@ -68,19 +68,27 @@ def test_pair_halves_is_the_activation_relabelling():
 
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
-def test_e4m3_scale_pair_is_exact_for_every_scale_byte(dtype):
-    """Every non-NaN e4m3 byte (zero and the subnormals included), at each byte position."""
-    every = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint64)
-    value = torch.from_numpy(every.astype(np.uint8)).view(torch.float8_e4m3fn).double().numpy()
-    offset = 2.0 ** I.MODELOPT_SCALE_EXP_BF16 if dtype is DType.BF16 else 1.0
-    want = _bits(value * offset, dtype)
-    want = want | (want << np.uint64(16))
+def test_e4m3_scale_pairs_are_exact_for_every_scale_byte(dtype):
+    """Every non-NaN e4m3 byte (zero, -0 and the subnormals included) in each word, at each byte
+    position, the two words' bytes different, the other bytes junk."""
+    # bf16 reads the magnitude (the weights' checks refuse negative scales; -0 reads as 0), fp16 the value
+    every = np.array([b for b in range(0x81 if dtype is DType.BF16 else 256) if b & 0x7F != 0x7F], dtype=np.uint64)
+    other = every[::-1].copy()
+
+    def want(byte: np.ndarray) -> np.ndarray:
+        value = torch.from_numpy(byte.astype(np.uint8)).view(torch.float8_e4m3fn).double().numpy()
+        offset = 2.0 ** I.MODELOPT_SCALE_EXP_BF16 if dtype is DType.BF16 else 1.0
+        bits = _bits(np.abs(value) * offset if dtype is DType.BF16 else value * offset, dtype)
+        return bits | (bits << np.uint64(16))
+
     for pos in range(4):
-        junk = np.uint64(0xA5C3F00F) & ~np.uint64(0xFF << (8 * pos))  # the other bytes must not matter
-        words = (every << np.uint64(8 * pos)) | junk
-        (pair,) = run(I.e4m3_pair_ptx(dtype), {1: words, 2: np.uint64(I.e4m3_pair_selector(pos))}, 1)
-        bad = np.nonzero(pair != want)[0]
-        assert bad.size == 0, f"byte {int(every[bad[0]]):#04x} at {pos}: got {pair[bad[0]]:#010x}, want {want[bad[0]]:#010x}"
+        keep = ~np.uint64(0xFF << (8 * pos))
+        p = (every << np.uint64(8 * pos)) | (np.uint64(0xA5C3F00F) & keep)
+        q = (other << np.uint64(8 * pos)) | (np.uint64(0xFF99305A) & keep)
+        pair_p, pair_q = run(I.e4m3_pairs_ptx(dtype), {2: p, 3: q, 4: np.uint64(I.e4m3_pairs_selector(pos))}, 2)
+        for got, byte in ((pair_p, every), (pair_q, other)):
+            bad = np.nonzero(got != want(byte))[0]
+            assert bad.size == 0, f"byte {int(byte[bad[0]]):#04x} at {pos}: got {got[bad[0]]:#010x}, want {want(byte)[bad[0]]:#010x}"
 
 
 def test_bf16_products_of_codes_and_scales_stay_exact():

@@ -118,13 +118,19 @@ class ProbeKernel:
     def _e2m1_codes_f16(self, s, d, i):
         self._quads(s, d, i, I.dequant_e2m1_codes_f16)
 
-    def _e4m3_pair_bf16(self, s, d, i):
+    def _e4m3_pairs(self, s, d, i, helper):
+        x = s.u32[i]
+        y = (x >> Uint32(16)) | (x << Uint32(16))  # the second word: x's halves swapped
         for byte in range(4):
-            d.u32[4 * i + byte] = I.scale_pair_e4m3_bf16(s.u32[i], I.e4m3_pair_selector(Int32(byte)))
+            p, q = helper(x, y, I.e4m3_pairs_selector(Int32(byte)))
+            d.u32[8 * i + 2 * byte] = p
+            d.u32[8 * i + 2 * byte + 1] = q
+
+    def _e4m3_pair_bf16(self, s, d, i):
+        self._e4m3_pairs(s, d, i, I.scale_pairs_e4m3_bf16)
 
     def _e4m3_pair_f16(self, s, d, i):
-        for byte in range(4):
-            d.u32[4 * i + byte] = I.scale_pair_e4m3_f16(s.u32[i], I.e4m3_pair_selector(Int32(byte)))
+        self._e4m3_pairs(s, d, i, I.scale_pairs_e4m3_f16)
 
     # ------------------------------------------------------------------ pair arithmetic
 

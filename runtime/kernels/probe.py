@@ -112,10 +112,10 @@ LAYOUTS: dict[Probe, ProbeLayout] = {
                                        "dequant_e2m1_codes_bf16"),
     Probe.E2M1_CODES_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs (code j, code j + 4) of "
                                       "dequant_e2m1_codes_f16"),
-    Probe.E4M3_PAIR_BF16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = scale_pair_e4m3_bf16(x, "
-                                      "e4m3_pair_selector(byte)), byte = 0..3"),
-    Probe.E4M3_PAIR_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = scale_pair_e4m3_f16(x, "
-                                     "e4m3_pair_selector(byte)), byte = 0..3"),
+    Probe.E4M3_PAIR_BF16: ProbeLayout(_T, 1, 8, "src[i] = x (u32); dst = scale_pairs_e4m3_bf16(x, y, "
+                                      "e4m3_pairs_selector(byte)), byte = 0..3, y = x with its halves swapped"),
+    Probe.E4M3_PAIR_F16: ProbeLayout(_T, 1, 8, "src[i] = x (u32); dst = scale_pairs_e4m3_f16(x, y, "
+                                     "e4m3_pairs_selector(byte)), byte = 0..3, y = x with its halves swapped"),
     Probe.MMA_BF16: ProbeLayout(
         _W, MMA_A_WORDS + MMA_BT_WORDS + MMA_C_WORDS, 128,
         "src = A (16x16 bf16, row-major) | B^T (8x16 bf16, row-major: B^T[n, k] = B[k, n]) | C (16x8 f32, "

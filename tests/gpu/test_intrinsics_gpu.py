@@ -538,12 +538,14 @@ def test_e2m1_codes_decode(bundle, capsys, probe, exp, elem):
     _check(capsys, probe.value, got, want, inputs=words)
 
 
-@pytest.mark.parametrize("probe,offset,elem", [(Probe.E4M3_PAIR_BF16, 2.0**23, torch.bfloat16),
+@pytest.mark.parametrize("probe,offset,elem", [(Probe.E4M3_PAIR_BF16, 2.0**15, torch.bfloat16),
                                                (Probe.E4M3_PAIR_F16, 1.0, torch.float16)],
                          ids=lambda v: v.value if isinstance(v, Probe) else "")
 def test_e4m3_pair_decode(bundle, capsys, probe, offset, elem):
-    """scale_pair_e4m3_*: (s, s) * offset of each e4m3 byte, zero and subnormals included, in every
-    position (NaN bytes are refused when weights are prepared, so they are left out)."""
+    """scale_pairs_e4m3_*: (s, s) * offset of byte k of x and of y (x with its halves swapped: byte
+    k + 2), every e4m3 byte in every position, zero and subnormals included; bf16 reads the magnitude
+    (negative scales are refused when weights are prepared; -0 reads as 0), fp16 the value.  NaN
+    bytes are refused too, so they are left out."""
     words = _byte_words(torch.Generator().manual_seed(6))
     nan = torch.zeros_like(words, dtype=torch.bool)
     for k in range(4):
@@ -552,9 +554,10 @@ def test_e4m3_pair_decode(bundle, capsys, probe, offset, elem):
     got = _run(bundle, probe, _i32(words), words.numel())
 
     def pair(byte):
-        value = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64) * offset
+        value = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+        value = (value.abs() if elem is torch.bfloat16 else value) * offset
         b = _bits16(value.to(torch.float32).to(elem))
         return _pair(b, b)
 
-    want = torch.stack([pair(_bytes_of(words, k)) for k in range(4)], dim=1)
+    want = torch.stack([pair(_bytes_of(words, (k + h) % 4)) for k in range(4) for h in (0, 2)], dim=1)
     _check(capsys, probe.value, got, want, inputs=words)

@@ -8,7 +8,7 @@ the ModelOpt-layout decodes use are implemented; anything else raises.
 Semantics follow the PTX ISA: prmt in its default mode (selector nibble bit 3 replicates the
 selected byte's sign bit), shr.b32 is a logical shift, cvt.rn.f16x2.e4m3x2 takes the upper
 byte of its .b16 source to the upper half of the result, cvt.rn.bf16x2.f32 d, a, b puts a in
-the upper half.
+the upper half, mul.rn.bf16x2 multiplies the halves apart (rounded to nearest even, as torch rounds).
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ def run(ptx: str, inputs: dict[int, np.ndarray], outputs: int) -> list[np.ndarra
             lo, hi = (x.strip() for x in d[1:-1].split(","))
             v = val(args[1])
             env[lo], env[hi] = v & np.uint64(0xFFFF), (v >> np.uint64(16)) & np.uint64(0xFFFF)
+        elif op == "mov.b32" and args[1].startswith("{"):  # pack two b16 into a b32
+            lo, hi = (x.strip() for x in args[1][1:-1].split(","))
+            env[d] = (val(lo) & np.uint64(0xFFFF)) | ((val(hi) & np.uint64(0xFFFF)) << np.uint64(16))
         elif op == "mov.b32":
             env[d] = val(args[1]) + np.zeros(1, dtype=np.uint64)
         elif op == "shl.b32":
@@ -100,8 +103,21 @@ def run(ptx: str, inputs: dict[int, np.ndarray], outputs: int) -> list[np.ndarra
             env[d] = _bits_f32(_f16_bits_to_f32(val(args[1])))
         elif op == "mul.f32":
             env[d] = _bits_f32(_f32(val(args[1])) * _f32(val(args[2])))
+        elif op == "mul.rn.bf16x2":
+            a, b = val(args[1]) + np.zeros(1, dtype=np.uint64), val(args[2]) + np.zeros(1, dtype=np.uint64)
+            env[d] = _bf16x2_mul(a, b)
         elif op == "cvt.rn.bf16x2.f32":
             env[d] = _bf16_bits(_f32(val(args[2]))) | (_bf16_bits(_f32(val(args[1]))) << np.uint64(16))
         else:
             raise NotImplementedError(f"PTX instruction {op!r} in {stmt!r}")
     return [env[f"${i}"] & _M32 for i in range(outputs)]
+
+
+def _bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def halves(w):
+        bits = np.stack([w & np.uint64(0xFFFF), w >> np.uint64(16)], axis=-1).astype(np.int64)
+        return torch.from_numpy((bits - (bits >= 1 << 15) * (1 << 16)).astype(np.int16)).view(torch.bfloat16)
+
+    prod = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).numpy()
+    prod = prod.astype(np.int64) & 0xFFFF
+    return (prod[..., 0] | (prod[..., 1] << 16)).astype(np.uint64)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop, modelopt_scale_exponent
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.types import WeightFormat
 from cuteaot.runtime.weights import stored_dims
@@ -328,6 +328,7 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         swiglu_beta=facts.swiglu_beta, swiglu_limit=facts.swiglu_limit, whole_tiles_m8=plan.whole_tiles_m8,
         amax_experts=(amax_experts or facts.num_experts) if facts.calibration else 0,
         mainloop=Mainloop(plan.mainloop), bias=facts.bias, weights=facts.weights,
+        scale_exponent=modelopt_scale_exponent(facts.dtype) if facts.weights.layout == "modelopt" else None,
     )
 
 
@@ -407,6 +408,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     else:
         fc1_epilogue, activation = "none", {}  # the activation kernel runs between the GEMMs
     layout = dict(layout=facts.weights.layout, scale_format=facts.weights.scale_format)
+    if facts.weights.layout == "modelopt":
+        layout.update(scale_exponent=modelopt_scale_exponent(facts.dtype))
     fc1_layout = dict(layout)
     if facts.weights.layout == "modelopt":  # [gate | up] from the stored row order, a global scale per half
         fc1_layout.update(n_rotation=facts.intermediate_size if facts.weights.up_first else None,

@@ -293,7 +293,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         scale_bytes = s.tile_k // 16  # per stored row and stage
         t.s_rd = (smem + Int32(s.sh_s_off * 16) + (Int32(64) * wn + g) * Int32(scale_bytes)
                   + Int32(4) * (group // Int32(4)))
-        t.s_sel = I.e4m3_pair_selector(group % Int32(4))
+        t.s_sel = I.e4m3_pairs_selector(group % Int32(4))
         t.a_mo = smem + self._a_swizzle(g * Int32(s.a_sh_stride) + Int32(4) * wr + quad) * Int32(16)
 
     @cute.jit

@@ -53,11 +53,19 @@ class MainloopMixin:
         return I.dequant_e2m1_codes_bf16(x)
 
     @cute.jit
-    def _scale_pair_e4m3(self, p: Uint32, selector: Int32) -> Uint32:
-        """modelopt: (s, s) of the stored e4m3 scale byte `selector` picks in the scale word p."""
+    def _dequant_byte(self, x: Uint32, selector: Int32) -> Uint32:
+        """modelopt, wgmma loop: the byte `selector` picks of a stored word -> (low code, high code)."""
         if cutlass.const_expr(self.is_fp16):
-            return I.scale_pair_e4m3_f16(p, selector)
-        return I.scale_pair_e4m3_bf16(p, selector)
+            return I.dequant_e2m1_byte_f16(x, selector)
+        return I.dequant_e2m1_byte_bf16(x, selector)
+
+    @cute.jit
+    def _scale_pairs_e4m3(self, p: Uint32, q: Uint32, selector: Int32):
+        """modelopt: (sp, sp), (sq, sq) of the stored e4m3 scale bytes `selector` picks in the scale
+        words p and q (one conversion for both)."""
+        if cutlass.const_expr(self.is_fp16):
+            return I.scale_pairs_e4m3_f16(p, q, selector)
+        return I.scale_pairs_e4m3_bf16(p, q, selector)
 
     @cute.jit
     def _pair_mul(self, a: Uint32, b: Uint32) -> Uint32:
@@ -390,10 +398,10 @@ class MainloopMixin:
         s = self.s
         for jl in cutlass.range_constexpr(2):
             jj = 2 * kk + jl  # columns 16 jj + g (block c0) and + 8 (c1)
+            scales = self._scale_pairs_e4m3(bs[4 + 2 * jl], bs[4 + 2 * jl + 1], t.s_sel)  # columns c0, c1
             pairs = []
             for half in cutlass.range_constexpr(2):
-                scale = self._scale_pair_e4m3(bs[4 + 2 * jl + half], t.s_sel)
-                pairs.append([self._pair_mul(r, scale) for r in self._dequant_codes(bs[2 * jl + half])])
+                pairs.append([self._pair_mul(r, scales[half]) for r in self._dequant_codes(bs[2 * jl + half])])
             for ks in cutlass.range_constexpr(2):
                 for half in cutlass.range_constexpr(2):
                     frag[half, 0] = pairs[half][2 * ks]

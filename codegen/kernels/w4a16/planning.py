@@ -575,12 +575,13 @@ def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
                   mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
                   scale_format: str = "e4m3_k16", bias: bool = False, n_rotation: int | None = None,
-                  split_global_scale: bool | None = None, **activation) -> GemmSpec:
+                  split_global_scale: bool | None = None, scale_exponent: int | None = None,
+                  **activation) -> GemmSpec:
     """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
 
     The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.  `activation`:
-    a gated epilogue's fast_math and swiglu_* (GemmSpec); `n_rotation`, `split_global_scale`: the
-    modelopt layout's (GemmSpec).
+    a gated epilogue's fast_math and swiglu_* (GemmSpec); `n_rotation`, `split_global_scale`,
+    `scale_exponent`: the modelopt layout's (GemmSpec).
     """
     n_stored, k_stored = stored_dims(n, k)
     return GemmSpec(
@@ -604,5 +605,6 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         bias=bias,
         n_rotation=n_rotation,
         split_global_scale=split_global_scale,
+        scale_exponent=scale_exponent,
         **activation,
     )

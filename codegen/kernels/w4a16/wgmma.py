@@ -312,18 +312,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         """modelopt: byte q of each word -> the (k lo) / (k hi) pairs of rows g and g + 8, times the
         rows' e4m3 scale of 16-k row kk."""
         for j in cutlass.range_constexpr(self.nw):
-            s_g = self._scale_pair_e4m3(words[6 * j + 4], I.e4m3_pair_selector(kk % 4))
-            s_g8 = self._scale_pair_e4m3(words[6 * j + 5], I.e4m3_pair_selector(kk % 4))
+            s_g, s_g8 = self._scale_pairs_e4m3(words[6 * j + 4], words[6 * j + 5], I.e4m3_pairs_selector(kk % 4))
             frag[j, 0] = self._pair_mul(self._dequant_byte(words[6 * j + 0], t.byte_sel), s_g)
             frag[j, 1] = self._pair_mul(self._dequant_byte(words[6 * j + 2], t.byte_sel), s_g8)
             frag[j, 2] = self._pair_mul(self._dequant_byte(words[6 * j + 1], t.byte_sel), s_g)
             frag[j, 3] = self._pair_mul(self._dequant_byte(words[6 * j + 3], t.byte_sel), s_g8)
-
-    @cute.jit
-    def _dequant_byte(self, x: Uint32, selector: Int32) -> Uint32:
-        if cutlass.const_expr(self.is_fp16):
-            return I.dequant_e2m1_byte_f16(x, selector)
-        return I.dequant_e2m1_byte_bf16(x, selector)
 
     @cute.jit
     def _wg_decode(self, frag: cute.Tensor, words: cute.Tensor, t, kk: cutlass.Constexpr[int]):

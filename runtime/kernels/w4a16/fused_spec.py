@@ -36,14 +36,14 @@ from ...types import Activation, DType, WeightFormat
 from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
 from ...weights import STORED_N_MULTIPLE as STORED_MULTIPLE
 from ..activation import ActivationSpec
-from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
+from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes, check_modelopt_scale_exponent
 
 
 @dataclass(frozen=True)
 class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 2  # 2: the bias parameter(s) joined the ABI
-    KEY_OMITS_NONE = frozenset({"weights"})  # NVFP4 kernels: the keys they had before NF3
+    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent"})  # NVFP4 kernels: the keys they had before NF3
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -99,6 +99,8 @@ class FusedSpec(SpecKey):
     # both GEMMs' weight format (NF3: mma.sync loop, bf16); None = NVFP4, kept out of the key so
     # that the NVFP4 kernels keep the digests they had before NF3 existed
     weights: Optional[WeightFormat] = None
+    # the modelopt layouts: the exponent of the scale decode (GemmSpec.scale_exponent); None otherwise
+    scale_exponent: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -121,7 +123,10 @@ class FusedSpec(SpecKey):
             if v is not None and not math.isfinite(v):
                 raise BadInputError(f"{name} must be finite, got {v}")
         self.activation_spec  # validates I and the swiglu parameters
+        if self.weight_format.layout != "modelopt" and self.scale_exponent is not None:
+            raise BadInputError(f"scale_exponent belongs to the modelopt layouts, got weights {self.weight_format.value}")
         if self.weight_format.layout == "modelopt":
+            check_modelopt_scale_exponent(self.scale_exponent, self.dtype)
             if self.weight_format.up_first and not self.gated:
                 raise BadInputError(f"{self.weight_format.value} (W13 stored up rows first) needs a gated activation "
                                     f"(gate and up halves), got {self.activation.value}")
@@ -156,7 +161,7 @@ class FusedSpec(SpecKey):
             moe_block_size=self.moe_block_size, blocks_per_sm=self.blocks_per_sm,
             routes=Routes.DIRECT if self.decode else Routes.PACKED, whole_tiles_m8=self.whole_tiles_m8,
             mainloop=self.mainloop, bias=self.bias, layout=self.weight_format.layout,
-            scale_format=self.weight_format.scale_format, **facts,
+            scale_format=self.weight_format.scale_format, scale_exponent=self.scale_exponent, **facts,
         )
 
     @property

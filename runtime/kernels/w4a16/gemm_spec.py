@@ -40,6 +40,7 @@ from .geometry import (
 )
 from ...nf3 import NF3_BLOCK_K, NF3_COLUMN_BYTES
 from ...types import DType
+from ...weights import MODELOPT_SCALE_EXPONENT
 from ..activation import ActivationSpec
 
 # (layout, scale_format) pairs the GEMM decodes: NVFP4 (MXFP4 is packed into it), NF3, and NVFP4 as
@@ -53,6 +54,20 @@ class Routes(str, Enum):
     PACKED = "packed"  # packed_route_indices / block_expert_ids from pack_routes
     DIRECT = "direct"  # no packing: route r = its own 8-row block, expert = topk_ids[r] (small M);
     # the ids are raw router output here, so the kernel bounds-checks them against num_experts
+
+
+def modelopt_scale_exponent(dtype: DType) -> int:
+    """The scale_exponent fact of a modelopt kernel this runtime serves (weights.MODELOPT_SCALE_EXPONENT)."""
+    return MODELOPT_SCALE_EXPONENT[DType(dtype)]
+
+
+def check_modelopt_scale_exponent(given: object, dtype: DType) -> None:
+    want = modelopt_scale_exponent(dtype)
+    if given != want:
+        raise BadInputError(
+            f"this modelopt kernel decodes its scales as s * 2**{given} (scale_exponent), this runtime prepares "
+            f"the global scales for s * 2**{want} ({DType(dtype).value}): the bundle was built with another "
+            "version of cuteaot; rebuild it")
 
 
 class Mainloop(str, Enum):
@@ -149,10 +164,14 @@ class GemmSpec(SpecKey):
     # with split_global_scale the global scale is (E, 2), one per half of N ([gate | up]).
     n_rotation: int | None = None
     split_global_scale: bool | None = None
+    # The modelopt layout: the exponent of its scale decode (s * 2**scale_exponent), the runtime's
+    # MODELOPT_SCALE_EXPONENT[dtype] when built; the weights' global scale undoes it, so a kernel built
+    # with another one is refused (`modelopt_scale_exponent`).  None for the other layouts.
+    scale_exponent: int | None = None
 
     # added after keys existed: left out of the key while None, so those keys keep their digests
     KEY_OMITS_NONE = frozenset({"fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit", "n_rotation",
-                                "split_global_scale"})
+                                "split_global_scale", "scale_exponent"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -224,10 +243,11 @@ class GemmSpec(SpecKey):
 
     def _check_modelopt(self) -> None:
         if not self.modelopt:
-            if (self.n_rotation, self.split_global_scale) != (None, None):
-                raise BadInputError("n_rotation and split_global_scale belong to the modelopt layout, "
-                                    f"got layout {self.layout}")
+            if (self.n_rotation, self.split_global_scale, self.scale_exponent) != (None, None, None):
+                raise BadInputError("n_rotation, split_global_scale and scale_exponent belong to the modelopt "
+                                    f"layout, got layout {self.layout}")
             return
+        check_modelopt_scale_exponent(self.scale_exponent, self.dtype)
         wgmma = self.mainloop is Mainloop.WGMMA
         if (self.n_out is not None or self.k_in is not None
                 or (self.epilogue.is_gated and not wgmma)):
