@@ -213,3 +213,22 @@ def test_modelopt_kernels_compile_without_spills():
         record = compile_kernel(spec.key(), "sm_90a").record
         assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
+
+
+def test_kernels_built_with_another_scale_convention_are_refused():
+    """The runtime rebuilds each kernel's spec from its manifest facts (PersistentLaunch, before any
+    launch): a modelopt kernel without scale_exponent (an older bundle) or with another one would
+    scale every output by a wrong power of two, so it is refused."""
+    from tests.stub_bundle import _planned
+
+    _, specs = _planned(str(ROOT_SPEC))
+    modelopt = [s for s in specs.values()
+                if getattr(s, "layout", None) == "modelopt"
+                or getattr(s, "weights", None) in (WeightFormat.MODELOPT, WeightFormat.MODELOPT_W31)]
+    assert {type(s).__name__ for s in modelopt} == {"GemmSpec", "FusedSpec"}  # both families, as planned
+    for spec in modelopt:
+        facts = dict(spec.key().facts)
+        assert type(spec).from_facts(facts) == spec
+        for stale in ({k: v for k, v in facts.items() if k != "scale_exponent"}, facts | {"scale_exponent": 23}):
+            with pytest.raises(BadInputError, match="rebuild it"):
+                type(spec).from_facts(stale)

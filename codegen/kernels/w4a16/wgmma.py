@@ -47,6 +47,12 @@ tile holds gate and up of the same tile_n / 2 columns and the store writes their
 a tile runs the narrowest that covers its block's valid rows (ROW_STEPS below), so
 an expert's part-filled last block does not pay MMAs for its padding rows.
 
+NVFP4 read as stored (`GemmSpec.layout = "modelopt"`, docs/layouts.md): the activations are the same;
+a weight stage holds each tile row's 32 stored bytes and 4 scale bytes instead, and for 16-k row kk
+lane (g, q) loads two words of rows g and g + 8 whose byte q is the fragment's (k lo) / (k hi) pair
+in the stored k order (`_wg_plan_modelopt`, `_wg_words_modelopt`, `_wg_decode_modelopt`).  Its tiles
+are 128 wide (six words per 16-row block).
+
 256-row blocks (the standalone GEMM where experts average 256 routes or more) run two
 warpgroups per CTA (256 threads) over the 128-wide tile: both read the same staged
 activation tile, warpgroup g decodes and multiplies weight slab g (nw = 1 wgmma
