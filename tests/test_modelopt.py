@@ -200,7 +200,9 @@ def test_layer_refuses_mixed_or_mismatched_preparations(monkeypatch):
 
 
 def test_modelopt_kernels_compile_without_spills():
+    pytest.importorskip("cutlass", reason="compiling needs CuTeDSL (cuteaot[codegen])")
     from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels.w4a16.planning import WGMMA_REGISTERS_SM90_MODELOPT
     from cuteaot.runtime.kernels.w4a16.gemm_spec import modelopt_scale_exponent
 
     for dtype, block, routes, tile_n, tile_k, bps, extra in (
@@ -213,6 +215,15 @@ def test_modelopt_kernels_compile_without_spills():
         record = compile_kernel(spec.key(), "sm_90a").record
         assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
+    # the wgmma loop's tiles for every block size, at the CTAs per SM the planner derives from the
+    # register table: no spills, and no more registers than the table says (a gated FC1, w31)
+    for block, bps in ((64, 2), (128, 2), (256, 1)):
+        spec = GemmSpec(dtype="bf16", n=1024, k=1024, top_k=2, tile_n=128, tile_k=64, moe_block_size=block,
+                        blocks_per_sm=bps, mainloop="wgmma", epilogue="silu", fast_math=True, layout="modelopt",
+                        n_rotation=512, split_global_scale=True, scale_exponent=modelopt_scale_exponent("bf16"))
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, (block, record)
+        assert record["registers"] <= WGMMA_REGISTERS_SM90_MODELOPT[(block, 128)], (block, record["registers"])
 
 
 def test_kernels_built_with_another_scale_convention_are_refused():
