@@ -5,12 +5,13 @@ without copying them: the code bytes (E, N, K/2) u8 and the e4m3 block scales (E
 as bytes, are the very tensors given; the only new tensor is the per-expert float32 global scale
 (E floats, or E pairs for W13), with the decode's power-of-two offset folded in.
 
-The kernels decode these bytes in the mma.sync loop (docs/layouts.md, "NVFP4 read as stored"):
-each lane takes 4 consecutive bytes of a weight row (k = 8t .. 8t+7 of a 32-k slice) and the
-activations are read with the same k permutation, so no byte needs moving.  The price is a
-costlier decode than the packed layout's (per 8 weights 10 integer-ALU instructions in SASS,
-8 LOP3 and 2 SHF, against 7), and no warpgroup-MMA loop: the planner keeps these layers on
-the fused mma.sync kernel at every M.
+The kernels decode these bytes where they lie (docs/layouts.md, "NVFP4 read as stored"): in the
+mma.sync loop each lane takes 4 consecutive bytes of a weight row (k = 8t .. 8t+7 of a 32-k slice)
+and the activations are read with the same k permutation; in the warpgroup-MMA loop (large M) each
+lane takes the bytes of its fragment's k pairs in the stored order.  No byte needs moving.  The
+price is a costlier decode than the packed layout's (per 8 weights 10 integer-ALU instructions
+against 7 in the mma.sync loop, 20 in the wgmma loop): measured on the H200, 1.14-1.55x the packed
+layer's time (docs/benchmarks.md).
 
 W13 may be stored gate rows first ("w13", `WeightFormat.MODELOPT`) or up rows first ("w31",
 `MODELOPT_W31`): the kernels read the halves where they are.  The two projections keep their own

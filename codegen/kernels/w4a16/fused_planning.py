@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
-from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop, modelopt_scale_exponent
+from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop, modelopt_scale_exponent, stored_w13_facts
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.types import WeightFormat
 from cuteaot.runtime.weights import stored_dims
@@ -328,8 +328,13 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         swiglu_beta=facts.swiglu_beta, swiglu_limit=facts.swiglu_limit, whole_tiles_m8=plan.whole_tiles_m8,
         amax_experts=(amax_experts or facts.num_experts) if facts.calibration else 0,
         mainloop=Mainloop(plan.mainloop), bias=facts.bias, weights=facts.weights,
-        scale_exponent=modelopt_scale_exponent(facts.dtype) if facts.weights.layout == "modelopt" else None,
+        scale_exponent=_scale_exponent(facts),
     )
+
+
+def _scale_exponent(facts: MoeLayerFacts) -> int | None:
+    """The scale_exponent key fact of the layer's kernels: the stored layout's decode exponent, else None."""
+    return modelopt_scale_exponent(facts.dtype) if facts.weights.layout == "modelopt" else None
 
 
 def layer_choice(knob: str, m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> bool | None:
@@ -407,15 +412,11 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
                           swiglu_limit=facts.swiglu_limit)
     else:
         fc1_epilogue, activation = "none", {}  # the activation kernel runs between the GEMMs
-    layout = dict(layout=facts.weights.layout, scale_format=facts.weights.scale_format)
-    if facts.weights.layout == "modelopt":
-        layout.update(scale_exponent=modelopt_scale_exponent(facts.dtype))
-    fc1_layout = dict(layout)
-    if facts.weights.layout == "modelopt":  # [gate | up] from the stored row order, a global scale per half
-        fc1_layout.update(n_rotation=facts.intermediate_size if facts.weights.up_first else None,
-                          split_global_scale=True if facts.gated else None)
+    layout = dict(layout=facts.weights.layout, scale_format=facts.weights.scale_format,
+                  scale_exponent=_scale_exponent(facts))
     s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
-                       mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **fc1_layout, **activation)
+                       mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **layout,
+                       **stored_w13_facts(facts.weights, facts.intermediate_size, facts.gated), **activation)
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
                        mul_topk_weights=not on_input, epilogue="none", bias=facts.bias, **layout)
     return GemmPhase(p1, s1), GemmPhase(p2, s2)

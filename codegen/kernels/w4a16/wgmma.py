@@ -131,13 +131,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             t.x_dst.append(t.x_base + row * Int32(_X_ROW) + ((chunk ^ (row & Int32(7))) * Int32(16)))
         t.x_chunk = chunk
         # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`
-        warp = tid // Int32(32)
         lane = tid & Int32(31)
-        group = warp // Int32(self.warps_per_group)
-        part = warp % Int32(self.warps_per_group)
+        group = self._column_group(tid)
+        part = (tid // Int32(32)) % Int32(self.warps_per_group)
         # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
         t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
-        t.group = group
         if cutlass.const_expr(s.modelopt):
             self._wg_plan_modelopt(ops, t, tid, expert, n_tile, lane)
         else:
@@ -218,6 +216,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         if cutlass.const_expr(self.s.n_rotation is not None):
             row = (row + Int32(self.s.n_rotation)) % Int32(self.s.n)
         return row
+
+    @cute.jit
+    def _column_group(self, tid: Int32) -> Int32:
+        """The 64-column slab of the tile whose rows this thread's warp decodes."""
+        return (tid // Int32(32)) // Int32(self.warps_per_group)
 
     @cute.jit
     def _source_slab(self, n_tile: Int32, slab: Int32) -> Int32:
@@ -545,7 +548,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
               k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         scale_index = Int64(expert)
         if cutlass.const_expr(self.s.split_global_scale):  # (E, 2): [gate, up], by this warp's slab's half
-            slab = self._source_slab(n_tile, (tid // Int32(32)) // Int32(self.warps_per_group))
+            slab = self._source_slab(n_tile, self._column_group(tid))
             scale_index = Int64(expert) * Int64(2) + Int64((slab * Int32(64)) // Int32(self.s.n // 2))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)

@@ -36,7 +36,7 @@ from ...types import Activation, DType, WeightFormat
 from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
 from ...weights import STORED_N_MULTIPLE as STORED_MULTIPLE
 from ..activation import ActivationSpec
-from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes, check_modelopt_scale_exponent
+from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes, check_modelopt_scale_exponent, stored_w13_facts
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,7 @@ class FusedSpec(SpecKey):
         return self._gemm(n1, k1, self.fc1_width, self.hidden_size, self.fc1_tile_n, self.fc1_tile_k,
                           top_k=self.top_k, mul_topk_weights=self.router_weight_on_input,
                           epilogue=Epilogue.NONE if self.gated else Epilogue.RELU2,
-                          # modelopt: [gate | up] read from the stored row order, one global scale per half
-                          n_rotation=self.intermediate_size if self.weight_format.up_first else None,
-                          split_global_scale=True if self.gated and self.weight_format.layout == "modelopt" else None)
+                          **stored_w13_facts(self.weight_format, self.intermediate_size, self.gated))
 
     @property
     def fc2_gemm(self) -> GemmSpec:

@@ -39,7 +39,7 @@ from .geometry import (
     wgmma_stage_parts,
 )
 from ...nf3 import NF3_BLOCK_K, NF3_COLUMN_BYTES
-from ...types import DType
+from ...types import DType, WeightFormat
 from ...weights import MODELOPT_SCALE_EXPONENT
 from ..activation import ActivationSpec
 
@@ -68,6 +68,15 @@ def check_modelopt_scale_exponent(given: object, dtype: DType) -> None:
             f"this modelopt kernel decodes its scales as s * 2**{given} (scale_exponent), this runtime prepares "
             f"the global scales for s * 2**{want} ({DType(dtype).value}): the bundle was built with another "
             "version of cuteaot; rebuild it")
+
+
+def stored_w13_facts(weights: WeightFormat, intermediate_size: int, gated: bool) -> dict:
+    """FC1's GemmSpec facts for W13 read as stored (modelopt): [gate | up] from the stored row order
+    (n_rotation = I when the up rows come first) and one global scale per half; {} for other layouts."""
+    if weights.layout != "modelopt":
+        return {}
+    return dict(n_rotation=intermediate_size if weights.up_first else None,
+                split_global_scale=True if gated else None)
 
 
 class Mainloop(str, Enum):
