@@ -1,5 +1,5 @@
-"""FC1's gated epilogue (GemmSpec epilogue silu / swigluoai, wgmma loop): what the spec accepts, what
-its key holds, and where layer planning chooses it.  The kernel itself is checked on the GPU
+"""FC1's gated epilogue (GemmSpec epilogue silu / swigluoai, both loops): what the spec accepts, what
+its key holds, and where layer planning chooses it (split layers, and the fused kernel's FC1).  The kernel itself is checked on the GPU
 (tests/gpu/test_moe_fused_gpu.py::test_gated_fc1_epilogue); the default bundle's build compiles one
 (tests/test_default_bundle.py)."""
 
@@ -14,7 +14,7 @@ from cuteaot.codegen.kernels.w4a16.fused_planning import split_layer
 from cuteaot.runtime import PROFILES, BadInputError
 from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec
 from cuteaot.runtime.resolution import MoeLayerFacts
-from cuteaot.runtime.types import Activation, DType
+from cuteaot.runtime.types import Activation, DType, WeightFormat
 
 H200 = PROFILES["h200"]
 QWEN3 = MoeLayerFacts(dtype=DType.BF16, hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
@@ -48,7 +48,8 @@ def test_gated_facts_stay_out_of_other_keys():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(mainloop="mma_sync", tile_k=128, moe_block_size=64), "needs the wgmma loop"),
+    (dict(mainloop="mma_sync", tile_n=64, tile_k=128, moe_block_size=32), "multiples of 128"),
+    (dict(mainloop="mma_sync", layout="nf3", scale_format="e4m3_k32", moe_block_size=32), "NVFP4 or MXFP4"),
     (dict(n_out=1528), "unpadded N"),
     (dict(fast_math=None), "fast_math True or False"),
     (dict(epilogue="swigluoai"), "swiglu parameters"),  # ActivationSpec.create would fill them
@@ -78,3 +79,41 @@ def test_padded_or_switched_off_fc1_keeps_the_activation_kernel(monkeypatch):
     assert split_layer(4096, relu2, H200)[0].spec.epilogue is Epilogue.RELU2
     monkeypatch.setattr(fused_planning, "GATED_FC1_EPILOGUE", False)
     assert split_layer(4096, QWEN3, H200)[0].spec.epilogue is Epilogue.NONE
+
+
+def test_fused_kernels_activate_in_fc1_where_the_tiles_allow(monkeypatch):
+    """The fused kernel's FC1 applies a gated activation in its epilogue (no activation pass, one grid
+    barrier fewer) for packed NVFP4 with unpadded 2I and 128-multiple tiles, on both loops."""
+    cases = [(QWEN3, 1), (QWEN3, 8), (QWEN3, 256), (GPT_OSS, 1), (GPT_OSS, 256),
+             (dataclasses.replace(QWEN3, expert_map=True), 4096)]  # (the fused wgmma loop: no split there)
+    for facts, m in cases:
+        plan = fused_planning.plan_layer(m, facts, H200)
+        spec = fused_planning.fused_spec_for(plan, facts)
+        assert spec.gated_epilogue is True, (facts, m)
+        fc1 = spec.fc1_gemm
+        assert fc1.epilogue.value == facts.activation.value and fc1.out_width == facts.intermediate_size
+        assert (fc1.fast_math, fc1.swiglu_limit) == (facts.fast_math, facts.swiglu_limit)
+        assert spec.fc2_gemm.epilogue is Epilogue.NONE
+        assert "gated_epilogue" in spec.key().facts
+        assert type(spec).from_facts(spec.key().facts) == spec
+    assert any(fused_planning.fused_spec_for(fused_planning.plan_layer(m, f, H200), f).mainloop.value == "wgmma"
+               for f, m in cases)
+    padded = MoeLayerFacts(dtype=DType.BF16, hidden_size=736, intermediate_size=352, num_experts=8, top_k=2,
+                           activation=Activation.SWIGLUOAI)
+    relu2 = dataclasses.replace(QWEN3, activation=Activation.RELU2)
+    modelopt = dataclasses.replace(QWEN3, weights=WeightFormat.MODELOPT)
+    nf3 = dataclasses.replace(QWEN3, weights=WeightFormat.NF3)
+    for facts in (padded, relu2, modelopt, nf3):
+        spec = fused_planning.fused_spec_for(fused_planning.plan_layer(8, facts, H200), facts)
+        assert spec.gated_epilogue is None and "gated_epilogue" not in spec.key().facts, facts
+        assert spec.fc1_gemm.epilogue in (Epilogue.NONE, Epilogue.RELU2)
+    monkeypatch.setattr(fused_planning, "FUSED_GATED_EPILOGUE", False)
+    assert fused_planning.fused_spec_for(fused_planning.plan_layer(8, QWEN3, H200), QWEN3).gated_epilogue is None
+
+
+def test_fused_gated_epilogue_needs_a_gated_activation():
+    spec = fused_planning.fused_spec_for(fused_planning.plan_layer(8, QWEN3, H200), QWEN3)
+    with pytest.raises(BadInputError, match="gated_epilogue"):
+        dataclasses.replace(spec, activation=Activation.RELU2)
+    with pytest.raises(BadInputError, match="gated_epilogue"):
+        dataclasses.replace(spec, gated_epilogue=False)

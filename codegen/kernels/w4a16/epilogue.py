@@ -105,6 +105,22 @@ class EpilogueMixin:
             I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q[0], q[1], q[2], q[3])
 
     @cute.jit
+    def _store_gated_rows(self, ops, smem: Int32, tid: Int32, n_tile: Int32, valid_rows: Int32,
+                          rows: cutlass.Constexpr[int], c_sh_stride: Int32, bias_row: Int64):
+        """Gated epilogue of the mma.sync loop: the staged tile row holds gate chunks then up chunks
+        (tile_n / 16 of each, `_source_slab`); one thread per output chunk (8 columns of N / 2)."""
+        s = self.s
+        chunks = s.tile_n // 16
+        per_iter = s.threads // chunks
+        col = tid % Int32(chunks)
+        for it in cutlass.range_constexpr(-(-rows // per_iter)):
+            row = tid // Int32(chunks) + Int32(it * per_iter)
+            gate_at = self._sh(smem, Int32(s.sh_red_off) + c_sh_stride * row + col)
+            self._store_gated_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows, gate_at,
+                                    gate_at + Int32(chunks * 16), bias_row)
+        cute.arch.sync_threads()
+
+    @cute.jit
     def _activate_pair(self, gate: Uint32, up: Uint32) -> Uint32:
         """act(gate, up) of two dtype pairs, in float32 as the activation kernel computes it."""
         g0, g1 = self._unpack_pair(gate)
@@ -306,15 +322,18 @@ class EpilogueMixin:
         cute.arch.sync_threads()
 
         rows = 16 if self.m8 else 16 * s.m_blocks
-        per_iter = s.threads // (2 * s.n_blocks)
-        c_gl_stride = Int32(s.n // 8)
-        c_gl_wr = (c_gl_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)
-                   + Int32(2 * s.n_blocks) * n_tile)
-        c_sh_rd = c_sh_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)
-        for _ in cutlass.range_constexpr(-(-rows // per_iter)):
-            row = c_gl_wr // c_gl_stride
-            col = c_gl_wr - row * c_gl_stride  # 16-byte chunk in the (stored) tile row
-            self._store_chunk(ops, smem, row, col, valid_rows, self._sh(smem, Int32(s.sh_red_off) + c_sh_rd), bias_row)
-            c_gl_wr += c_gl_stride * Int32(per_iter)
-            c_sh_rd += c_sh_stride * Int32(per_iter)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(s.epilogue.is_gated):
+            self._store_gated_rows(ops, smem, tid, n_tile, valid_rows, rows, c_sh_stride, bias_row)
+        else:
+            per_iter = s.threads // (2 * s.n_blocks)
+            c_gl_stride = Int32(s.n // 8)
+            c_gl_wr = (c_gl_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)
+                       + Int32(2 * s.n_blocks) * n_tile)
+            c_sh_rd = c_sh_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)
+            for _ in cutlass.range_constexpr(-(-rows // per_iter)):
+                row = c_gl_wr // c_gl_stride
+                col = c_gl_wr - row * c_gl_stride  # 16-byte chunk in the (stored) tile row
+                self._store_chunk(ops, smem, row, col, valid_rows, self._sh(smem, Int32(s.sh_red_off) + c_sh_rd), bias_row)
+                c_gl_wr += c_gl_stride * Int32(per_iter)
+                c_sh_rd += c_sh_stride * Int32(per_iter)
+            cute.arch.sync_threads()

@@ -72,7 +72,9 @@ class W4A16FusedMoeKernel:
             route_count=I.gmem_address(route_count), topk_weights=I.gmem_address(topk_weights),
             c_tmp=I.gmem_address(c_tmp), locks=barrier + Int64(s.barrier_words * 4), num_experts=num_experts,
         )
-        fc1_target = fc1_out if s.gated else activated  # relu2 is FC1's epilogue
+        # relu2, or the gated activation with gated_epilogue, is FC1's epilogue
+        activates = not s.gated or bool(s.gated_epilogue)
+        fc1_target = activated if activates else fc1_out
         fc1_ops = _Operands(a=I.gmem_address(a), qweight=I.gmem_address(w13), out=I.gmem_address(fc1_target),
                             scales=I.gmem_address(w13_scales), global_scale=I.gmem_address(w13_global_scale),
                             bias=I.gmem_address(w13_bias), **routing)
@@ -89,7 +91,7 @@ class W4A16FusedMoeKernel:
 
         self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens)
         self._grid_barrier(barrier, tid, grid_x)
-        if cutlass.const_expr(s.gated):
+        if cutlass.const_expr(not activates):
             v = Int64(first)
             total = Int64(routes) * Int64(s.intermediate_size // VECTOR)
             while v < total:

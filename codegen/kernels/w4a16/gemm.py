@@ -263,6 +263,16 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         return valid
 
     @cute.jit
+    def _source_slab(self, n_tile: Int32, slab: Int32) -> Int32:
+        """The weight slab (64 columns) that slab `slab` of tile `n_tile` holds: the tile's own, or for a
+        gated epilogue, the tile's first half from the gate half of W13 and its second from the up half."""
+        slabs = self.s.tile_n // 64
+        if cutlass.const_expr(self.s.epilogue.is_gated):
+            half = slabs // 2
+            return n_tile * Int32(half) + slab % Int32(half) + (slab // Int32(half)) * Int32(self.s.n // 128)
+        return n_tile * Int32(slabs) + slab
+
+    @cute.jit
     def _bias_row(self, ops, expert: Int32) -> Int64:
         """Address of the expert's bias row (its 16-byte chunk c at + 16 c); unused without bias."""
         return ops.bias + Int64(expert) * Int64(self.s.bias_width * 2)
@@ -312,6 +322,12 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         lanes_per_row = 8 if self.m8 else 16
         if cutlass.const_expr(s.nf3):  # the tile's slice of the expert's first 32-k row (int4)
             b_gl_rd = Int64(s.nf3_expert_int4) * Int64(expert) + Int64(s.nf3_tile_row_int4) * Int64(n_tile)
+        elif cutlass.const_expr(s.epilogue.is_gated):
+            # the int4 column of this thread's copies: 32 per 64-column slab, the slab `_source_slab` names
+            w_col = tid % Int32(s.b_sh_stride)
+            b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert)
+                       + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2)
+                               + self._source_slab(n_tile, w_col // Int32(32)) * Int32(32) + w_col % Int32(32)))
         else:
             b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(s.b_sh_stride) * Int64(n_tile)
                        + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2) + tid % Int32(s.b_sh_stride)))

@@ -143,6 +143,9 @@ class MainloopMixin:
         if cutlass.const_expr(not s.modelopt):
             t.s_ok = tid < Int32(s.s_sh_stage)
             n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
+            if cutlass.const_expr(s.epilogue.is_gated):  # 4 scale int4 per 64-column slab
+                s_col = tid % Int32(s.s_sh_stride)
+                n_group = self._source_slab(t.n_tile, s_col // Int32(4)) * Int32(4) + s_col % Int32(4)
             t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
                                     + Int64(n_group)) * Int64(16)
             t.s_dst = smem + (Int32(s.sh_s_off) + tid) * Int32(16)

@@ -222,15 +222,6 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         """The 64-column slab of the tile whose rows this thread's warp decodes."""
         return (tid // Int32(32)) // Int32(self.warps_per_group)
 
-    @cute.jit
-    def _source_slab(self, n_tile: Int32, slab: Int32) -> Int32:
-        """The weight slab (64 columns) that slab `slab` of tile `n_tile` holds: the tile's own, or for a
-        gated epilogue, the tile's first half from the gate half of W13 and its second from the up half."""
-        if cutlass.const_expr(self.s.epilogue.is_gated):
-            half = self.slabs // 2
-            return n_tile * Int32(half) + slab % Int32(half) + (slab // Int32(half)) * Int32(self.s.n // 128)
-        return n_tile * Int32(self.slabs) + slab
-
     # ------------------------------------------------------------------ staging
 
     @cute.jit

@@ -6,6 +6,9 @@ The kernel (codegen/kernels/w4a16/fused.py, ported from the seed's
     [decode: zero out]  FC1 GEMM  |barrier|  activation  |barrier|
     [expert_map: zero FC2 rows |barrier|]  [amax]  FC2 GEMM
 
+(with `gated_epilogue`, FC1's epilogue applies the gated activation and writes `activated`
+itself: the activation pass and its barrier go away).
+
 where the two GEMMs are the grouped GEMM of gemm_spec.py, specialised by
 `fc1_gemm` / `fc2_gemm` below, and |barrier| is a sense-reversing grid
 barrier on the first words of `locks`.  Every CTA of the grid must be resident
@@ -43,7 +46,8 @@ from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes, check_modelopt_scal
 class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 2  # 2: the bias parameter(s) joined the ABI
-    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent"})  # NVFP4 kernels: the keys they had before NF3
+    # NVFP4 kernels: the keys they had before NF3 (and kernels without the facts added since)
+    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue"})
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -101,6 +105,10 @@ class FusedSpec(SpecKey):
     weights: Optional[WeightFormat] = None
     # the modelopt layouts: the exponent of the scale decode (GemmSpec.scale_exponent); None otherwise
     scale_exponent: Optional[int] = None
+    # True: FC1's epilogue applies the gated activation to gate and up columns staged in one tile
+    # (GemmSpec's gated epilogues; packed NVFP4 / MXFP4, unpadded FC1 N) and writes `activated`, so
+    # the kernel runs no activation pass and one grid barrier fewer.  None: the activation pass.
+    gated_epilogue: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -123,6 +131,9 @@ class FusedSpec(SpecKey):
             if v is not None and not math.isfinite(v):
                 raise BadInputError(f"{name} must be finite, got {v}")
         self.activation_spec  # validates I and the swiglu parameters
+        if self.gated_epilogue not in (None, True) or (self.gated_epilogue and not self.gated):
+            raise BadInputError(f"gated_epilogue must be None, or True for a gated activation; got "
+                                f"{self.gated_epilogue!r} with {self.activation.value}")
         if self.weight_format.layout != "modelopt" and self.scale_exponent is not None:
             raise BadInputError(f"scale_exponent belongs to the modelopt layouts, got weights {self.weight_format.value}")
         if self.weight_format.layout == "modelopt":
@@ -171,10 +182,14 @@ class FusedSpec(SpecKey):
     @property
     def fc1_gemm(self) -> GemmSpec:
         (n1, k1), _ = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+        epilogue, activation = (Epilogue.NONE if self.gated else Epilogue.RELU2), {}
+        if self.gated_epilogue:
+            epilogue = Epilogue(self.activation.value)
+            activation = dict(fast_math=self.fast_math, swiglu_alpha=self.swiglu_alpha,
+                              swiglu_beta=self.swiglu_beta, swiglu_limit=self.swiglu_limit)
         return self._gemm(n1, k1, self.fc1_width, self.hidden_size, self.fc1_tile_n, self.fc1_tile_k,
-                          top_k=self.top_k, mul_topk_weights=self.router_weight_on_input,
-                          epilogue=Epilogue.NONE if self.gated else Epilogue.RELU2,
-                          **stored_w13_facts(self.weight_format, self.intermediate_size, self.gated))
+                          top_k=self.top_k, mul_topk_weights=self.router_weight_on_input, epilogue=epilogue,
+                          **stored_w13_facts(self.weight_format, self.intermediate_size, self.gated), **activation)
 
     @property
     def fc2_gemm(self) -> GemmSpec:

@@ -94,7 +94,7 @@ class Mainloop(str, Enum):
 class Epilogue(str, Enum):
     NONE = "none"
     RELU2 = "relu2"  # out = relu(x)**2, for non-gated FC1
-    # Gated FC1 (wgmma loop only): a tile computes the gate and the up columns of the same tile_n / 2
+    # Gated FC1: a tile computes the gate and the up columns of the same tile_n / 2
     # outputs (the first half of its weight slabs from the gate half of W13, the second from the up
     # half) and writes the activation of the pair, so out is (routes, N / 2): the activation kernel
     # between the GEMMs, and the round trip of the (routes, N) product through HBM, go away.
@@ -238,11 +238,11 @@ class GemmSpec(SpecKey):
 
         act_facts = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
         if self.epilogue.is_gated:
-            if self.mainloop is not Mainloop.WGMMA or self.n_out is not None or self.n % 128 or self.nf3:
+            if self.n_out is not None or self.n % 128 or self.tile_n % 128 or self.nf3 or self.sum_topk:
                 raise BadInputError(
-                    f"epilogue={self.epilogue.value} (gated) needs the wgmma loop, NVFP4 weights and an "
-                    f"unpadded N (gate | up halves of whole 64-column slabs); got mainloop {self.mainloop.value}, "
-                    f"layout {self.layout}, N={self.n}, n_out={self.n_out}"
+                    f"epilogue={self.epilogue.value} (gated) needs NVFP4 or MXFP4 weights, an unpadded N and tiles "
+                    f"of whole gate | up 64-column slab pairs (N and tile_n multiples of 128), no sum_topk; got "
+                    f"layout {self.layout}, N={self.n}, n_out={self.n_out}, tile_n={self.tile_n}"
                 )
             if not isinstance(self.fast_math, bool):
                 raise BadInputError(f"epilogue={self.epilogue.value} needs fast_math True or False, got {self.fast_math!r}")
