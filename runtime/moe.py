@@ -131,7 +131,8 @@ class Resolved:
                     f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
         f = self.kernels["fused"].spec
         path = "decode" if self.decode else f"packed b{launch.route_block}"
-        return (f"{path} {f.mainloop.value} fc1 {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
+        act = f"+{f.activation.value}" if f.gated_epilogue else ""
+        return (f"{path} {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
                 f"grid {launch.grid_x}")
 
 

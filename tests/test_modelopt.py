@@ -90,14 +90,16 @@ def test_kernel_specs_refuse_what_the_layout_cannot_do():
                 layout="modelopt", scale_exponent=15)
     with pytest.raises(BadInputError, match="read as stored"):
         GemmSpec(**base | dict(n_out=504))
-    with pytest.raises(BadInputError, match="mma.sync loop takes the none or relu2"):
-        GemmSpec(**base | dict(epilogue="silu", fast_math=True))
     with pytest.raises(BadInputError, match="n_rotation"):
         GemmSpec(**base | dict(n_rotation=64))  # the mma.sync loop reads whole tiles from one rotated row
-    wgmma = base | dict(mainloop="wgmma", moe_block_size=128, epilogue="silu", fast_math=True)
-    assert GemmSpec(**wgmma, n_rotation=64, split_global_scale=True).modelopt  # row by row: any 64 rows
-    with pytest.raises(BadInputError, match="n_rotation"):
-        GemmSpec(**wgmma | dict(n_rotation=32))
+    # gated epilogues read row by row (gate and up slabs of one tile), on either loop: any 64 rows
+    for gated in (base | dict(epilogue="silu", fast_math=True),
+                  base | dict(mainloop="wgmma", moe_block_size=128, epilogue="silu", fast_math=True)):
+        assert GemmSpec(**gated, n_rotation=64, split_global_scale=True).modelopt
+        with pytest.raises(BadInputError, match="n_rotation"):
+            GemmSpec(**gated | dict(n_rotation=32))
+    with pytest.raises(BadInputError, match="multiples of 128"):
+        GemmSpec(**base | dict(epilogue="silu", fast_math=True, n=576, tile_n=64, tile_k=128))
     with pytest.raises(BadInputError, match="belong to the modelopt"):
         GemmSpec(**base | dict(layout="packed", n_rotation=256, scale_exponent=None))
     # a kernel built with another scale convention (or before it was recorded) is refused: the weights'
@@ -208,7 +210,11 @@ def test_modelopt_kernels_compile_without_spills():
     for dtype, block, routes, tile_n, tile_k, bps, extra in (
             ("bf16", 8, "direct", 128, 64, 4, {}),
             ("fp16", 64, "packed", 128, 128, 1, {}),
-            ("bf16", 16, "packed", 128, 64, 2, dict(n_rotation=256, split_global_scale=True))):
+            ("bf16", 16, "packed", 128, 64, 2, dict(n_rotation=256, split_global_scale=True)),
+            # the fused kernel's FC1 with the gated epilogue (gate | up slabs of a w31 layer, rotated rows)
+            ("bf16", 8, "direct", 128, 64, 4, dict(n_rotation=256, split_global_scale=True, epilogue="silu",
+                                                    fast_math=True)),
+            ("fp16", 32, "packed", 128, 64, 2, dict(epilogue="silu", fast_math=True, split_global_scale=True))):
         spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=tile_k, moe_block_size=block,
                         blocks_per_sm=bps, mul_topk_weights=True, routes=routes, layout="modelopt",
                         scale_exponent=modelopt_scale_exponent(dtype), **extra)

@@ -86,12 +86,18 @@ def test_modelopt_layer_matches_reference(bundle, check, name, order):
     layer = ckpt.layer(bundle)
     assert layer.facts.weights.value == ("modelopt_w31" if order == "up_gate" else "modelopt")
     assert layer.w13.qweight.data_ptr() == ckpt.w13[0].data_ptr()  # read as stored: no copy
+    activated_in_fc1 = 0
     for m in TOKENS:
         x, w, ids = routed_inputs(m, ckpt.h, ckpt.e, ckpt.top_k, ckpt.g, ckpt.dtype)
         out = layer(x, w, ids, out=poisoned(m, ckpt.h, ckpt.dtype))
-        check(out, ckpt.reference(x, w, ids), f"{name} {order} M={m} ({layer.resolve(m).describe()})",
-              f"modelopt {name} {order}")
+        r = layer.resolve(m)
+        check(out, ckpt.reference(x, w, ids), f"{name} {order} M={m} ({r.describe()})", f"modelopt {name} {order}")
         assert_clean(layer.workspace())
+        fused = None if r.launch.split else r.kernels["fused"].spec
+        if ckpt.gated and fused is not None and fused.fc1_tile_n % 128 == 0:
+            assert fused.gated_epilogue, r.describe()  # FC1 activates: gate | up slabs of one tile
+            activated_in_fc1 += 1
+    assert activated_in_fc1 or not ckpt.gated, "no fused plan of a gated layer took the gated epilogue"
 
 
 def test_modelopt_large_m_runs_the_wgmma_loop(bundle):

@@ -338,6 +338,50 @@ def test_gated_fc1_epilogue(bundle, check, name):
         assert_clean(layer.workspace())
 
 
+@pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole-bias"])
+def test_fused_kernel_activates_in_fc1(bundle, check, name):
+    """The fused kernel's FC1 applies the gated activation in its epilogue (FusedSpec.gated_epilogue: no
+    activation pass, one grid barrier fewer) on the decode and packed mma.sync paths and, with an expert
+    map (no split there), on the wgmma loop; bias and router weight on the input; uniform and skewed
+    routing; graph replay."""
+    model = Model(name, seed=zlib.crc32(name.encode()) + 11)
+    b13 = b2 = None
+    w13, w2 = model.w13, model.w2
+    if name == "swigluoai-whole-bias":  # built with biases only
+        b13, b2 = _biases(model, model.w13.n)
+        w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
+        w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
+    variants = [dict()]
+    if name == "silu-bf16":
+        variants += [dict(router_weight_on_input=True), dict(expert_map=torch.arange(model.e, dtype=torch.int32).cuda())]
+    paths = set()
+    for kw in variants:
+        layer = MoeLayer(bundle, w13, w2, top_k=model.top_k, activation=model.activation, **kw)
+        for m, skewed in ((1, False), (2, False), (5, True), (37, False), (200, True), (1000, True), (4096, False)):
+            r = layer.resolve(m)
+            if r.launch.split:
+                continue
+            assert r.kernels["fused"].spec.gated_epilogue, r.describe()
+            paths.add((r.decode, r.launch.route_block, r.kernels["fused"].spec.mainloop.value))
+            x, w, ids = model.inputs(m)
+            if skewed:  # 80 % of the tokens put experts 0 and 1 first
+                logits = torch.rand(m, model.e, generator=model.g)
+                logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=model.g) < 0.8)
+                ids = logits.topk(model.top_k, dim=1).indices.to(torch.int32).cuda()
+            out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+            ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
+                                      on_input=bool(kw.get("router_weight_on_input")), **model.ref_kw)
+            check(out, ref, f"{name} fused gated FC1 M={m} {sorted(kw)} skewed={skewed} ({r.describe()})",
+                  f"{name} fused gated FC1")
+            if m == 37:
+                eager, replay = replayed(layer, x, w, ids)
+                assert torch.equal(eager, replay), f"{name} M=37: graph replay differs from eager"
+        assert_clean(layer.workspace())
+    assert any(decode for decode, _, _ in paths) and any(not decode for decode, _, _ in paths), paths
+    if name == "silu-bf16":
+        assert any(loop == "wgmma" for _, _, loop in paths), paths
+
+
 def test_bias_of_one_projection_only(bundle, check):
     """A checkpoint with only a down-projection bias: FC1 runs with a zero bias."""
     model = Model("swigluoai", seed=41)

@@ -273,6 +273,15 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         return n_tile * Int32(slabs) + slab
 
     @cute.jit
+    def _stored_row(self, n_tile: Int32, r: Int32) -> Int32:
+        """modelopt: the stored weight row of tile row r (its slab as `_source_slab` says, W13 stored up
+        rows first rotated by n_rotation)."""
+        row = self._source_slab(n_tile, r // Int32(64)) * Int32(64) + r % Int32(64)
+        if cutlass.const_expr(self.s.n_rotation is not None):
+            row = (row + Int32(self.s.n_rotation)) % Int32(self.s.n)
+        return row
+
+    @cute.jit
     def _bias_row(self, ops, expert: Int32) -> Int64:
         """Address of the expert's bias row (its 16-byte chunk c at + 16 c); unused without bias."""
         return ops.bias + Int64(expert) * Int64(self.s.bias_width * 2)
@@ -311,7 +320,11 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
               k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         s = self.s
         scale_index = Int64(expert)
-        if cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the tile's half of N
+        if cutlass.const_expr(bool(s.split_global_scale) and s.epilogue.is_gated):
+            # (E, 2): [gate, up], by the half this warp's 64 columns come from (the warps that stage them)
+            slab = self._source_slab(n_tile, (tid // Int32(32)) % Int32(s.n_warps))
+            scale_index = Int64(expert) * Int64(2) + Int64((slab * Int32(64)) // Int32(s.n // 2))
+        elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the tile's half of N
             scale_index = Int64(expert) * Int64(2) + Int64((n_tile * Int32(s.tile_n)) // Int32(s.n // 2))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)

@@ -160,16 +160,24 @@ class MainloopMixin:
         c_count = s.modelopt_chunks
         row_bytes = Int64(s.k // 2)
         expert_rows = Int64(t.expert) * Int64(s.n) + Int64(t.src_n0)
+        expert_row0 = Int64(t.expert) * Int64(s.n)
         t.b_src, t.b_dst = [], []
         for i in cutlass.range_constexpr(s.b_copies):
             ci = tid + Int32(i * s.threads)
             n = ci // Int32(c_count)
             c = ci - n * Int32(c_count)
-            t.b_src.append(ops.qweight + (expert_rows + Int64(n)) * row_bytes + Int64(c * Int32(16)))
+            if cutlass.const_expr(s.epilogue.is_gated):  # rows of the gate and up slabs (`_stored_row`)
+                t.b_src.append(ops.qweight + (expert_row0 + Int64(self._stored_row(t.n_tile, n))) * row_bytes
+                               + Int64(c * Int32(16)))
+            else:
+                t.b_src.append(ops.qweight + (expert_rows + Int64(n)) * row_bytes + Int64(c * Int32(16)))
             t.b_dst.append(smem + (Int32(s.sh_b_off) + n * Int32(c_count) + (c ^ self._modelopt_b_swizzle(n)))
                            * Int32(16))
         t.s_ok = tid < Int32(s.tile_n)
-        t.s_src = ops.scales + (expert_rows + Int64(tid)) * Int64(s.k // 16)
+        if cutlass.const_expr(s.epilogue.is_gated):
+            t.s_src = ops.scales + (expert_row0 + Int64(self._stored_row(t.n_tile, tid))) * Int64(s.k // 16)
+        else:
+            t.s_src = ops.scales + (expert_rows + Int64(tid)) * Int64(s.k // 16)
         t.s_dst = smem + Int32(s.sh_s_off * 16) + tid * Int32(s.tile_k // 16)
 
     @cute.jit

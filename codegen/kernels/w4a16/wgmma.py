@@ -209,15 +209,6 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         t.byte_sel = I.e2m1_byte_selector(lane % Int32(4))
 
     @cute.jit
-    def _stored_row(self, n_tile: Int32, r: Int32) -> Int32:
-        """modelopt: the stored weight row of tile row r (its slab as `_source_slab` says, W13 stored up
-        rows first rotated by n_rotation)."""
-        row = self._source_slab(n_tile, r // Int32(64)) * Int32(64) + r % Int32(64)
-        if cutlass.const_expr(self.s.n_rotation is not None):
-            row = (row + Int32(self.s.n_rotation)) % Int32(self.s.n)
-        return row
-
-    @cute.jit
     def _column_group(self, tid: Int32) -> Int32:
         """The 64-column slab of the tile whose rows this thread's warp decodes."""
         return (tid // Int32(32)) // Int32(self.warps_per_group)

@@ -258,14 +258,12 @@ class GemmSpec(SpecKey):
             return
         check_modelopt_scale_exponent(self.scale_exponent, self.dtype)
         wgmma = self.mainloop is Mainloop.WGMMA
-        if (self.n_out is not None or self.k_in is not None
-                or (self.epilogue.is_gated and not wgmma)):
-            raise BadInputError(
-                "modelopt weights are read as stored (unpadded); the mma.sync loop takes the none or relu2 "
-                f"epilogue; got mainloop {self.mainloop.value}, n_out {self.n_out}, k_in {self.k_in}, "
-                f"epilogue {self.epilogue.value}")
-        # the mma.sync loop reads a tile's rows as one run from its first; the wgmma loop row by row
-        rotation_step = 64 if wgmma else self.tile_n
+        if self.n_out is not None or self.k_in is not None:
+            raise BadInputError(f"modelopt weights are read as stored (unpadded); got n_out {self.n_out}, "
+                                f"k_in {self.k_in}")
+        # the mma.sync loop reads a tile's rows as one run from its first; the wgmma loop and gated
+        # epilogues row by row
+        rotation_step = 64 if wgmma or self.epilogue.is_gated else self.tile_n
         if self.n_rotation is not None and (not isinstance(self.n_rotation, int) or isinstance(self.n_rotation, bool)
                                             or not 0 < self.n_rotation < self.n or self.n_rotation % rotation_step):
             raise BadInputError(f"n_rotation must be None or a multiple of {rotation_step} in (0, {self.n}), "
