@@ -2,11 +2,12 @@
 
     python -m benchmarks.compare_layer --base generated/pf-off/bench-decode --new generated/pf-24m/bench-decode
                                        [--new LABEL=PATH ...] [--models qwen3-30b-a3b,...] [--m 1,2] [--rounds 5]
-                                       [--weights nvfp4 | modelopt]
+                                       [--weights nvfp4 | modelopt | nf3]
 
 The layer-level twin of benchmarks/compare_gemm.py: every MoE layer problem the two bundles share
 (plain variant: no expert map, no calibration, no bias, not deterministic, layers of `--weights`)
-gets random NVFP4 weights (repacked for nvfp4 layers, read as stored for modelopt ones) and, per M, one routing (uniform top-k) and one input; a MoeLayer of each bundle runs them.  Their
+gets random NVFP4 weights (repacked for nvfp4 layers, read as stored for modelopt ones; random NF3 tensors
+for nf3 layers) and, per M, one routing (uniform top-k) and one input; a MoeLayer of each bundle runs them.  Their
 outputs are compared (‖new−base‖/‖base‖), then timed in interleaved rounds: each round times base
 then each new with `device_us` (CUDA-graph replay of an L2 flush and the call, the flush's own time
 subtracted), and the median over rounds is reported with new / base.  Rounds interleave so that
@@ -26,6 +27,7 @@ from benchmarks.common import FlushedTimer, comma_list, run_layers, uniform_rout
 from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
 from tests.reference.moe import moe_reference
 from tests.reference.moe_elementwise import relative_error
+from tests.reference.nf3 import dequantize_nf3, random_nf3
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 
@@ -50,16 +52,21 @@ def _layer(bundle, facts, w13, w2):
                     swiglu_limit=facts.get("swiglu_limit"), fast_math=facts.get("fast_math", True))
 
 
-def random_layer_weights(facts: dict, g: torch.Generator):
-    """Random ModelOpt NVFP4 (w13, w2) tensors for a layer problem's facts (`random_nvfp4`'s tuples)."""
+def random_layer_weights(facts: dict, g: torch.Generator, weights: str = "nvfp4"):
+    """Random ModelOpt NVFP4 (w13, w2) tensors for a layer problem's facts (`random_nvfp4`'s tuples), or
+    NF3 ones (`random_nf3`'s) for nf3 layers."""
     h, i, e = facts["hidden_size"], facts["intermediate_size"], facts["num_experts"]
     n1 = 2 * i if facts["activation"] != "relu2" else i
-    return random_nvfp4(e, n1, h, g), random_nvfp4(e, h, i, g)
+    make = random_nf3 if weights == "nf3" else random_nvfp4
+    return make(e, n1, h, g), make(e, h, i, g)
 
 
 def _prepared(facts: dict, q13, q2, weights: str):
-    from cuteaot.runtime import prepare_w2, prepare_w2_modelopt, prepare_w13, prepare_w13_modelopt
+    from cuteaot.runtime import prepare_w2, prepare_w2_modelopt, prepare_w2_nf3, prepare_w13, prepare_w13_modelopt
+    from cuteaot.runtime import prepare_w13_nf3
 
+    if weights == "nf3":
+        return prepare_w13_nf3(*q13), prepare_w2_nf3(*q2)
     if weights == "modelopt":
         return (prepare_w13_modelopt(*q13, "bf16", gated=facts["activation"] != "relu2"),
                 prepare_w2_modelopt(*q2, "bf16"))
@@ -82,9 +89,10 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False, weights: 
         f = _problems(base, weights)[name]
         h, e, k = f["hidden_size"], f["num_experts"], f["top_k"]
         g = torch.Generator(device="cuda").manual_seed(len(name))
-        q13, q2 = random_layer_weights(f, g)
+        q13, q2 = random_layer_weights(f, g, weights)
         w13, w2 = _prepared(f, q13, q2, weights)
-        w_ref = (dequantize_modelopt(*q13), dequantize_modelopt(*q2)) if check else None
+        dequantize = dequantize_nf3 if weights == "nf3" else dequantize_modelopt
+        w_ref = (dequantize(*q13), dequantize(*q2)) if check else None
         if weights != "modelopt":  # (read as stored: the layers hold the checkpoint tensors themselves)
             del q13, q2
         layers = {"base": _layer(base, f, w13, w2)}
@@ -133,8 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--check", action="store_true", help="also each output's error against the float32 reference")
-    p.add_argument("--weights", default="nvfp4", choices=("nvfp4", "modelopt"),
-                   help="the layers compared: packed NVFP4 ones, or ones that read the weights as stored")
+    p.add_argument("--weights", default="nvfp4", choices=("nvfp4", "modelopt", "nf3"),
+                   help="the layers compared: packed NVFP4 ones, ones that read the weights as stored, or NF3 ones")
     args = p.parse_args(argv)
     from cuteaot.runtime import load_bundle
 

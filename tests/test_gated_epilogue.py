@@ -49,7 +49,6 @@ def test_gated_facts_stay_out_of_other_keys():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(mainloop="mma_sync", tile_n=64, tile_k=128, moe_block_size=32), "multiples of 128"),
-    (dict(mainloop="mma_sync", layout="nf3", scale_format="e4m3_k32", moe_block_size=32), "NVFP4 or MXFP4"),
     (dict(n_out=1528), "unpadded N"),
     (dict(fast_math=None), "fast_math True or False"),
     (dict(epilogue="swigluoai"), "swiglu parameters"),  # ActivationSpec.create would fill them
@@ -83,12 +82,15 @@ def test_padded_or_switched_off_fc1_keeps_the_activation_kernel(monkeypatch):
 
 def test_fused_kernels_activate_in_fc1_where_the_tiles_allow(monkeypatch):
     """The fused kernel's FC1 applies a gated activation in its epilogue (no activation pass, one grid
-    barrier fewer) for NVFP4 packed or read as stored, with unpadded 2I and 128-multiple tiles, on both
-    loops; a w31 layer's FC1 reads its rows rotated, each slab with its half's global scale."""
+    barrier fewer) for every weight format (NVFP4 packed or read as stored, NF3) with unpadded 2I and
+    128-multiple tiles, on both loops; a w31 layer's FC1 reads its rows rotated, each slab with its half's
+    global scale."""
     cases = [(QWEN3, 1), (QWEN3, 8), (QWEN3, 256), (GPT_OSS, 1), (GPT_OSS, 256),
              (dataclasses.replace(QWEN3, expert_map=True), 4096),  # (the fused wgmma loop: no split there)
              (dataclasses.replace(QWEN3, weights=WeightFormat.MODELOPT), 8),  # stored rows, gate | up slabs
-             (dataclasses.replace(QWEN3, weights=WeightFormat.MODELOPT_W31), 64)]
+             (dataclasses.replace(QWEN3, weights=WeightFormat.MODELOPT_W31), 64),
+             (dataclasses.replace(QWEN3, weights=WeightFormat.NF3), 1),  # NF3 slabs
+             (dataclasses.replace(QWEN3, weights=WeightFormat.NF3), 37)]
     for facts, m in cases:
         plan = fused_planning.plan_layer(m, facts, H200)
         spec = fused_planning.fused_spec_for(plan, facts)
@@ -104,8 +106,7 @@ def test_fused_kernels_activate_in_fc1_where_the_tiles_allow(monkeypatch):
     padded = MoeLayerFacts(dtype=DType.BF16, hidden_size=736, intermediate_size=352, num_experts=8, top_k=2,
                            activation=Activation.SWIGLUOAI)
     relu2 = dataclasses.replace(QWEN3, activation=Activation.RELU2)
-    nf3 = dataclasses.replace(QWEN3, weights=WeightFormat.NF3)
-    for facts in (padded, relu2, nf3):
+    for facts in (padded, relu2):
         spec = fused_planning.fused_spec_for(fused_planning.plan_layer(8, facts, H200), facts)
         assert spec.gated_epilogue is None and "gated_epilogue" not in spec.key().facts, facts
         assert spec.fc1_gemm.epilogue in (Epilogue.NONE, Epilogue.RELU2)

@@ -457,13 +457,18 @@ def test_nf3_layer_matches_reference(bundle, check, activation):
     float32 reference on the dequantized NF3 tensors (tests/reference/nf3.py)."""
     layer, ref, g = _nf3_layer(bundle, activation, seed=51)
     assert layer.facts.weights.value == "nf3"
-    h, _, e, top_k = NF3_PROBLEMS[activation]
+    h, i, e, top_k = NF3_PROBLEMS[activation]
+    activated_in_fc1 = 0
     for m in NF3_TOKENS:
         x, w, ids = routed_inputs(m, h, e, top_k, g)
         out = layer(x, w, ids, out=poisoned(m, h, "bf16"))
         want, _, _ = moe_reference(x, ref["w13"], ref["w2"], w, ids, activation, **ref["kw"])
-        check(out, want, f"nf3 {activation} M={m} ({layer.resolve(m).describe()})", f"nf3 {activation}")
+        r = layer.resolve(m)
+        check(out, want, f"nf3 {activation} M={m} ({r.describe()})", f"nf3 {activation}")
         assert_clean(layer.workspace())
+        activated_in_fc1 += bool(r.kernels["fused"].spec.gated_epilogue)
+    if activation == "silu":  # 2I = 512: whole gate | up slabs, so FC1 activates in its epilogue
+        assert activated_in_fc1, "no NF3 plan took the gated epilogue"
 
 
 def test_nf3_graph_replay_equals_eager(bundle):

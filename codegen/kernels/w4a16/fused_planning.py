@@ -334,16 +334,15 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
 
 # The fused kernel's FC1 applies a gated activation in its epilogue (gate and up columns of one
 # output staged in one tile) instead of an activation pass between two grid barriers, wherever its
-# GemmSpec allows it (NVFP4 / MXFP4 packed or read as stored, unpadded FC1 N, 128-column multiples
-# of tiles).
+# GemmSpec allows it (every weight format: unpadded FC1 N, 128-column multiples of tiles).
 FUSED_GATED_EPILOGUE = True
 
 
 def fused_gated_epilogue(plan: FusedPlan, facts: MoeLayerFacts) -> bool:
     """Whether the fused kernel of this plan activates in FC1's epilogue (FUSED_GATED_EPILOGUE's rule)."""
     (n1, _), _ = fused_gemm_dims(facts.hidden_size, facts.intermediate_size, facts.gated)
-    return (FUSED_GATED_EPILOGUE and facts.gated and facts.weights is not WeightFormat.NF3
-            and n1 == facts.activation.fc1_width(facts.intermediate_size) and plan.fc1_tile.tile_n % 128 == 0)
+    return (FUSED_GATED_EPILOGUE and facts.gated and n1 == facts.activation.fc1_width(facts.intermediate_size)
+            and plan.fc1_tile.tile_n % 128 == 0)
 
 
 def _scale_exponent(facts: MoeLayerFacts) -> int | None:

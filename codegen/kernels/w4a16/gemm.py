@@ -333,7 +333,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         lane = tid & Int32(31)
         a_row = tid // Int32(s.a_sh_stride)
         lanes_per_row = 8 if self.m8 else 16
-        if cutlass.const_expr(s.nf3):  # the tile's slice of the expert's first 32-k row (int4)
+        if cutlass.const_expr(s.nf3 and s.epilogue.is_gated):  # the expert's first 32-k row (slabs: _plan_staging)
+            b_gl_rd = Int64(s.nf3_expert_int4) * Int64(expert)
+        elif cutlass.const_expr(s.nf3):  # the tile's slice of the expert's first 32-k row (int4)
             b_gl_rd = Int64(s.nf3_expert_int4) * Int64(expert) + Int64(s.nf3_tile_row_int4) * Int64(n_tile)
         elif cutlass.const_expr(s.epilogue.is_gated):
             # the int4 column of this thread's copies: 32 per 64-column slab, the slab `_source_slab` names

@@ -133,8 +133,11 @@ class MainloopMixin:
             for i in cutlass.range_constexpr(s.b_copies):
                 c = tid + Int32(i * s.threads)
                 row = c // Int32(s.nf3_tile_row_int4)
-                t.b_src.append(ops.qweight + (t.b_gl_rd + Int64(row) * Int64(s.nf3_row_int4)
-                                              + Int64(c - row * Int32(s.nf3_tile_row_int4))) * Int64(16))
+                col = c - row * Int32(s.nf3_tile_row_int4)
+                if cutlass.const_expr(s.epilogue.is_gated):  # int4 col of the slab `_source_slab` names
+                    slab_int4 = Int32(s.nf3_tile_row_int4 // (s.tile_n // 64))
+                    col = self._source_slab(t.n_tile, col // slab_int4) * slab_int4 + col % slab_int4
+                t.b_src.append(ops.qweight + (t.b_gl_rd + Int64(row) * Int64(s.nf3_row_int4) + Int64(col)) * Int64(16))
                 t.b_dst.append(smem + (Int32(s.sh_b_off) + c) * Int32(16))
                 t.b_ok.append(c < Int32(s.b_sh_stage))
         else:

@@ -6,13 +6,13 @@ The kernel (codegen/kernels/w4a16/fused.py, ported from the seed's
     [decode: zero out]  FC1 GEMM  |barrier|  activation  |barrier|
     [expert_map: zero FC2 rows |barrier|]  [amax]  FC2 GEMM
 
-(with `gated_epilogue`, FC1's epilogue applies the gated activation and writes `activated`
-itself: the activation pass and its barrier go away).
-
 where the two GEMMs are the grouped GEMM of gemm_spec.py, specialised by
 `fc1_gemm` / `fc2_gemm` below, and |barrier| is a sense-reversing grid
 barrier on the first words of `locks`.  Every CTA of the grid must be resident
 at once (the runtime checks it with the occupancy API before the first launch).
+
+With `gated_epilogue`, FC1's epilogue applies the gated activation and writes `activated`
+itself: the activation pass and its barrier go away.
 
 Buffers (row = route = token * top_k + k; widths are the logical sizes):
     fc1_out   (routes, 2I | I)   FC1 output (gated: [gate | up])
@@ -106,7 +106,7 @@ class FusedSpec(SpecKey):
     # the modelopt layouts: the exponent of the scale decode (GemmSpec.scale_exponent); None otherwise
     scale_exponent: Optional[int] = None
     # True: FC1's epilogue applies the gated activation to gate and up columns staged in one tile
-    # (GemmSpec's gated epilogues; packed NVFP4 / MXFP4, unpadded FC1 N) and writes `activated`, so
+    # (GemmSpec's gated epilogues; any weight format, unpadded FC1 N) and writes `activated`, so
     # the kernel runs no activation pass and one grid barrier fewer.  None: the activation pass.
     gated_epilogue: Optional[bool] = None
 
