@@ -106,8 +106,10 @@ def test_fused_kernels_activate_in_fc1_where_the_tiles_allow(monkeypatch):
     padded = MoeLayerFacts(dtype=DType.BF16, hidden_size=736, intermediate_size=352, num_experts=8, top_k=2,
                            activation=Activation.SWIGLUOAI)
     relu2 = dataclasses.replace(QWEN3, activation=Activation.RELU2)
-    for facts in (padded, relu2):
-        spec = fused_planning.fused_spec_for(fused_planning.plan_layer(8, facts, H200), facts)
+    nf3_tall = dataclasses.replace(QWEN3, weights=WeightFormat.NF3)  # 32-row blocks at M = 256: measured slower
+    assert fused_planning.plan_layer(256, nf3_tall, H200).moe_block_size > fused_planning.NF3_GATED_MAX_BLOCK
+    for facts, m in ((padded, 8), (relu2, 8), (nf3_tall, 256)):
+        spec = fused_planning.fused_spec_for(fused_planning.plan_layer(m, facts, H200), facts)
         assert spec.gated_epilogue is None and "gated_epilogue" not in spec.key().facts, facts
         assert spec.fc1_gemm.epilogue in (Epilogue.NONE, Epilogue.RELU2)
     monkeypatch.setattr(fused_planning, "FUSED_GATED_EPILOGUE", False)

@@ -334,13 +334,19 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
 
 # The fused kernel's FC1 applies a gated activation in its epilogue (gate and up columns of one
 # output staged in one tile) instead of an activation pass between two grid barriers, wherever its
-# GemmSpec allows it (every weight format: unpadded FC1 N, 128-column multiples of tiles).
+# GemmSpec allows it (unpadded FC1 N, 128-column multiples of tiles).  Measured on the H200
+# (compare_layer, docs/benchmarks.md 2026-12-02): 0.90-0.99x the time for NVFP4 (packed and read as
+# stored) at every fused M; NF3 gained at 8-row blocks (0.94-0.98x) but took 1.05x at 32-row ones
+# (Qwen3-30B M = 256), so NF3 keeps the pass above NF3_GATED_MAX_BLOCK rows.
 FUSED_GATED_EPILOGUE = True
+NF3_GATED_MAX_BLOCK = 16
 
 
 def fused_gated_epilogue(plan: FusedPlan, facts: MoeLayerFacts) -> bool:
     """Whether the fused kernel of this plan activates in FC1's epilogue (FUSED_GATED_EPILOGUE's rule)."""
     (n1, _), _ = fused_gemm_dims(facts.hidden_size, facts.intermediate_size, facts.gated)
+    if facts.weights is WeightFormat.NF3 and plan.moe_block_size > NF3_GATED_MAX_BLOCK:
+        return False
     return (FUSED_GATED_EPILOGUE and facts.gated and n1 == facts.activation.fc1_width(facts.intermediate_size)
             and plan.fc1_tile.tile_n % 128 == 0)
 
