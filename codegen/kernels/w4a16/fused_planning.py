@@ -344,11 +344,12 @@ NF3_GATED_MAX_BLOCK = 16
 
 def fused_gated_epilogue(plan: FusedPlan, facts: MoeLayerFacts) -> bool:
     """Whether the fused kernel of this plan activates in FC1's epilogue (FUSED_GATED_EPILOGUE's rule)."""
-    (n1, _), _ = fused_gemm_dims(facts.hidden_size, facts.intermediate_size, facts.gated)
-    if facts.weights is WeightFormat.NF3 and plan.moe_block_size > NF3_GATED_MAX_BLOCK:
+    if not (FUSED_GATED_EPILOGUE and facts.gated) or plan.fc1_tile.tile_n % 128:
         return False
-    return (FUSED_GATED_EPILOGUE and facts.gated and n1 == facts.activation.fc1_width(facts.intermediate_size)
-            and plan.fc1_tile.tile_n % 128 == 0)
+    if facts.weights is WeightFormat.NF3 and plan.moe_block_size > NF3_GATED_MAX_BLOCK:
+        return False  # measured slower (above)
+    (n1, _), _ = fused_gemm_dims(facts.hidden_size, facts.intermediate_size, facts.gated)
+    return n1 == facts.activation.fc1_width(facts.intermediate_size)  # whole gate | up slabs
 
 
 def _scale_exponent(facts: MoeLayerFacts) -> int | None:

@@ -238,11 +238,11 @@ class GemmSpec(SpecKey):
 
         act_facts = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
         if self.epilogue.is_gated:
-            if self.n_out is not None or self.n % 128 or self.tile_n % 128 or self.sum_topk:
+            if self.n_out is not None or self.n % 128 or self.tile_n % 128:
                 raise BadInputError(
                     f"epilogue={self.epilogue.value} (gated) needs an unpadded N and tiles of whole gate | up "
-                    f"64-column slab pairs (N and tile_n multiples of 128), no sum_topk; got N={self.n}, "
-                    f"n_out={self.n_out}, tile_n={self.tile_n}"
+                    f"64-column slab pairs (N and tile_n multiples of 128); got N={self.n}, n_out={self.n_out}, "
+                    f"tile_n={self.tile_n}"
                 )
             if not isinstance(self.fast_math, bool):
                 raise BadInputError(f"epilogue={self.epilogue.value} needs fast_math True or False, got {self.fast_math!r}")
