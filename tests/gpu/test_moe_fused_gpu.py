@@ -306,18 +306,30 @@ def test_biases_in_both_epilogues(bundle, check, name):
     assert_clean(layer.workspace())
 
 
+def _gated_weights(model: Model, name: str):
+    """(w13, w2, b13, b2) of a gated-epilogue test problem: its own weights, with biases for the
+    problem built with biases only (swigluoai-whole-bias)."""
+    if name != "swigluoai-whole-bias":
+        return model.w13, model.w2, None, None
+    b13, b2 = _biases(model, model.w13.n)
+    return (prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda"),
+            prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda"), b13, b2)
+
+
+def _skewed_ids(model: Model, m: int) -> torch.Tensor:
+    """Top-k ids where 80 % of the tokens put experts 0 and 1 first."""
+    logits = torch.rand(m, model.e, generator=model.g)
+    logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=model.g) < 0.8)
+    return logits.topk(model.top_k, dim=1).indices.to(torch.int32).cuda()
+
+
 @pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole-bias"])
 def test_gated_fc1_epilogue(bundle, check, name):
     """Where the layer runs as two wgmma GEMMs, FC1's epilogue applies the activation to the gate and up
     halves of its tile (bias and, with router_weight_on_input, the router weight first): no activation
     launch.  Uniform and skewed routing (most routes on two experts)."""
     model = Model(name, seed=zlib.crc32(name.encode()) + 5)
-    b13 = b2 = None
-    w13, w2 = model.w13, model.w2
-    if name == "swigluoai-whole-bias":  # built with biases only
-        b13, b2 = _biases(model, model.w13.n)
-        w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
-        w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
+    w13, w2, b13, b2 = _gated_weights(model, name)
     on_input_variants = (False, True) if name == "silu-bf16" else (False,)
     for on_input in on_input_variants:
         layer = MoeLayer(bundle, w13, w2, top_k=model.top_k, activation=model.activation,
@@ -326,10 +338,8 @@ def test_gated_fc1_epilogue(bundle, check, name):
             r = layer.resolve(m)
             assert r.launch.split and r.kernels["fc1"].spec.epilogue.value == model.activation, r.describe()
             x, w, ids = model.inputs(m)
-            if skewed:  # 80 % of the tokens put experts 0 and 1 first
-                logits = torch.rand(m, model.e, generator=model.g)
-                logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=model.g) < 0.8)
-                ids = logits.topk(model.top_k, dim=1).indices.to(torch.int32).cuda()
+            if skewed:
+                ids = _skewed_ids(model, m)
             out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
             ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
                                       on_input=on_input, **model.ref_kw)
@@ -345,12 +355,7 @@ def test_fused_kernel_activates_in_fc1(bundle, check, name):
     map (no split there), on the wgmma loop; bias and router weight on the input; uniform and skewed
     routing; graph replay."""
     model = Model(name, seed=zlib.crc32(name.encode()) + 11)
-    b13 = b2 = None
-    w13, w2 = model.w13, model.w2
-    if name == "swigluoai-whole-bias":  # built with biases only
-        b13, b2 = _biases(model, model.w13.n)
-        w13 = prepare_w13(*model.q13, model.dtype, bias=b13.cpu()).to("cuda")
-        w2 = prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda")
+    w13, w2, b13, b2 = _gated_weights(model, name)
     variants = [dict()]
     if name == "silu-bf16":
         variants += [dict(router_weight_on_input=True), dict(expert_map=torch.arange(model.e, dtype=torch.int32).cuda())]
@@ -364,10 +369,8 @@ def test_fused_kernel_activates_in_fc1(bundle, check, name):
             assert r.kernels["fused"].spec.gated_epilogue, r.describe()
             paths.add((r.decode, r.launch.route_block, r.kernels["fused"].spec.mainloop.value))
             x, w, ids = model.inputs(m)
-            if skewed:  # 80 % of the tokens put experts 0 and 1 first
-                logits = torch.rand(m, model.e, generator=model.g)
-                logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=model.g) < 0.8)
-                ids = logits.topk(model.top_k, dim=1).indices.to(torch.int32).cuda()
+            if skewed:
+                ids = _skewed_ids(model, m)
             out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
             ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
                                       on_input=bool(kw.get("router_weight_on_input")), **model.ref_kw)
