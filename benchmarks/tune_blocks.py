@@ -73,8 +73,12 @@ def measure(knob: str, rule: str, always: str, models: list[str], ms: list[int],
 
 
 def _commit() -> str | None:
+    """COMMIT from the environment (the device copy of the tree may carry no, or a stale, .git), else HEAD."""
+    import os
     import subprocess
 
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip() or None

@@ -165,3 +165,16 @@ def test_the_shipped_wide_entries():
     # measured on the H200 (docs/results/tune-wide-2026-12-01.json): Qwen3-30B only from 11586 tokens
     qwen3 = split_layer(16384, QWEN3, H200)
     assert qwen3[0].plan.moe_block_size == 256 and split_layer(8192, QWEN3, H200)[0].plan.moe_block_size == 128
+
+
+def test_the_shipped_tall_entries_below_256_tokens():
+    """Measured on the H200 (docs/results/tune-tall-mid-2026-12-02.json): only Mixtral-8x7B (8 experts,
+    16-40 routes per expert at M = 64-160) takes 128-row wgmma blocks below 256 tokens, at M = 79..175;
+    the 128-expert shapes, with at most 12 routes per expert there, keep the fused mma.sync plans."""
+    mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
+                            activation=Activation.SILU)
+    for m, tall in ((64, False), (79, True), (128, True), (175, True), (176, False)):
+        split = split_layer(m, mixtral, H200)
+        assert (split is not None and split[0].plan.moe_block_size == 128) == tall, m
+    for m in (64, 128, 192):
+        assert split_layer(m, QWEN3, H200) is None and split_layer(m, GLM, H200) is None

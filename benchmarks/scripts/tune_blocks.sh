@@ -2,7 +2,8 @@
 # One device call of a planner-choice tuning (issues 13, 14): numerics of the "always" candidate bundle,
 # then `benchmarks.tune_blocks measure` (rule vs always). Carry $B (from `python -m benchmarks.tune_blocks
 # build specs/moe-models.yaml --knob $KNOB --targets h200 --out $B`). KNOB (tall | decode, default tall),
-# B (default generated/tune), MS / ROUNDS override the defaults. Rows under $OUT/tune-$KNOB.json.
+# B (default generated/tune), MS / ROUNDS override the defaults; COMMIT=<sha> records the source the bundles
+# were built from. Rows under $OUT/tune-$KNOB.json.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
