@@ -92,8 +92,19 @@ def decide(points: list[tuple[int, float, bool]], margin: float) -> tuple[tuple[
     A point wins when its plans differ and the 128-row plan took <= 1 - margin of the rule's time;
     it stands for the Ms up to the geometric midpoints with its neighbours.  A point whose plans are
     the same (the rule plans 128-row blocks there itself) joins the range of an adjacent win, so
-    that no token count between two 128-row plans falls back to a shorter block."""
-    points = sorted(points)
+    that no token count between two 128-row plans falls back to a shorter block.  Several runs of the
+    same M (routing drawn anew each run) count as one point: the geometric mean of the ratios of those
+    whose plans differ (if none differ, one point whose plans are the same)."""
+    by_m: dict[int, list[tuple[float, bool]]] = {}
+    for m, ratio, differs in points:
+        by_m.setdefault(m, []).append((ratio, differs))
+    points = []
+    for m, runs in sorted(by_m.items()):
+        compared = [ratio for ratio, differs in runs if differs]
+        if compared:
+            points.append((m, math.prod(compared) ** (1.0 / len(compared)), True))
+        else:
+            points.append((m, runs[0][0], False))
     ms = [p[0] for p in points]
     bounds = [ms[0]] + [math.isqrt(a * b) + 1 for a, b in zip(ms, ms[1:])] + [ms[-1] + 1]
     kinds = ["win" if differs and ratio <= 1.0 - margin else "lose" if differs else "same"

@@ -58,6 +58,9 @@ def test_decide_splits_at_geometric_midpoints_and_merges_neighbours():
         [[1255, 3072]]
     # same-plan points alone make no range
     assert decide([(1024, 1.1, True), (2048, 1.0, False)], 0.02)[1] == []
+    # runs of one M count once: the geometric mean of the compared ratios (a same-plan run ignored)
+    assert decide([(512, 0.90, True), (512, 1.10, True), (1024, 1.0, True)], 0.02)[1] == []
+    assert decide([(512, 0.95, True), (512, 1.00, False), (1024, 1.1, True)], 0.02)[1] == [[512, 724]]
 
 
 def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(table):
@@ -168,12 +171,14 @@ def test_the_shipped_wide_entries():
 
 
 def test_the_shipped_tall_entries_below_256_tokens():
-    """Measured on the H200 (docs/results/tune-tall-mid-2026-12-02.json): only Mixtral-8x7B (8 experts,
-    16-40 routes per expert at M = 64-160) takes 128-row wgmma blocks below 256 tokens, at M = 79..175;
-    the 128-expert shapes, with at most 12 routes per expert there, keep the fused mma.sync plans."""
+    """Measured on the H200 (docs/results/tune-tall-mid-2026-12-02.json and its check run,
+    tune-tall-mid-check-2026-12-02.json): only Mixtral-8x7B (8 experts, 24-40 routes per expert at
+    M = 96-160) takes 128-row wgmma blocks below 248 tokens, at M = 79..175; at 224 and 240 its 64-row
+    split plan stays faster.  The 128-expert shapes, with at most 12 routes per expert below 256 tokens,
+    keep the fused mma.sync plans."""
     mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
                             activation=Activation.SILU)
-    for m, tall in ((64, False), (79, True), (128, True), (175, True), (176, False)):
+    for m, tall in ((64, False), (79, True), (128, True), (175, True), (176, False), (247, False), (248, True)):
         split = split_layer(m, mixtral, H200)
         assert (split is not None and split[0].plan.moe_block_size == 128) == tall, m
     for m in (64, 128, 192):
