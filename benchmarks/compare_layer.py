@@ -62,8 +62,8 @@ def random_layer_weights(facts: dict, g: torch.Generator, weights: str = "nvfp4"
 
 
 def _prepared(facts: dict, q13, q2, weights: str):
-    from cuteaot.runtime import prepare_w2, prepare_w2_modelopt, prepare_w2_nf3, prepare_w13, prepare_w13_modelopt
-    from cuteaot.runtime import prepare_w13_nf3
+    from cuteaot.runtime import (prepare_w2, prepare_w2_modelopt, prepare_w2_nf3, prepare_w13, prepare_w13_modelopt,
+                                 prepare_w13_nf3)
 
     if weights == "nf3":
         return prepare_w13_nf3(*q13), prepare_w2_nf3(*q2)

@@ -348,8 +348,14 @@ def fused_gated_epilogue(plan: FusedPlan, facts: MoeLayerFacts) -> bool:
         return False
     if facts.weights is WeightFormat.NF3 and plan.moe_block_size > NF3_GATED_MAX_BLOCK:
         return False  # measured slower (above)
+    return whole_gate_up_slabs(facts)
+
+
+def whole_gate_up_slabs(facts: MoeLayerFacts) -> bool:
+    """FC1's stored N is its logical 2I (no zero padding), so every 64-column slab lies in the gate or
+    the up half: what a gated epilogue (GemmSpec) needs to stage gate and up columns in one tile."""
     (n1, _), _ = fused_gemm_dims(facts.hidden_size, facts.intermediate_size, facts.gated)
-    return n1 == facts.activation.fc1_width(facts.intermediate_size)  # whole gate | up slabs
+    return facts.gated and n1 == facts.activation.fc1_width(facts.intermediate_size)
 
 
 def _scale_exponent(facts: MoeLayerFacts) -> int | None:
@@ -405,7 +411,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
     if layer_choice("decode", m, facts, profile):
         return None  # the fused decode regime serves this M
-    (n1_stored, k1_stored), (_, k2_stored) = (stored_dims(fc1_n, facts.hidden_size),
+    (_, k1_stored), (_, k2_stored) = (stored_dims(fc1_n, facts.hidden_size),
                                               stored_dims(facts.hidden_size, facts.intermediate_size))
     tall = layer_choice("tall", m, facts, profile)
     # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
@@ -426,7 +432,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     on_input = facts.router_weight_on_input
     if not facts.gated:
         fc1_epilogue, activation = "relu2", {}
-    elif GATED_FC1_EPILOGUE and n1_stored == fc1_n:
+    elif GATED_FC1_EPILOGUE and whole_gate_up_slabs(facts):
         fc1_epilogue = facts.activation.value  # FC1 writes the activation (gate and up in one tile)
         activation = dict(fast_math=facts.fast_math, swiglu_alpha=facts.swiglu_alpha, swiglu_beta=facts.swiglu_beta,
                           swiglu_limit=facts.swiglu_limit)

@@ -273,10 +273,22 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         return n_tile * Int32(slabs) + slab
 
     @cute.jit
+    def _slab_column(self, n_tile: Int32, col: Int32, per_slab: int) -> Int32:
+        """Column `col` of tile `n_tile` in a weight-side array with `per_slab` entries per 64-column
+        slab (int4 of a packed or NF3 row, scale int4, stored rows), read from the slab `_source_slab`
+        names."""
+        return self._source_slab(n_tile, col // Int32(per_slab)) * Int32(per_slab) + col % Int32(per_slab)
+
+    @cute.jit
+    def _split_scale_index(self, expert: Int32, slab: Int32) -> Int64:
+        """split_global_scale: the (E, 2) [gate, up] global scale of weight slab `slab` (64 columns)."""
+        return Int64(expert) * Int64(2) + Int64((slab * Int32(64)) // Int32(self.s.n // 2))
+
+    @cute.jit
     def _stored_row(self, n_tile: Int32, r: Int32) -> Int32:
         """modelopt: the stored weight row of tile row r (its slab as `_source_slab` says, W13 stored up
         rows first rotated by n_rotation)."""
-        row = self._source_slab(n_tile, r // Int32(64)) * Int32(64) + r % Int32(64)
+        row = self._slab_column(n_tile, r, 64)
         if cutlass.const_expr(self.s.n_rotation is not None):
             row = (row + Int32(self.s.n_rotation)) % Int32(self.s.n)
         return row
@@ -322,8 +334,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         scale_index = Int64(expert)
         if cutlass.const_expr(bool(s.split_global_scale) and s.epilogue.is_gated):
             # (E, 2): [gate, up], by the half this warp's 64 columns come from (the warps that stage them)
-            slab = self._source_slab(n_tile, (tid // Int32(32)) % Int32(s.n_warps))
-            scale_index = Int64(expert) * Int64(2) + Int64((slab * Int32(64)) // Int32(s.n // 2))
+            scale_index = self._split_scale_index(expert, self._source_slab(n_tile, (tid // Int32(32)) % Int32(s.n_warps)))
         elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the tile's half of N
             scale_index = Int64(expert) * Int64(2) + Int64((n_tile * Int32(s.tile_n)) // Int32(s.n // 2))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
@@ -338,11 +349,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         elif cutlass.const_expr(s.nf3):  # the tile's slice of the expert's first 32-k row (int4)
             b_gl_rd = Int64(s.nf3_expert_int4) * Int64(expert) + Int64(s.nf3_tile_row_int4) * Int64(n_tile)
         elif cutlass.const_expr(s.epilogue.is_gated):
-            # the int4 column of this thread's copies: 32 per 64-column slab, the slab `_source_slab` names
-            w_col = tid % Int32(s.b_sh_stride)
+            # the int4 column of this thread's copies (32 per 64-column slab) in its source slab
             b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert)
                        + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2)
-                               + self._source_slab(n_tile, w_col // Int32(32)) * Int32(32) + w_col % Int32(32)))
+                               + self._slab_column(n_tile, tid % Int32(s.b_sh_stride), 32)))
         else:
             b_gl_rd = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(s.b_sh_stride) * Int64(n_tile)
                        + Int64((tid // Int32(s.b_sh_stride)) * Int32(s.n // 2) + tid % Int32(s.b_sh_stride)))

@@ -134,9 +134,8 @@ class MainloopMixin:
                 c = tid + Int32(i * s.threads)
                 row = c // Int32(s.nf3_tile_row_int4)
                 col = c - row * Int32(s.nf3_tile_row_int4)
-                if cutlass.const_expr(s.epilogue.is_gated):  # int4 col of the slab `_source_slab` names
-                    slab_int4 = Int32(s.nf3_tile_row_int4 // (s.tile_n // 64))
-                    col = self._source_slab(t.n_tile, col // slab_int4) * slab_int4 + col % slab_int4
+                if cutlass.const_expr(s.epilogue.is_gated):  # the int4 column in its source slab
+                    col = self._slab_column(t.n_tile, col, s.nf3_tile_row_int4 // (s.tile_n // 64))
                 t.b_src.append(ops.qweight + (t.b_gl_rd + Int64(row) * Int64(s.nf3_row_int4) + Int64(col)) * Int64(16))
                 t.b_dst.append(smem + (Int32(s.sh_b_off) + c) * Int32(16))
                 t.b_ok.append(c < Int32(s.b_sh_stage))
@@ -147,8 +146,7 @@ class MainloopMixin:
             t.s_ok = tid < Int32(s.s_sh_stage)
             n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
             if cutlass.const_expr(s.epilogue.is_gated):  # 4 scale int4 per 64-column slab
-                s_col = tid % Int32(s.s_sh_stride)
-                n_group = self._source_slab(t.n_tile, s_col // Int32(4)) * Int32(4) + s_col % Int32(4)
+                n_group = self._slab_column(t.n_tile, tid % Int32(s.s_sh_stride), 4)
             t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
                                     + Int64(n_group)) * Int64(16)
             t.s_dst = smem + (Int32(s.sh_s_off) + tid) * Int32(16)

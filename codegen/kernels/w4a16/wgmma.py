@@ -155,7 +155,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         w_col = tid % Int32(per_row)
         t.w_src = ops.qweight + (Int64(s.n * s.k // 32) * Int64(expert)
                                  + Int64(tid // Int32(per_row)) * Int64(s.n // 2)
-                                 + Int64(self._source_slab(n_tile, w_col // Int32(32)) * Int32(32) + w_col % Int32(32))
+                                 + Int64(self._slab_column(n_tile, w_col, 32))
                                  ) * Int64(16)
         t.w_dst = t.w_base + tid * Int32(16)
         # scales: tile_n / 16 int4 per 16-k row, one per thread of the first s_sh_stage threads
@@ -163,7 +163,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         s_col = tid % Int32(s.s_sh_stride)
         t.s_src = ops.scales + (Int64(s.n * s.k // 256) * Int64(expert)
                                 + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
-                                + Int64(self._source_slab(n_tile, s_col // Int32(4)) * Int32(4) + s_col % Int32(4))
+                                + Int64(self._slab_column(n_tile, s_col, 4))
                                 ) * Int64(16)
         t.s_dst = t.s_base + tid * Int32(16)
         # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes (one scale
@@ -530,8 +530,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
               k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         scale_index = Int64(expert)
         if cutlass.const_expr(self.s.split_global_scale):  # (E, 2): [gate, up], by this warp's slab's half
-            slab = self._source_slab(n_tile, self._column_group(tid))
-            scale_index = Int64(expert) * Int64(2) + Int64((slab * Int32(64)) // Int32(self.s.n // 2))
+            scale_index = self._split_scale_index(expert, self._source_slab(n_tile, self._column_group(tid)))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
