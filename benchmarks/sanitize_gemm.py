@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python -m benchmarks.sanitize_gemm
 
 Paths: direct routes (M = 1, whole tiles and split-K), packed 8-row blocks, 16/32/48/64-row
-blocks (split-K tails), zero-padded sizes, fp16.  Uses the tiny-gemm test bundle.
+blocks (split-K tails; on sm_90a the warpgroup-MMA loop from 16 rows, M = 33 / 64 / 150 its 16-, 32- and
+48-row blocks), zero-padded sizes, fp16.  Uses the tiny-gemm test bundle.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from cuteaot.runtime import load_bundle, pack_nvfp4, w4a16_moe_gemm
 from tests.reference.nvfp4 import quantize_nvfp4
 
 CASES = [  # (N, K, dtype, M list, a_per_route)
-    (512, 512, "bf16", (1, 5, 64, 256, 1000, 4096), False),
-    (512, 256, "fp16", (1, 8, 300), True),
+    (512, 512, "bf16", (1, 5, 33, 64, 256, 1000, 4096), False),
+    (512, 256, "fp16", (1, 8, 150, 300), True),
     (1440, 720, "bf16", (1, 64, 1000), False),
 ]
 

@@ -541,7 +541,7 @@ def mma_f16_m16n8k16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, *, loc=None, ip=Non
 # read above the wait); shared memory written by the generic proxy (st.shared, cp.async) must
 # be published to the async proxy with `fence_proxy_async_shared` before a wgmma reads it.
 
-WGMMA_NS = (32, 64, 96, 128, 192, 256)  # B columns (tokens) of the shapes used (m64nNk16), N/2 f32 per thread
+WGMMA_NS = (16, 32, 48, 64, 96, 128, 192, 256)  # B columns (tokens) of the shapes used (m64nNk16), N/2 f32 per thread
 # Shared-memory matrix descriptor (PTX "matrix descriptor"): start address >> 4 in bits 0..13,
 # leading-dimension byte offset >> 4 in 16..29, stride byte offset >> 4 in 32..45, swizzle
 # mode in 62..63 (1 = 128-byte swizzle).  For a K-major 128B-swizzled operand whose rows are

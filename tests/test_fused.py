@@ -95,7 +95,10 @@ def test_large_m_runs_both_phases_on_the_wgmma_loop_on_sm90_only():
         spec = spec_of(plan, 2048, 768, 128, 8, "silu")
         assert spec.threads == 128 and spec.fc1_gemm.mainloop.value == spec.fc2_gemm.mainloop.value == "wgmma"
         assert spec.key().facts["mainloop"] == "wgmma"
-    assert plan_fused(512, *QWEN3_30B, True, H200).mainloop == "mma_sync"  # 48-row blocks: no wgmma form
+    # 48-row blocks: the wgmma loop on the 128-wide tile, 3 CTAs an SM (132 registers); asked not to, mma.sync
+    short = plan_fused(512, *QWEN3_30B, True, H200)
+    assert (short.mainloop, short.moe_block_size, short.fc1_tile.tile_n, short.blocks_per_sm) == ("wgmma", 48, 128, 3)
+    assert plan_fused(512, *QWEN3_30B, True, H200, short=False).mainloop == "mma_sync"
     assert plan_fused(4096, *QWEN3_30B, True, GB10).mainloop == "mma_sync"  # the wgmma loop is sm_90a-only
 
 
@@ -177,7 +180,7 @@ def test_spec_fused_true_builds_decode_and_packed_kernels(tmp_path):
     spec = _spec(tmp_path, "true")
     planned = plan_bundle(spec)
     keys = planned.keys["sm_90a"]
-    decode = {k for k in keys if k.facts["decode"]}
+    decode = {k for k in keys if k.facts.get("decode")}
     assert decode and keys - decode
     families = {j.key.family for j in jobs(spec)}
     assert {"w4a16_fused_moe", "moe_route_pack", "moe_topk_sum"} <= families
@@ -329,10 +332,11 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
 
 
 def test_measured_ctas_per_sm_of_16_and_32_row_blocks_apply_where_measured():
-    """sm_90a runs 4 CTAs/SM for 16-row and 3 for 32-row packed blocks (measured faster, no spills);
-    sm_100a keeps the estimate (the same launch bound spills there); sm_12x is bounded by shared memory."""
-    assert plan_fused(256, *QWEN3_30B, True, H200).blocks_per_sm == 3  # 32-row blocks
+    """sm_90a runs 4 CTAs/SM for 16-row and 3 for 32-row packed mma.sync blocks (measured faster, no spills;
+    where those blocks take the wgmma loop, by default, that loop's registers decide); sm_100a keeps the
+    estimate (the same launch bound spills there); sm_12x is bounded by shared memory."""
+    assert plan_fused(256, *QWEN3_30B, True, H200, short=False).blocks_per_sm == 3  # 32-row blocks
     assert plan_fused(256, *QWEN3_30B, True, PROFILES["b200"]).blocks_per_sm == 2
     assert plan_fused(256, *QWEN3_30B, True, GB10).blocks_per_sm == 2
-    sixteen = plan_fused(256, 2880, 2880, 128, 4, True, H200)  # gpt-oss: 1024 routes, 16-row blocks
+    sixteen = plan_fused(256, 2880, 2880, 128, 4, True, H200, short=False)  # gpt-oss: 1024 routes, 16-row blocks
     assert (sixteen.moe_block_size, sixteen.blocks_per_sm) == (16, 4)

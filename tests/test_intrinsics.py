@@ -159,8 +159,10 @@ def test_wgmma_gemm_kernel_compiles():
     from cuteaot.codegen.kernels.w4a16.wgmma import GROUPS_IN_FLIGHT
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
+    # (16- to 48-row blocks: wgmma N = the block, the 128-wide tile at up to 4 CTAs an SM)
     for dtype, kind, block, tile_n, per_sm in (("bf16", "bf16", 64, 256, 2), ("fp16", "f16", 64, 128, 3),
-                                               ("bf16", "bf16", 128, 128, 2), ("bf16", "bf16", 256, 128, 1)):
+                                               ("bf16", "bf16", 128, 128, 2), ("bf16", "bf16", 256, 128, 1),
+                                               ("bf16", "bf16", 16, 128, 4), ("fp16", "f16", 48, 128, 3)):
         spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=block,
                         blocks_per_sm=per_sm, mul_topk_weights=True, mainloop="wgmma")
         threads = 256 if block == 256 else 128  # 256-row blocks: two warpgroups
@@ -190,8 +192,8 @@ def test_wgmma_spec_is_validated():
     with pytest.raises(BadInputError, match="mainloop=wgmma implements"):
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=128, moe_block_size=64,
                  blocks_per_sm=2, mainloop="wgmma")
-    with pytest.raises(BadInputError, match="moe_block_size must be one of"):
-        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=48,
+    with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # wgmma N = 8 is not built
+        GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=8,
                  blocks_per_sm=2, mainloop="wgmma")
     with pytest.raises(BadInputError, match="mainloop=wgmma implements"):  # 128 rows x 256 columns
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=128,

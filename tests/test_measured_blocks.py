@@ -96,7 +96,7 @@ def test_policies_rule_and_always(table, monkeypatch):
     _write(table, "tall", "h200", [[400, 700]])
     monkeypatch.setitem(planning.POLICY, "tall", "rule")
     assert planning.measured_choice("tall", 512, *SHAPE, H200) is None
-    assert split_layer(512, QWEN3, H200) is None
+    assert split_layer(512, QWEN3, H200)[0].plan.moe_block_size == 48  # the rule's short wgmma blocks
     monkeypatch.setitem(planning.POLICY, "tall", "always")
     assert planning.measured_choice("tall", 300, *SHAPE, PROFILES["b200"]) is True
     # 128-row blocks only where the wgmma loop runs: Blackwell keeps its blocks
@@ -181,5 +181,46 @@ def test_the_shipped_tall_entries_below_256_tokens():
     for m, tall in ((64, False), (79, True), (128, True), (175, True), (176, False), (247, False), (248, True)):
         split = split_layer(m, mixtral, H200)
         assert (split is not None and split[0].plan.moe_block_size == 128) == tall, m
-    for m in (64, 128, 192):
-        assert split_layer(m, QWEN3, H200) is None and split_layer(m, GLM, H200) is None
+    for m in (64, 128, 192):  # (8-row fused plans at 64; 16- and 32-row wgmma GEMMs from 128)
+        for facts in (QWEN3, GLM):
+            split = split_layer(m, facts, H200)
+            assert split is None or split[0].plan.moe_block_size < 128, m
+
+
+def test_promote_gives_16_row_wgmma_blocks_where_the_rule_packs_8(table, monkeypatch):
+    """The "promote" knob: where it won, a layer whose rule packs 8-row mma.sync blocks runs 16-row wgmma
+    GEMMs instead (sm_90a, packed NVFP4 only); elsewhere, and outside its range, the rule's plan."""
+    import dataclasses
+
+    _write(table, "promote", "h200", [[10, 40]])
+    assert split_layer(8, QWEN3, H200) is None  # outside the range: the fused 8-row plan (or decode)
+    promoted = split_layer(16, QWEN3, H200)
+    assert promoted is not None
+    assert {(p.plan.moe_block_size, p.plan.mainloop, p.plan.tile.tile_n) for p in promoted} == {(16, "wgmma", 128)}
+    # where the rule's block is not 8, nothing changes
+    assert split_layer(128, QWEN3, H200)[0].plan.moe_block_size == 16
+    # the fused kernel (expert maps) promotes too; NF3 and the stored layout keep 8-row mma.sync blocks
+    mapped = plan_layer(16, dataclasses.replace(QWEN3, expert_map=True), H200)
+    assert (mapped.moe_block_size, mapped.mainloop) == (16, "wgmma")
+    for weights in ("nf3", "modelopt"):
+        plan = plan_layer(16, dataclasses.replace(QWEN3, weights=weights), H200)
+        assert (plan.moe_block_size, plan.mainloop) == (8, "mma_sync"), weights
+        assert split_layer(16, dataclasses.replace(QWEN3, weights=weights), H200) is None
+    # no wgmma on Blackwell: the rule's plan
+    assert split_layer(16, QWEN3, PROFILES["b200"]) is None
+    monkeypatch.setitem(planning.POLICY, "promote", "rule")
+    assert split_layer(16, QWEN3, H200) is None
+
+
+def test_the_shipped_promote_entries():
+    """docs/results/tune-promote-2026-12-02.json: 16-row wgmma blocks won on Mixtral-8x7B at M = 7-24 (0.70-0.92x)
+    and on the narrow Qwen3-235B shards (tp8 at 12-64, tp4 at 7-12), lost 2-7 % on the wide 128-expert shapes."""
+    mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
+                            activation=Activation.SILU)
+    tp8 = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=192, num_experts=128, top_k=8,
+                        activation=Activation.SILU)
+    for facts, m in ((mixtral, 8), (mixtral, 24), (tp8, 16), (tp8, 48)):
+        split = split_layer(m, facts, H200)
+        assert split is not None and split[0].plan.moe_block_size == 16, (facts.intermediate_size, m)
+    for m in (16, 32, 64):
+        assert split_layer(m, QWEN3, H200) is None, m  # the 8-row fused plans stay

@@ -143,7 +143,8 @@ def test_planner_runs_modelopt_layers_where_packed_ones_run():
             assert spec.mainloop.value == "mma_sync" and spec.fc1_gemm.modelopt and spec.fc2_gemm.modelopt
             assert 1408 % spec.fc1_tile_n == 0, (m, spec.fc1_tile_n)
             split, packed = split_layer(m, facts, h200), split_layer(m, nvfp4, h200)
-            assert (split is None) == (packed is None), m
+            # as packed NVFP4 from 64-row blocks up; its short wgmma blocks (16-48 rows) read packed words only
+            assert (split is None) == (packed is None or packed[0].plan.moe_block_size < 64), m
             if split is None:
                 continue
             splits += 1

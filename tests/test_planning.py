@@ -265,7 +265,8 @@ QWEN_EXPECTED = {
 @pytest.mark.parametrize("profile_name, m", sorted(QWEN_EXPECTED))
 def test_qwen3_plans(shape, profile_name, m):
     n, k = shape
-    plan = plan_gemm(m, n, k, 8, 128, PROFILES[profile_name], scale_format=K16)
+    # (short=False: the mma.sync loop's tiles for 16- to 48-row blocks, which H200 runs on the wgmma loop)
+    plan = plan_gemm(m, n, k, 8, 128, PROFILES[profile_name], scale_format=K16, short=False)
     block, direct, (tile_k, tile_n), per_sm, grid_x = QWEN_EXPECTED[(profile_name, m)]
     if direct and 8 * (n // tile_n) <= PROFILES[profile_name].sm_count:
         # direct routes whose 8 * N/tile_n whole tiles fit one per SM: 1 CTA/SM, no split-K
@@ -309,7 +310,15 @@ def test_wgmma_is_planned_only_where_it_runs():
     assert wgmma_tile(1536, 2048, 128, K16, H200) == (narrow, None)  # 128-row blocks: 128-wide only
     assert wgmma_tile(5760, 2944, 64, K16, H200) == (narrow, None)  # gpt-oss FC1: 5760 % 256 = 128
     assert "warpgroup" in wgmma_tile(1536, 2048, 64, K16, PROFILES["b200"])[1]  # sm_100a: no wgmma
-    assert "row route blocks" in wgmma_tile(1536, 2048, 48, K16, H200)[1]
+    assert "row route blocks" in wgmma_tile(1536, 2048, 8, K16, H200)[1]
+    for short in (16, 32, 48):  # the short blocks: the 128-wide tile, packed weights only
+        assert wgmma_tile(1536, 2048, short, K16, H200) == (narrow, None)
+        assert "packed" in wgmma_tile(1536, 2048, short, K16, H200, "modelopt")[1]
+    # 16 routes an expert: 32-row blocks, on the wgmma loop unless asked not to
+    short = plan_gemm(256, 1536, 2048, 8, 128, H200, scale_format=K16)
+    assert (short.mainloop, short.moe_block_size, short.tile) == ("wgmma", 32, narrow)
+    assert plan_gemm(256, 1536, 2048, 8, 128, H200, scale_format=K16, short=False).mainloop == "mma_sync"
+    assert plan_gemm(256, 1536, 2048, 8, 128, PROFILES["b200"], scale_format=K16).mainloop == "mma_sync"
     assert "multiples" in wgmma_tile(1536 + 64, 2048, 64, K16, H200)[1]
     assert "e4m3_k16" in wgmma_tile(1536, 2048, 64, ScaleFormat.E8M0_K32, H200)[1]
     # a pinned tile keeps the mma.sync loop and its 64-row blocks
@@ -404,7 +413,7 @@ def test_work_rule_lowers_blocks_per_sm():
     # dense-like: m=9, top 1 of 1 expert -> 90 < 9*16*10 -> block 16.  N = K = 1024 on H200:
     # (128,128): 1.  (64,128): 3, but 8 n tiles * 9 * 4 = 288 CTAs of work < 132*3 -> 288//132 = 2.
     # (128,64): 3 and 16 * 9 * 4 = 576 >= 396 -> stays 3 and wins.
-    plan = plan_gemm(9, 1024, 1024, 1, 1, H200, scale_format=K16)
+    plan = plan_gemm(9, 1024, 1024, 1, 1, H200, scale_format=K16, short=False)  # (the mma.sync loop)
     assert (plan.tile.tile_k, plan.tile.tile_n, plan.blocks_per_sm, plan.grid_x) == (128, 64, 3, 396)
 
 

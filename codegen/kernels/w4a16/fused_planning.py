@@ -36,6 +36,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     BARRIER_WORDS,
     WGMMA_BLOCK_SIZES,
+    WGMMA_SHORT_BLOCKS,
     WGMMA_TALL_BLOCK,
     ScaleFormat,
     TileConfig,
@@ -59,7 +60,9 @@ from .planning import (
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
     blocks_per_sm,
     estimated_registers,
+    WGMMA_SHORT,
     measured_choice,
+    promoted_block,
     packed_m8_blocks_per_sm,
     select_route_block_size,
     select_tile,
@@ -163,6 +166,8 @@ def plan_fused(
     scale_format: ScaleFormat = ScaleFormat.E4M3_K16,
     tall: bool | None = None,
     decode: bool | None = None,
+    short: bool | None = None,
+    promote: bool | None = None,
     stored_as_is: bool = False,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
@@ -171,7 +176,8 @@ def plan_fused(
     in no fixed order; every other step sums in a fixed order.  `scale_format` is the weights'
     (NF3: e4m3_k32, which only the mma.sync loop decodes).  `tall`: 128-row wgmma blocks or not
     (planning.wgmma_tall_block; None: the average-routes rule).  `decode`: the decode regime up to
-    DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).
+    DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).  `short`: 16- to 48-row blocks on the wgmma
+    loop (None: planning.WGMMA_SHORT).  `promote`: 16-row wgmma blocks where the rule packs 8-row ones.
     `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only,
     and FC1 tiles that do not straddle the gate | up boundary (each half has its own global scale).
     """
@@ -186,6 +192,9 @@ def plan_fused(
     direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
     decode = direct and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
+    if not decode and not stored_as_is and short is not False:
+        block = promoted_block(block, fused_gemm_dims(hidden_size, intermediate_size, gated), scale, profile,
+                               promote=promote)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
     routes = m * top_k
@@ -202,7 +211,7 @@ def plan_fused(
         t1 = TileConfig(t1.tile_k * t1.tile_n // MODELOPT_HALF_TILE_N, MODELOPT_HALF_TILE_N)  # same threads
 
     wg = None if decode or stored_as_is else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile,
-                                                          scale, tall)
+                                                          scale, tall, short)
     if wg is not None:
         block, t1, t2, bps = wg
         cap = profile.sm_count * bps
@@ -245,7 +254,7 @@ def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int) -> tuple[int, bool]:
     return grid, True
 
 
-def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale_format, tall):
+def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale_format, tall, short):
     """(block, FC1 tile, FC2 tile, CTAs/SM) when both GEMMs can run the wgmma loop, else None.
 
     The same rule as the standalone GEMM (planning.py `plan_gemm`): 64-row blocks take the
@@ -254,6 +263,8 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale
     co-reside.
     """
     block = wgmma_tall_block(m, top_k, num_experts, block, (fc1_dims, fc2_dims), scale_format, profile, tall)
+    if block in WGMMA_SHORT_BLOCKS and not (WGMMA_SHORT if short is None else short):
+        return None
     tiles = [wgmma_tile(n, k, block, scale_format, profile)[0] for n, k in (fc1_dims, fc2_dims)]
     if None in tiles:
         return None
@@ -378,7 +389,7 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
                       deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
                       tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile),
-                      stored_as_is=facts.weights.layout == "modelopt")
+                      promote=layer_choice("promote", m, facts, profile), stored_as_is=facts.weights.layout == "modelopt")
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the
@@ -416,6 +427,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     tall = layer_choice("tall", m, facts, profile)
     # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
     wide = layer_choice("wide", m, facts, profile)
+    promote = layer_choice("promote", m, facts, profile)
     if facts.weights.layout == "modelopt":
         if tall is None and m * facts.top_k >= MODELOPT_TALL_MIN_ROUTES * facts.num_experts:
             tall = True
@@ -424,9 +436,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide,
-                  facts.weights.layout)
+                  facts.weights.layout, promote)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide,
-                  facts.weights.layout)
+                  facts.weights.layout, promote)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
         return None
     on_input = facts.router_weight_on_input

@@ -35,6 +35,7 @@ from cuteaot.runtime.weights import stored_dims
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     WGMMA_BLOCK_SIZES,
+    WGMMA_SHORT_BLOCKS,
     WGMMA_TALL_BLOCK,
     WGMMA_WIDE_BLOCK,
     ScaleFormat,
@@ -142,7 +143,25 @@ WGMMA_ARCHS = ("sm_90a",)
 
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
-WGMMA_REGISTERS_SM90 = {(64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
+WGMMA_REGISTERS_SM90 = {(16, 256): 178, (16, 128): 111, (32, 256): 188, (32, 128): 116, (48, 256): 223,
+                        (48, 128): 132, (64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
+# 16-, 32- and 48-row route blocks (WGMMA_SHORT_BLOCKS, wgmma N = the block) take the wgmma loop on
+# sm_90a too, on 128-wide tiles.  A/B on the H200 against the mma.sync loop (benchmarks/compare_layer.py,
+# identical operands, docs/benchmarks.md "Short route blocks on the wgmma loop"): 0.77-0.97x the layer's
+# time on every 128-expert shape at M = 128-512 wherever the plan changed; the 256-wide tile (178-223
+# registers, 2 CTAs an SM against 3-4 for the 128-wide one's 110-132) gained less (0.69-1.06x).
+WGMMA_SHORT = True
+WGMMA_SHORT_MAX_TILE_N = 128
+
+
+def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None) -> int:
+    """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
+    every (n, k) of `dims`, else `block`."""
+    if block != 8 or not (promote and WGMMA_SHORT):
+        return block
+    if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):
+        return 16
+    return block
 # The same for NVFP4 read as stored (layout "modelopt"): its decode holds six words per 16-row block
 # (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).
 WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 226}
@@ -159,18 +178,20 @@ WGMMA_WIDE_MIN_ROUTES = 256
 WGMMA_WIDE_MIN_K = 1024
 # Where a measured choice beats the planner's rules, per device profile, layer shape and token
 # range, as measured by benchmarks/tune_blocks.py (the file says when, where and on which commit).
-# Three choices ("knobs"): "tall", 128-row wgmma route blocks below the average of 128 routes per expert
+# Four choices ("knobs"): "tall", 128-row wgmma route blocks below the average of 128 routes per expert
 # (the answer depends on each shape's wave quantisation and tile widths, docs/benchmarks.md "Route
 # blocks measured per layer": no single threshold wins); "decode", the fused decode regime (direct
-# 8-row route blocks, top-k sum folded into FC2) past DECODE_MAX_M; and "wide", 256-row blocks where
-# the K rule (WGMMA_WIDE_MIN_K) says no.
+# 8-row route blocks, top-k sum folded into FC2) past DECODE_MAX_M; "wide", 256-row blocks where
+# the K rule (WGMMA_WIDE_MIN_K) says no; and "promote", 16-row wgmma blocks where the rule packs 8-row
+# mma.sync ones (0.70-0.93x the time on Mixtral and the narrow Qwen3-235B shards, 1.02-1.07x on the
+# wide 128-expert shapes).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode", "wide")
+MEASURED_KNOBS = ("tall", "decode", "wide", "promote")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
-POLICY = {"tall": "measured", "decode": "measured", "wide": "measured"}
+POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured"}
 
 
 @functools.cache
@@ -252,6 +273,10 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
         return None, f"the wgmma loop decodes e4m3_k16 scales, not {scale_format.value}"
     limit = profile.max_shared_memory_per_block_optin - _FIT_SHARED_MEMORY_MARGIN
     tiles = wgmma_tiles(moe_block_size)
+    if moe_block_size in WGMMA_SHORT_BLOCKS:
+        if layout == "modelopt":
+            return None, "the short wgmma blocks read packed NVFP4 only"
+        tiles = tuple(t for t in tiles if t.tile_n <= WGMMA_SHORT_MAX_TILE_N)
     if layout == "modelopt":
         tiles = tuple(t for t in tiles if t.tile_n <= 128)
     for tile in tiles:
@@ -464,6 +489,8 @@ def plan_gemm(
     tall: bool | None = None,
     wide: bool | None = None,
     layout: str = "packed",
+    short: bool | None = None,
+    promote: bool | None = None,
 ) -> GemmPlan:
     """Plan the grouped GEMM of m tokens x top_k routes against (N, K) expert weights.
 
@@ -476,7 +503,8 @@ def plan_gemm(
     tall: take 128-row wgmma blocks where they fit (True) or not (False); None: WGMMA_TALL_MIN_ROUTES.
     wide: 256-row wgmma blocks where the average expert fills them (True) or not (False); None: where K
     is at least WGMMA_WIDE_MIN_K (`wide_by_k`).  A layer's two GEMMs pass the same answer (they share
-    one packing).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
+    one packing).  short: 16-, 32- and 48-row blocks take the wgmma loop (True) or the mma.sync loop
+    (None: WGMMA_SHORT).  promote: 16-row wgmma blocks where the rule packs 8-row ones (`promoted_block`).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:
@@ -490,10 +518,13 @@ def plan_gemm(
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
     if pinned_tile is None and not direct:
+        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote)
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
         block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
-    wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout)[0] if pinned_tile is None else None
+    wg_tile = None
+    if pinned_tile is None and (block not in WGMMA_SHORT_BLOCKS or (WGMMA_SHORT if short is None else short)):
+        wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout)[0]
     if wg_tile is not None:
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
         registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
@@ -565,11 +596,11 @@ def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers)
 
 
 def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None,
-             wide: bool | None = None, layout: str = "packed") -> GemmPlan:
+             wide: bool | None = None, layout: str = "packed", promote: bool | None = None) -> GemmPlan:
     """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
     n_stored, k_stored = stored_dims(n, k)
     return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall,
-                     wide=wide, layout=layout)
+                     wide=wide, layout=layout, promote=promote)
 
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
