@@ -58,12 +58,12 @@ from .planning import (
     WGMMA_REGISTERS_SM90,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
+    WGMMA_SHORT,
     blocks_per_sm,
     estimated_registers,
-    WGMMA_SHORT,
     measured_choice,
-    promoted_block,
     packed_m8_blocks_per_sm,
+    promoted_block,
     select_route_block_size,
     select_tile,
     tile_misfit,
@@ -192,7 +192,7 @@ def plan_fused(
     direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
     decode = direct and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
-    if not decode and not stored_as_is and short is not False:
+    if not decode and not stored_as_is and short is not False:  # (a promoted block runs the wgmma loop)
         block = promoted_block(block, fused_gemm_dims(hidden_size, intermediate_size, gated), scale, profile,
                                promote=promote)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:

@@ -145,26 +145,17 @@ WGMMA_ARCHS = ("sm_90a",)
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
 WGMMA_REGISTERS_SM90 = {(16, 256): 178, (16, 128): 111, (32, 256): 188, (32, 128): 116, (48, 256): 223,
                         (48, 128): 132, (64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
-# 16-, 32- and 48-row route blocks (WGMMA_SHORT_BLOCKS, wgmma N = the block) take the wgmma loop on
-# sm_90a too, on 128-wide tiles.  A/B on the H200 against the mma.sync loop (benchmarks/compare_layer.py,
-# identical operands, docs/benchmarks.md "Short route blocks on the wgmma loop"): 0.77-0.97x the layer's
-# time on every 128-expert shape at M = 128-512 wherever the plan changed; the 256-wide tile (178-223
-# registers, 2 CTAs an SM against 3-4 for the 128-wide one's 110-132) gained less (0.69-1.06x).
-WGMMA_SHORT = True
-WGMMA_SHORT_MAX_TILE_N = 128
-
-
-def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None) -> int:
-    """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
-    every (n, k) of `dims`, else `block`."""
-    if block != 8 or not (promote and WGMMA_SHORT):
-        return block
-    if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):
-        return 16
-    return block
 # The same for NVFP4 read as stored (layout "modelopt"): its decode holds six words per 16-row block
 # (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).
 WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 226}
+# 16-, 32- and 48-row route blocks (WGMMA_SHORT_BLOCKS, wgmma N = the block) take the wgmma loop on
+# sm_90a too, on 128-wide tiles.  A/B on the H200 against the mma.sync loop (benchmarks/compare_layer.py,
+# identical operands, docs/benchmarks.md "Short route blocks on the warpgroup-MMA loop"): 0.76-0.92x the
+# layer's time wherever the plan changed (the 128-expert shapes at M = 128-384, Mixtral at 32-64,
+# gpt-oss-20b at 64-128); the 256-wide tile (178-223 registers, 2 CTAs an SM against 3-4 for the
+# 128-wide one's 111-132) gained less (0.69-1.06x).
+WGMMA_SHORT = True
+WGMMA_SHORT_MAX_TILE_N = 128
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
@@ -284,6 +275,15 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
                 and wgmma_shared_memory_footprint(moe_block_size, tile) <= limit):
             return tile, None
     return None, f"N={n} and K={k} are not multiples of a wgmma tile ({', '.join(f'{t.tile_n}x{t.tile_k}' for t in tiles)})"
+
+def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None) -> int:
+    """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
+    every (n, k) of `dims`, else `block`."""
+    if block != 8 or not (promote and WGMMA_SHORT):
+        return block
+    if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):
+        return 16
+    return block
 
 def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: TileConfig, profile: DeviceProfile,
                         registers: int) -> int:
@@ -503,8 +503,9 @@ def plan_gemm(
     tall: take 128-row wgmma blocks where they fit (True) or not (False); None: WGMMA_TALL_MIN_ROUTES.
     wide: 256-row wgmma blocks where the average expert fills them (True) or not (False); None: where K
     is at least WGMMA_WIDE_MIN_K (`wide_by_k`).  A layer's two GEMMs pass the same answer (they share
-    one packing).  short: 16-, 32- and 48-row blocks take the wgmma loop (True) or the mma.sync loop
-    (None: WGMMA_SHORT).  promote: 16-row wgmma blocks where the rule packs 8-row ones (`promoted_block`).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
+    one packing).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
+    short: 16-, 32- and 48-row blocks on the wgmma loop (True) or the mma.sync loop (None: WGMMA_SHORT).
+    promote: 16-row wgmma blocks where the rule packs 8-row ones (`promoted_block`).
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:
