@@ -206,8 +206,13 @@ def test_promote_gives_16_row_wgmma_blocks_where_the_rule_packs_8(table, monkeyp
         plan = plan_layer(16, dataclasses.replace(QWEN3, weights=weights), H200)
         assert (plan.moe_block_size, plan.mainloop) == (8, "mma_sync"), weights
         assert split_layer(16, dataclasses.replace(QWEN3, weights=weights), H200) is None
-    # no wgmma on Blackwell: the rule's plan
+    # no wgmma on Blackwell, nor with the short blocks off: the rule's plan
     assert split_layer(16, QWEN3, PROFILES["b200"]) is None
+    assert planning.plan_gemm(16, 1536, 2048, 8, 128, H200, scale_format="e4m3_k16", promote=True,
+                              short=False).moe_block_size == 8
+    assert plan_layer(16, dataclasses.replace(QWEN3, expert_map=True), H200).moe_block_size == 16
+    from cuteaot.codegen.kernels.w4a16.fused_planning import plan_fused
+    assert plan_fused(16, 2048, 768, 128, 8, True, H200, promote=True, short=False).moe_block_size == 8
     monkeypatch.setitem(planning.POLICY, "promote", "rule")
     assert split_layer(16, QWEN3, H200) is None
 

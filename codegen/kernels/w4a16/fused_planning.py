@@ -36,7 +36,6 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     BARRIER_WORDS,
     WGMMA_BLOCK_SIZES,
-    WGMMA_SHORT_BLOCKS,
     WGMMA_TALL_BLOCK,
     ScaleFormat,
     TileConfig,
@@ -58,10 +57,10 @@ from .planning import (
     WGMMA_REGISTERS_SM90,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
-    WGMMA_SHORT,
     blocks_per_sm,
     estimated_registers,
     measured_choice,
+    on_wgmma,
     packed_m8_blocks_per_sm,
     promoted_block,
     select_route_block_size,
@@ -192,9 +191,9 @@ def plan_fused(
     direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
     decode = direct and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
-    if not decode and not stored_as_is and short is not False:  # (a promoted block runs the wgmma loop)
+    if not decode:
         block = promoted_block(block, fused_gemm_dims(hidden_size, intermediate_size, gated), scale, profile,
-                               promote=promote)
+                               "modelopt" if stored_as_is else "packed", promote, short)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
     routes = m * top_k
@@ -263,7 +262,7 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale
     co-reside.
     """
     block = wgmma_tall_block(m, top_k, num_experts, block, (fc1_dims, fc2_dims), scale_format, profile, tall)
-    if block in WGMMA_SHORT_BLOCKS and not (WGMMA_SHORT if short is None else short):
+    if not on_wgmma(block, short):
         return None
     tiles = [wgmma_tile(n, k, block, scale_format, profile)[0] for n, k in (fc1_dims, fc2_dims)]
     if None in tiles:
@@ -389,7 +388,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
                       deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
                       tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile),
-                      promote=layer_choice("promote", m, facts, profile), stored_as_is=facts.weights.layout == "modelopt")
+                      promote=layer_choice("promote", m, facts, profile),
+                      stored_as_is=facts.weights.layout == "modelopt")
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the

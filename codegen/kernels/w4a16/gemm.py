@@ -334,9 +334,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         scale_index = Int64(expert)
         if cutlass.const_expr(bool(s.split_global_scale) and s.epilogue.is_gated):
             # (E, 2): [gate, up], by the half this warp's 64 columns come from (the warps that stage them)
-            scale_index = self._split_scale_index(expert, self._source_slab(n_tile, (tid // Int32(32)) % Int32(s.n_warps)))
-        elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the tile's half of N
-            scale_index = Int64(expert) * Int64(2) + Int64((n_tile * Int32(s.tile_n)) // Int32(s.n // 2))
+            slab = self._source_slab(n_tile, (tid // Int32(32)) % Int32(s.n_warps))
+            scale_index = self._split_scale_index(expert, slab)
+        elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the half of the tile's first slab
+            scale_index = self._split_scale_index(expert, n_tile * Int32(s.tile_n // 64))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
 

@@ -276,10 +276,16 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
             return tile, None
     return None, f"N={n} and K={k} are not multiples of a wgmma tile ({', '.join(f'{t.tile_n}x{t.tile_k}' for t in tiles)})"
 
-def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None) -> int:
+def on_wgmma(block: int, short: bool | None = None) -> bool:
+    """Whether a route block of this size may take the wgmma loop (`wgmma_tile` then says whether a tile
+    runs it): 64 rows and up always, the short blocks where `short` says so (None: WGMMA_SHORT)."""
+    return block not in WGMMA_SHORT_BLOCKS or (WGMMA_SHORT if short is None else short)
+
+def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None,
+                   short: bool | None = None) -> int:
     """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
     every (n, k) of `dims`, else `block`."""
-    if block != 8 or not (promote and WGMMA_SHORT):
+    if block != 8 or not promote or not on_wgmma(16, short):
         return block
     if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):
         return 16
@@ -519,12 +525,12 @@ def plan_gemm(
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
     if pinned_tile is None and not direct:
-        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote)
+        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote, short)
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
         block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
     wg_tile = None
-    if pinned_tile is None and (block not in WGMMA_SHORT_BLOCKS or (WGMMA_SHORT if short is None else short)):
+    if pinned_tile is None and on_wgmma(block, short):
         wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout)[0]
     if wg_tile is not None:
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)

@@ -82,7 +82,8 @@ WGMMA_TILES = (TileConfig(64, 256), TileConfig(64, 128))
 # 64-row blocks, 128-row blocks (N = 128 per wgmma: half the weight decode per MAC) once
 # the average expert fills them (routes >= 128 * experts), and 256-row blocks (N = 256: half again)
 # for the standalone GEMM where the average expert fills those.  The short blocks (16, 32, 48 rows:
-# wgmma N = the block) run the same loop where a measured choice says so (planning knob "short").
+# wgmma N = the block) run the same loop too, on sm_90a where the planner's rule says so
+# (planning.WGMMA_SHORT).
 WGMMA_SHORT_BLOCKS = (16, 32, 48)
 WGMMA_BLOCK_SIZES = WGMMA_SHORT_BLOCKS + (64, 128, 256)
 
