@@ -5,10 +5,13 @@
 
 Paths: direct routes (M = 1, whole tiles and split-K), packed 8-row blocks, 16/32/48/64-row
 blocks (split-K tails; on sm_90a the warpgroup-MMA loop from 16 rows, M = 33 / 64 / 150 its 16-, 32- and
-48-row blocks), zero-padded sizes, fp16.  Uses the tiny-gemm test bundle.
+48-row blocks), zero-padded sizes, fp16.  Uses the tiny-gemm test bundle (CUTEAOT_GEMM_BUNDLE to
+override, as the GPU tests do).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -23,7 +26,7 @@ CASES = [  # (N, K, dtype, M list, a_per_route)
 
 
 def main() -> None:
-    bundle = load_bundle("generated/tiny-gemm")
+    bundle = load_bundle(os.environ.get("CUTEAOT_GEMM_BUNDLE", "generated/tiny-gemm"))
     for n, k, dtype, ms, per_route in CASES:
         q = quantize_nvfp4(torch.randn(8, n, k) * 0.05)
         w = pack_nvfp4(*q, dtype).to("cuda")

@@ -781,7 +781,7 @@ def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, loc=None, ip
 # ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)
 # A bulk copy is issued by one thread and moves a whole contiguous range; its completion is
 # counted in bytes on an mbarrier (a 64-bit shared-memory object), which threads wait on by
-# phase parity.  Used by `benchmarks/stream_probe.py`; none of the GEMM kernels uses them yet.
+# phase parity.  Used by `benchmarks/stream_probe.py` and the producer-warp wgmma GEMM (wgmma_ws.py).
 
 
 @dsl_user_op
@@ -820,6 +820,28 @@ def cp_async_bulk_g2s(smem_addr: Int32, gmem_addr: Int64, nbytes: int, mbar: Int
     _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(mbar)], loc, ip),
          f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];",
          "r,l,r", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_mbarrier_arrive_noinc(mbar: Int32, *, loc=None, ip=None) -> None:
+    """Arrive once on the mbarrier when every cp.async this thread issued so far has landed
+    (`cp.async.mbarrier.arrive.noinc`: the arrival counts against the expected count given at init)."""
+    _asm(0, None, _ir([Int32(mbar)], loc, ip), "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_arrive_if(mbar: Int32, pred: Int32, *, loc=None, ip=None) -> None:
+    """Arrive once on the mbarrier (release) if pred != 0; predicated in PTX, so no branch."""
+    _asm(0, None, _ir([Int32(mbar), Int32(pred)], loc, ip),
+         "{\n .reg .pred p;\n setp.ne.s32 p, $1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [$0];\n}", "r,r",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """Wait until every cp.async this thread issued has landed."""
+    _asm(0, None, [], "cp.async.wait_all;", "", effects=True, loc=loc, ip=ip)
 
 
 # ----------------------------------------------------------------------------- global memory
@@ -946,6 +968,40 @@ def sync_threads_count(flag: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(1, T.i32, _ir([Int32(flag)], loc, ip),
                       "{\n .reg .pred p;\n setp.ne.s32 p, $1, 0;\n bar.red.popc.u32 $0, 0, p;\n}", "=r,r",
                       effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def named_barrier_sync(barrier: int, threads: int, *, loc=None, ip=None) -> None:
+    """`bar.sync barrier, threads`: a barrier over a subset of the CTA's warps (barrier 0 is
+    __syncthreads; every participating warp passes the same id and count)."""
+    assert 0 < barrier < 16 and threads % 32 == 0, (barrier, threads)
+    _asm(0, None, [], f"bar.sync {barrier}, {threads};", "", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def named_barrier_count(barrier: int, threads: int, flag: Int32, *, loc=None, ip=None) -> Int32:
+    """`named_barrier_sync` that returns how many of its threads passed a non-zero `flag`."""
+    assert 0 < barrier < 16 and threads % 32 == 0, (barrier, threads)
+    return Int32(_asm(1, T.i32, _ir([Int32(flag)], loc, ip),
+                      "{\n .reg .pred p;\n setp.ne.s32 p, $1, 0;\n"
+                      f" bar.red.popc.u32 $0, {barrier}, {threads}, p;\n}}", "=r,r",
+                      effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def warp_uniform(x: Int32, *, loc=None, ip=None) -> Int32:
+    """Lane 0's x for the whole warp (`shfl.sync.idx`): lets ptxas treat x, and branches on it, as uniform."""
+    return Int32(_asm(1, T.i32, _ir([Int32(x)], loc, ip), "shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r",
+                      effects=False, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
+def setmaxnreg(registers: int, increase: bool, *, loc=None, ip=None) -> None:
+    """`setmaxnreg.{inc,dec}.sync.aligned.u32`: this warpgroup's registers per thread from here on
+    (all of its warps execute it; a multiple of 8 in [24, 256])."""
+    assert 24 <= registers <= 256 and registers % 8 == 0, registers
+    op = "inc" if increase else "dec"
+    _asm(0, None, [], f"setmaxnreg.{op}.sync.aligned.u32 {registers};", "", effects=True, loc=loc, ip=ip)
 
 
 # ----------------------------------------------------------------------------- scalar float

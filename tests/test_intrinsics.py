@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tempfile
 
 import pytest
@@ -185,6 +186,40 @@ def test_wgmma_gemm_kernel_compiles():
             assert instruction in ptx
 
 
+def test_producer_warp_gemm_kernel_compiles():
+    """The wgmma loop with a producer warpgroup: setmaxnreg splits the registers, full / empty mbarriers
+    (cp.async arrives) and the compute warps' own named barrier; no spills, at launch within the CTA count."""
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels.w4a16.device import build_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.geometry import (PRODUCER_REGISTERS, WGMMA_WS_STAGES,
+                                                        wgmma_ws_compute_registers)
+
+    for dtype, block, per_sm, extra in (("bf16", 128, 2, dict(epilogue="silu", fast_math=True)),
+                                        ("fp16", 256, 1, dict(k_in=488, mul_topk_weights=True))):
+        spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=block,
+                        blocks_per_sm=per_sm, mainloop="wgmma", producer_warp=True, stages=WGMMA_WS_STAGES[block],
+                        **extra)
+        threads = block + 128  # one or two compute warpgroups, one producer warpgroup
+        assert spec.threads == threads
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+        assert record["block"] == [threads, 1, 1] and record["min_blocks_per_sm"] == per_sm
+        assert record["registers"] * threads * per_sm <= 65536
+        assert record["dynamic_smem_bytes"] == spec.shared_bytes
+        kernel, args = build_gemm(spec)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        compute = wgmma_ws_compute_registers(block, per_sm)
+        assert compute * block + PRODUCER_REGISTERS * 128 <= record["registers"] * threads
+        for instruction in (f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS}",
+                            f"setmaxnreg.inc.sync.aligned.u32 {compute}",
+                            "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
+                            f"bar.sync 1, {block};", "bar.sync 2, 128;", "fence.proxy.async.shared::cta"):
+            assert instruction in ptx, instruction
+        assert re.search(rf"bar\.red\.popc\.u32 %r\d+, 1, {block}, ", ptx)  # the route count, compute warps only
+
+
 def test_wgmma_spec_is_validated():
     from cuteaot.runtime import BadInputError
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
@@ -208,6 +243,17 @@ def test_wgmma_spec_is_validated():
     wide = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=256,
                     blocks_per_sm=1, mainloop="wgmma")
     assert wide.threads == 256 and wide.shared_bytes == 154640  # route metadata + align + 4 x 37376-byte stages
+    ws = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=256,
+                  blocks_per_sm=1, mainloop="wgmma", producer_warp=True)
+    # + the ring counters, 2 x 4 mbarriers, 256 source rows, and the 256 x 272-byte output tile
+    assert ws.threads == 384 and ws.shared_bytes == 154640 + 16 + 64 + 1024 + 256 * 272
+    assert ws.key() != wide.key() and "producer_warp" not in wide.key().facts
+    for bad in (dict(moe_block_size=64, tile_n=256, blocks_per_sm=2), dict(mainloop="mma_sync", moe_block_size=64),
+                dict(producer_warp=False)):
+        args = dict(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=256, blocks_per_sm=1,
+                    mainloop="wgmma", producer_warp=True) | bad
+        with pytest.raises(BadInputError, match="producer_warp must be None or True"):
+            GemmSpec(**args)
 
 
 def test_bias_epilogue_compiles_without_spills():

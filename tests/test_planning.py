@@ -478,3 +478,27 @@ def test_fit_check_footprint_covers_the_kernels_shared_memory():
             spec = GemmSpec(dtype="bf16", n=4096, k=4096, top_k=8, tile_n=tile.tile_n, tile_k=tile.tile_k,
                             moe_block_size=block, blocks_per_sm=1)
             assert shared_memory_footprint(block, tile, ScaleFormat.E4M3_K16) >= spec.shared_bytes, (block, tile)
+
+
+def test_producer_warp_is_planned_for_the_tall_blocks_on_full_grids(monkeypatch):
+    """WGMMA_PRODUCER_WARP: 128- and 256-row packed blocks take the producer-warp kernel where the grid
+    keeps its full CTA count (its register split assumes it); its spec carries the ring depth."""
+    from cuteaot.codegen.kernels.w4a16 import planning
+    from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_WS_STAGES
+
+    monkeypatch.setattr(planning, "WGMMA_PRODUCER_WARP", True)
+    tall = plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16)
+    wide = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16)
+    mid = plan_gemm(1024, 1536, 2048, 8, 128, H200, scale_format=K16)
+    assert (tall.moe_block_size, tall.producer_warp, tall.blocks_per_sm, tall.registers) == (128, True, 2, 128)
+    assert (wide.moe_block_size, wide.producer_warp, wide.blocks_per_sm, wide.registers) == (256, True, 1, 168)
+    assert mid.moe_block_size == 64 and not mid.producer_warp
+    spec = planning.gemm_spec_for(wide, "bf16", 1536, 2048, 8, a_per_route=False, mul_topk_weights=False,
+                                  epilogue="none")
+    assert spec.producer_warp and spec.stages == WGMMA_WS_STAGES[256] and spec.shared_bytes == wide.shared_memory_bytes
+    # a small problem lowers the grid below the full count: the plain wgmma kernel
+    few = plan_gemm(16, 256, 512, 2, 2, H200, scale_format=K16, tall=True)
+    assert few.moe_block_size == 128 and few.blocks_per_sm == 1 and not few.producer_warp
+    assert not plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16, layout="modelopt").producer_warp
+    monkeypatch.setattr(planning, "WGMMA_PRODUCER_WARP", False)
+    assert not plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16).producer_warp

@@ -274,13 +274,13 @@ class EpilogueMixin:
             state = Int32(-1)
             while state != slice_idx:
                 state = I.ld_global_acquire_i32(lock)
-        cute.arch.sync_threads()
+        self._sync()
         return lock
 
     @cute.jit
     def _pass_slice_turn(self, lock: Int64, tid: Int32, slice_idx: Int32, slice_count: Int32):
         """After the CTA's partial is written: hand the turn on, or reset the lock if last."""
-        cute.arch.sync_threads()
+        self._sync()
         if tid == Int32(0):
             if slice_idx == slice_count - Int32(1):
                 I.st_global_i32(lock, Int32(0))

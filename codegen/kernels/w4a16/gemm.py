@@ -216,6 +216,19 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                         n_tile = Int32(0)
                         route_block += Int32(1)
 
+    # ------------------------------------------------------------------ barriers
+
+    @cute.jit
+    def _sync(self):
+        """A barrier over the threads that compute tiles: the whole CTA here (the producer-warp
+        kernel, wgmma_ws.py, leaves its producer warp out)."""
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _sync_count(self, flag: Int32) -> Int32:
+        """`_sync` that returns how many of its threads passed a non-zero `flag`."""
+        return I.sync_threads_count(flag)
+
     # ------------------------------------------------------------------ block metadata
 
     @cute.jit
@@ -245,7 +258,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 I.st_shared_i32(src_sh, idx // Int32(s.top_k))
                 if cutlass.const_expr(s.mul_topk_weights):
                     I.st_shared_u32(topk_sh, self._topk_pair(ops, idx, routes))
-            cute.arch.sync_threads()
+            self._sync()
         else:
             # one route per thread, loaded straight into registers; the barrier that publishes
             # them also counts the valid ones (bar.red.popc)
@@ -259,7 +272,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     I.st_shared_u32(topk_sh + tid * Int32(4), self._topk_pair(ops, idx, routes))
                 if idx < routes:
                     in_block = Int32(1)
-            valid = I.sync_threads_count(in_block)
+            valid = self._sync_count(in_block)
         return valid
 
     @cute.jit

@@ -34,7 +34,11 @@ from cuteaot.runtime.types import DType
 from cuteaot.runtime.weights import stored_dims
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
+    PRODUCER_THREADS,
+    STAGES,
     WGMMA_BLOCK_SIZES,
+    WGMMA_WS_BLOCKS,
+    WGMMA_WS_STAGES,
     WGMMA_SHORT_BLOCKS,
     WGMMA_TALL_BLOCK,
     WGMMA_WIDE_BLOCK,
@@ -49,6 +53,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     wgmma_shared_memory_footprint,
     wgmma_threads,
     wgmma_tiles,
+    wgmma_ws_layout,
 )
 
 # Up to this many tokens every (token, k) route is its own block (no route packing).
@@ -156,6 +161,11 @@ WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 22
 # 128-wide one's 111-132) gained less (0.69-1.06x).
 WGMMA_SHORT = True
 WGMMA_SHORT_MAX_TILE_N = 128
+# 128- and 256-row blocks on the wgmma loop with a producer warpgroup (codegen/kernels/w4a16/wgmma_ws.py),
+# where the grid is not lowered for a small problem (its register split assumes the full CTA count).
+# Off: on the H200 it takes 0.98-1.05x the layer time of the plain loop at M = 2048-16384 (compare_layer,
+# docs/benchmarks.md "The wgmma loop with a producer warpgroup"), and racecheck reports hazards on it.
+WGMMA_PRODUCER_WARP = False
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
@@ -304,6 +314,14 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
     return limit
+
+def wgmma_ws_blocks_per_sm(moe_block_size: int, tile: TileConfig, profile: DeviceProfile) -> int:
+    """Co-resident producer-warp CTAs per SM: shared memory and threads (registers are split by setmaxnreg
+    from what that count leaves, geometry.wgmma_ws_compute_registers)."""
+    threads = wgmma_threads(moe_block_size) + PRODUCER_THREADS
+    smem = (wgmma_ws_layout(moe_block_size, tile, WGMMA_WS_STAGES[moe_block_size]).footprint
+            + _RESIDENT_SHARED_MEMORY_PER_BLOCK)
+    return max(min(profile.shared_memory_per_sm // smem, profile.max_threads_per_sm // threads), 1)
 
 @functools.cache
 def tile_misfit(
@@ -472,6 +490,7 @@ class GemmPlan:
     splitk_scratch_floats: int
     whole_tiles_m8: bool = False  # 8-row blocks: one whole-K tile per CTA when they all fit (no split-K)
     mainloop: str = "mma_sync"  # "wgmma": the sm_90a warpgroup-MMA loop (64-row blocks, WGMMA_TILES)
+    producer_warp: bool = False  # the wgmma loop with a producer warpgroup (WGMMA_PRODUCER_WARP)
 
     @property
     def cta_m_blocks(self) -> int:
@@ -529,6 +548,7 @@ def plan_gemm(
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
         block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
+    producer_warp = False
     wg_tile = None
     if pinned_tile is None and on_wgmma(block, short):
         wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout)[0]
@@ -537,6 +557,11 @@ def plan_gemm(
         registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
         mainloop, tile, used_registers = "wgmma", wg_tile, registers[(block, wg_tile.tile_n)]
         per_sm = wgmma_blocks_per_sm(m, n, top_k, block, tile, profile, used_registers)
+        if WGMMA_PRODUCER_WARP and block in WGMMA_WS_BLOCKS and layout == "packed":
+            ws_per_sm = wgmma_ws_blocks_per_sm(block, tile, profile)
+            if per_sm == ws_per_sm:
+                producer_warp = True
+                used_registers = profile.registers_per_sm // (per_sm * (wgmma_threads(block) + PRODUCER_THREADS)) // 8 * 8
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
           and tile_misfit(n, k, block, PACKED_M8_TILE, scale_format, profile) is None):
@@ -567,7 +592,8 @@ def plan_gemm(
         direct_topk_routes=direct,
         tile=tile,
         registers=used_registers,
-        shared_memory_bytes=(wgmma_shared_memory_footprint(block, tile) if mainloop == "wgmma"
+        shared_memory_bytes=(wgmma_ws_layout(block, tile, WGMMA_WS_STAGES[block]).footprint if producer_warp
+                             else wgmma_shared_memory_footprint(block, tile) if mainloop == "wgmma"
                              else shared_memory_footprint(block, tile, scale_format)),
         blocks_per_sm=per_sm,
         grid_x=grid_x,
@@ -579,6 +605,7 @@ def plan_gemm(
         splitk_scratch_floats=splitk_scratch_floats(grid_x, block, tile.tile_n),
         whole_tiles_m8=whole_tiles,
         mainloop=mainloop,
+        producer_warp=producer_warp,
     )
 
 def _coerce_scale_format(scale_format) -> ScaleFormat:
@@ -640,6 +667,8 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         layout=layout,
         scale_format=scale_format,
         mainloop=Mainloop(plan.mainloop),
+        producer_warp=True if plan.producer_warp else None,
+        stages=WGMMA_WS_STAGES[plan.moe_block_size] if plan.producer_warp else STAGES,
         bias=bias,
         n_rotation=n_rotation,
         split_global_scale=split_global_scale,

@@ -97,11 +97,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         super().__init__(spec)
         # 64-column weight slabs of a tile; warpgroups of the CTA (each takes slabs / wgs of them)
         self.slabs = spec.tile_n // 64
-        self.wgs = spec.threads // WGMMA_THREADS
+        self.wgs = spec.compute_threads // WGMMA_THREADS
         # wgmma per 16-k row of one warpgroup = packed words each thread decodes per row
         self.nw = self.slabs // self.wgs
         # activation rows staged per copy pass (8 threads of 16 bytes per 128-byte row)
-        self.x_rows_per_pass = spec.threads // 8
+        self.x_rows_per_pass = spec.compute_threads // 8
         # warps sharing one 64-column group (each takes nw of the group's four 16-row blocks)
         self.warps_per_group = 4 // self.nw
         # accumulator floats per thread per wgmma: the block's rows are the instruction's N
@@ -130,18 +130,24 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             t.x_ok.append(ok)
             t.x_dst.append(t.x_base + row * Int32(_X_ROW) + ((chunk ^ (row & Int32(7))) * Int32(16)))
         t.x_chunk = chunk
-        # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`
-        lane = tid & Int32(31)
-        group = self._column_group(tid)
-        part = (tid // Int32(32)) % Int32(self.warps_per_group)
-        # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
-        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
+        group, part, lane = self._wg_thread(t, tid)
         if cutlass.const_expr(s.modelopt):
             self._wg_plan_modelopt(ops, t, tid, expert, n_tile, lane)
         else:
             self._wg_plan_packed(ops, t, tid, expert, n_tile, group, part, lane)
         t.desc = I.wgmma_desc_sw128(t.x_base)
         return t
+
+    @cute.jit
+    def _wg_thread(self, t, tid: Int32):
+        """This thread's (column group, part, lane); sets t.n0, the warp's first output column."""
+        # reads: warp w decodes 16-row blocks jj = part * nw + j (j < nw) of column group `group`
+        lane = tid & Int32(31)
+        group = self._column_group(tid)
+        part = (tid // Int32(32)) % Int32(self.warps_per_group)
+        # this warp's first output column: D row 16 w + g of wgmma jj is column n0 + 16 jj + g
+        t.n0 = Int32(64) * group + Int32(16 * self.nw) * part
+        return group, part, lane
 
     @cute.jit
     def _wg_plan_packed(self, ops, t, tid: Int32, expert: Int32, n_tile: Int32, group: Int32, part: Int32,
@@ -166,6 +172,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                                 + Int64(self._slab_column(n_tile, s_col, 4))
                                 ) * Int64(16)
         t.s_dst = t.s_base + tid * Int32(16)
+        self._wg_reads_packed(t, group, part, lane)
+
+    @cute.jit
+    def _wg_reads_packed(self, t, group: Int32, part: Int32, lane: Int32):
+        """Packed: this thread's shared-memory reads of a stage's weight and scale words."""
         # words part * nw.. of lane l's int4 (32 group + l), and the matching scale bytes (one scale
         # word holds two blocks' pairs: with nw = 1 an odd part takes the word's odd bytes, shifted down)
         t.w_rd = t.w_base + (Int32(32) * group + lane) * Int32(16) + part * Int32(4 * self.nw)
@@ -445,27 +456,32 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
         Accumulators past that N stay zero; the store never writes rows past `valid_rows`.
         """
+        self._for_row_variant(valid_rows, self._wg_rows_mainloop,
+                              (ops, smem, tid, expert, n_tile, valid_rows, acc, k_start, k_tiles))
+
+    @cute.jit
+    def _for_row_variant(self, valid_rows: Int32, run, args):
+        """run(*args, rows) for `rows` the narrowest row variant that covers `valid_rows`."""
         v = self.row_variants
-        args = (ops, smem, tid, expert, n_tile, valid_rows, acc, k_start, k_tiles)
         if cutlass.const_expr(len(v) == 1):
-            self._wg_rows_mainloop(*args, v[0])
+            run(*args, v[0])
         elif cutlass.const_expr(len(v) == 2):
             if valid_rows <= Int32(v[0]):
-                self._wg_rows_mainloop(*args, v[0])
+                run(*args, v[0])
             else:
-                self._wg_rows_mainloop(*args, v[1])
+                run(*args, v[1])
         else:
             assert len(v) == 4, v
             if valid_rows <= Int32(v[1]):
                 if valid_rows <= Int32(v[0]):
-                    self._wg_rows_mainloop(*args, v[0])
+                    run(*args, v[0])
                 else:
-                    self._wg_rows_mainloop(*args, v[1])
+                    run(*args, v[1])
             else:
                 if valid_rows <= Int32(v[2]):
-                    self._wg_rows_mainloop(*args, v[2])
+                    run(*args, v[2])
                 else:
-                    self._wg_rows_mainloop(*args, v[3])
+                    run(*args, v[3])
 
     # ------------------------------------------------------------------ split-K and store
 
@@ -479,7 +495,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         for jj in cutlass.range_constexpr(self.nw):
             for v in cutlass.range_constexpr(self.acc_n // 4):
                 slot = jj * (self.acc_n // 4) + v
-                addr = ops.c_tmp + Int64(lock_slot * Int32(tile_int4) + Int32(slot * s.threads) + tid) * Int64(16)
+                addr = (ops.c_tmp + Int64(lock_slot * Int32(tile_int4) + Int32(slot * s.compute_threads) + tid)
+                        * Int64(16))
                 c = [acc[jj, 4 * v + e] for e in range(4)]
                 if slice_idx != Int32(0):
                     r = I.ld_global_v4_f32(addr)
@@ -496,7 +513,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         """acc * global_scale -> dtype, staged as [token][n] in shared memory -> 16-byte row stores."""
         s = self.s
         row_bytes = Int32(s.wg_out_row_bytes)
-        cute.arch.sync_threads()  # the stages are reused
+        self._sync()  # the stages are reused
         lane = tid & Int32(31)
         # D[n, token] fragments -> staged[token][n] with stmatrix .trans: matrix m of a store is
         # token block i + m // 2, column half m % 2 (rows g or g + 8 of the wgmma's 16); lane l
@@ -508,20 +525,20 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 q = [self._pack_pair(acc[jj, 4 * i + 2 * h] * global_scale, acc[jj, 4 * i + 2 * h + 1] * global_scale)
                      for h in range(4)]
                 I.stmatrix_x4_trans(at0 + Int32(8 * i) * row_bytes + Int32(16 * jj * 2), q[0], q[1], q[2], q[3])
-        cute.arch.sync_threads()
+        self._sync()
 
         # 16-byte output chunks per row: the tile's, or with a gated epilogue one per gate / up pair
         chunks = s.tile_n // 16 if cutlass.const_expr(s.epilogue.is_gated) else s.tile_n // 8
         col = tid % Int32(chunks)
-        for it in cutlass.range_constexpr(s.moe_block_size * chunks // s.threads):
-            row = tid // Int32(chunks) + Int32(it * s.threads // chunks)
+        for it in cutlass.range_constexpr(s.moe_block_size * chunks // s.compute_threads):
+            row = tid // Int32(chunks) + Int32(it * s.compute_threads // chunks)
             staged = t.base + row * row_bytes + col * Int32(16)
             if cutlass.const_expr(s.epilogue.is_gated):
                 self._store_gated_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows, staged,
                                         staged + Int32(chunks * 16), bias_row)
             else:
                 self._store_chunk(ops, smem, row, Int32(chunks) * n_tile + col, valid_rows, staged, bias_row)
-        cute.arch.sync_threads()
+        self._sync()
 
     # ------------------------------------------------------------------ one tile
 
@@ -544,5 +561,10 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
 
 def gemm_kernel(spec) -> W4A16GemmKernel:
-    """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a)."""
+    """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a), with or
+    without a producer warpgroup."""
+    if spec.producer_warp:
+        from .wgmma_ws import W4A16WgmmaWsGemmKernel  # it subclasses this module's kernel
+
+        return W4A16WgmmaWsGemmKernel(spec)
     return W4A16WgmmaGemmKernel(spec) if spec.mainloop is Mainloop.WGMMA else W4A16GemmKernel(spec)

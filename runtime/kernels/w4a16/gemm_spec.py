@@ -28,8 +28,11 @@ from ...keys import SpecKey
 from .geometry import (
     ALLOWED_MOE_BLOCK_SIZES,
     STAGES,
+    PRODUCER_THREADS,
     WGMMA_BLOCK_SIZES,
+    WGMMA_WS_BLOCKS,
     wgmma_threads,
+    wgmma_ws_layout,
     wgmma_tiles,
     ScaleFormat,
     TileConfig,
@@ -177,10 +180,13 @@ class GemmSpec(SpecKey):
     # MODELOPT_SCALE_EXPONENT[dtype] when built; the weights' global scale undoes it, so a kernel built
     # with another one is refused (`modelopt_scale_exponent`).  None for the other layouts.
     scale_exponent: int | None = None
+    # The wgmma loop with a producer warp (codegen/kernels/w4a16/wgmma_ws.py): True, or None for the
+    # loop whose warpgroups copy their own stages.
+    producer_warp: bool | None = None
 
     # added after keys existed: left out of the key while None, so those keys keep their digests
     KEY_OMITS_NONE = frozenset({"fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit", "n_rotation",
-                                "split_global_scale", "scale_exponent"})
+                                "split_global_scale", "scale_exponent", "producer_warp"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -235,6 +241,15 @@ class GemmSpec(SpecKey):
                     f"for {self.moe_block_size}-row blocks, packed routes, no sum_topk; got tile "
                     f"{self.tile_n}x{self.tile_k}, routes {self.routes.value}, sum_topk {self.sum_topk}"
                 )
+
+        if self.producer_warp is not None:
+            wanted = (True, Mainloop.WGMMA, "packed", True)
+            given = (self.producer_warp, self.mainloop, self.layout, self.moe_block_size in WGMMA_WS_BLOCKS)
+            if given != wanted:
+                raise BadInputError(
+                    f"producer_warp must be None or True, for the wgmma loop on packed weights and "
+                    f"{WGMMA_WS_BLOCKS}-row blocks; got {self.producer_warp!r}, mainloop {self.mainloop.value}, "
+                    f"layout {self.layout}, {self.moe_block_size}-row blocks")
 
         act_facts = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
         if self.epilogue.is_gated:
@@ -296,6 +311,12 @@ class GemmSpec(SpecKey):
 
     @property
     def threads(self) -> int:
+        """Threads of a CTA: those that compute tiles, and the producer warp if there is one."""
+        return self.compute_threads + (PRODUCER_THREADS if self.producer_warp else 0)
+
+    @property
+    def compute_threads(self) -> int:
+        """Threads that decode, multiply and store (every thread but the producer warp)."""
         return wgmma_threads(self.moe_block_size) if self.mainloop is Mainloop.WGMMA else self.tile.threads
 
     @property
@@ -464,6 +485,8 @@ class GemmSpec(SpecKey):
 
     @property
     def shared_bytes(self) -> int:
+        if self.producer_warp:
+            return self.ws_layout.footprint
         if self.mainloop is Mainloop.WGMMA:
             # route metadata, slack to align the stages to a swizzle atom, the stages
             assert 16 * self.sh_b_off == route_metadata_bytes(self.moe_block_size)
@@ -488,6 +511,12 @@ class GemmSpec(SpecKey):
     @property
     def wg_s_stage_bytes(self) -> int:
         return wgmma_stage_parts(self.moe_block_size, self.tile)[2]
+
+    @property
+    def ws_layout(self):
+        """The producer-warp kernel's shared-memory offsets (geometry.WgmmaWsLayout)."""
+        assert self.producer_warp
+        return wgmma_ws_layout(self.moe_block_size, self.tile, self.stages)
 
     @property
     def wg_out_row_bytes(self) -> int:

@@ -159,6 +159,55 @@ def wgmma_shared_memory_footprint(moe_block_size: int, tile: TileConfig, stages:
     return (route_metadata_bytes(moe_block_size) + WGMMA_SMEM_ALIGN
             + stages * wgmma_stage_bytes(moe_block_size, tile))
 
+# The producer-warp form of the wgmma GEMM (codegen/kernels/w4a16/wgmma_ws.py): the warpgroup(s) only
+# decode and multiply; one more warp streams every stage with cp.async, across tile boundaries, through
+# a ring of full / empty mbarriers, and the epilogue stages its output in a region of its own.  For the
+# large-M blocks, with the ring depth each CTA count per SM leaves room for.
+WGMMA_WS_BLOCKS = (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK)
+WGMMA_WS_STAGES = {WGMMA_TALL_BLOCK: 3, WGMMA_WIDE_BLOCK: 4}
+# The producer is a whole warpgroup (setmaxnreg works per warpgroup, and ptxas budgets registers for
+# whole warpgroups anyway): it gives registers back down to PRODUCER_REGISTERS and the compute
+# warpgroups take what that frees (`wgmma_ws_compute_registers`).
+PRODUCER_THREADS = 128
+PRODUCER_REGISTERS = 56
+
+
+@dataclass(frozen=True)
+class WgmmaWsLayout:
+    """Byte offsets of the producer-warp kernel's shared memory (from the dynamic base, which is
+    16-aligned): route metadata as the other kernels, the two roles' ring counters, full[stages] and
+    empty[stages] mbarriers, the producer's source row per block row, then (aligned at run time) the
+    stages and the epilogue's output tile."""
+
+    rings: int
+    full: int
+    empty: int
+    rows: int
+    stages_at: int
+    footprint: int
+
+
+def wgmma_ws_compute_registers(moe_block_size: int, blocks_per_sm: int, registers_per_sm: int = 65536) -> int:
+    """Registers per compute thread after setmaxnreg: what the CTA holds at launch (its threads x the
+    per-thread count that blocks_per_sm leaves, in multiples of 8) less the producer's PRODUCER_REGISTERS."""
+    threads = wgmma_threads(moe_block_size) + PRODUCER_THREADS
+    at_launch = registers_per_sm // (blocks_per_sm * threads) // 8 * 8
+    return min((threads * at_launch - PRODUCER_THREADS * PRODUCER_REGISTERS) // wgmma_threads(moe_block_size) // 8 * 8,
+               256)
+
+
+@functools.cache
+def wgmma_ws_layout(moe_block_size: int, tile: TileConfig, stages: int) -> WgmmaWsLayout:
+    rings = route_metadata_bytes(moe_block_size)
+    full = rings + 16
+    empty = full + 8 * stages
+    rows = empty + 8 * stages
+    stages_at = rows + 4 * moe_block_size
+    out_tile = moe_block_size * (tile.tile_n * 2 + 16)
+    return WgmmaWsLayout(rings, full, empty, rows, stages_at,
+                         stages_at + WGMMA_SMEM_ALIGN + stages * wgmma_stage_bytes(moe_block_size, tile) + out_tile)
+
+
 @functools.cache
 def wgmma_tiles(moe_block_size: int) -> tuple[TileConfig, ...]:
     """The wgmma tiles a block size can use, widest first.
