@@ -153,10 +153,24 @@ def test_gemm_kernel_compiles_without_spills():
         assert record["min_blocks_per_sm"] == bps
 
 
-def test_wgmma_gemm_kernel_compiles():
-    """The sm_90a large-M loop: register-A wgmma for every row variant, async-proxy fence, no spills."""
+def _compiled_ptx(spec, threads: int, per_sm: int) -> str:
+    """Compile a GEMM spec for sm_90a, check what the manifest will record (no spills, launch shape,
+    co-residency, shared bytes) and return its PTX."""
     from cuteaot.codegen.compile import compile_kernel
     from cuteaot.codegen.kernels.w4a16.device import build_gemm
+
+    record = compile_kernel(spec.key(), "sm_90a").record
+    assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+    assert record["block"] == [threads, 1, 1] and record["min_blocks_per_sm"] == per_sm
+    assert record["registers"] * threads * per_sm <= 65536
+    assert record["dynamic_smem_bytes"] == spec.shared_bytes
+    kernel, args = build_gemm(spec)
+    with tempfile.TemporaryDirectory() as d:
+        return cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+
+
+def test_wgmma_gemm_kernel_compiles():
+    """The sm_90a large-M loop: register-A wgmma for every row variant, async-proxy fence, no spills."""
     from cuteaot.codegen.kernels.w4a16.wgmma import GROUPS_IN_FLIGHT
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
@@ -167,14 +181,7 @@ def test_wgmma_gemm_kernel_compiles():
         spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=block,
                         blocks_per_sm=per_sm, mul_topk_weights=True, mainloop="wgmma")
         threads = 256 if block == 256 else 128  # 256-row blocks: two warpgroups
-        record = compile_kernel(spec.key(), "sm_90a").record
-        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
-        assert record["block"] == [threads, 1, 1] and record["min_blocks_per_sm"] == per_sm
-        assert record["registers"] * threads * per_sm <= 65536
-        assert record["dynamic_smem_bytes"] == spec.shared_bytes
-        kernel, args = build_gemm(spec)
-        with tempfile.TemporaryDirectory() as d:
-            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        ptx = _compiled_ptx(spec, threads, per_sm)
         # 128- and 256-row blocks: one main loop per row variant (the valid rows pick the narrowest N
         # covering them), in steps of 32 and 64
         step = {128: 32, 256: 64}.get(block, block)
@@ -189,8 +196,6 @@ def test_wgmma_gemm_kernel_compiles():
 def test_producer_warp_gemm_kernel_compiles():
     """The wgmma loop with a producer warpgroup: setmaxnreg splits the registers, full / empty mbarriers
     (cp.async arrives) and the compute warps' own named barrier; no spills, at launch within the CTA count."""
-    from cuteaot.codegen.compile import compile_kernel
-    from cuteaot.codegen.kernels.w4a16.device import build_gemm
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
     from cuteaot.runtime.kernels.w4a16.geometry import (PRODUCER_REGISTERS, WGMMA_WS_STAGES,
                                                         wgmma_ws_compute_registers)
@@ -202,16 +207,10 @@ def test_producer_warp_gemm_kernel_compiles():
                         **extra)
         threads = block + 128  # one or two compute warpgroups, one producer warpgroup
         assert spec.threads == threads
-        record = compile_kernel(spec.key(), "sm_90a").record
-        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
-        assert record["block"] == [threads, 1, 1] and record["min_blocks_per_sm"] == per_sm
-        assert record["registers"] * threads * per_sm <= 65536
-        assert record["dynamic_smem_bytes"] == spec.shared_bytes
-        kernel, args = build_gemm(spec)
-        with tempfile.TemporaryDirectory() as d:
-            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        ptx = _compiled_ptx(spec, threads, per_sm)
+        # the setmaxnreg split stays within what the CTA holds at launch
         compute = wgmma_ws_compute_registers(block, per_sm)
-        assert compute * block + PRODUCER_REGISTERS * 128 <= record["registers"] * threads
+        assert compute * block + PRODUCER_REGISTERS * 128 <= 65536 // per_sm
         for instruction in (f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS}",
                             f"setmaxnreg.inc.sync.aligned.u32 {compute}",
                             "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",

@@ -436,6 +436,12 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             if tile_idx < k_tiles:
                 self._wg_k_tile(ops, t, acc, frag, words, pipe, tile_idx, k_tiles, k_start, True, rows)
                 tile_idx += Int32(1)
+        self._wg_pin_acc(acc, rows)
+
+    @cute.jit
+    def _wg_pin_acc(self, acc: cute.Tensor, rows: cutlass.Constexpr[int]):
+        """After the last wait: route the accumulators through `pin_f32`, so no later use of them can move
+        above the wait."""
         pinned = I.pin_f32([acc[jj, i] for jj in range(self.nw) for i in range(rows // 2)])
         for jj in cutlass.range_constexpr(self.nw):
             for i in cutlass.range_constexpr(rows // 2):

@@ -294,10 +294,7 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
                 st, ph = self._ws_k_tile(t, acc, frag, words, st, ph, i + Int32(u), k_tiles, u == UNROLL - 1, u > 0,
                                          rows)
             i += Int32(UNROLL)
-        pinned = I.pin_f32([acc[jj, c] for jj in range(self.nw) for c in range(rows // 2)])
-        for jj in cutlass.range_constexpr(self.nw):
-            for c in cutlass.range_constexpr(rows // 2):
-                acc[jj, c] = pinned[jj * (rows // 2) + c]
+        self._wg_pin_acc(acc, rows)
 
     @cute.jit
     def _compute_tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32,
