@@ -4,7 +4,8 @@ rule, and record the answers where the build reads them (codegen/kernels/w4a16/m
 Knobs: "tall" (128-row wgmma route blocks below 128 routes per expert), "decode" (the fused decode
 regime, direct routes and the top-k sum in FC2, past M = 2 up to fused_planning.DECODE_MEASURED_MAX_M),
 "wide" (256-row wgmma route blocks from 256 routes per expert where a GEMM's K is below
-planning.WGMMA_WIDE_MIN_K) and "promote" (16-row wgmma route blocks where the rule packs 8-row ones).
+planning.WGMMA_WIDE_MIN_K), "promote" (16-row wgmma route blocks where the rule packs 8-row ones) and
+"producer" (128- and 256-row blocks on the wgmma loop with a producer warpgroup, wgmma_ws.py).
 
     # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
     python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
@@ -31,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
-KNOBS = ("tall", "decode", "wide", "promote")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
+KNOBS = ("tall", "decode", "wide", "promote", "producer")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:

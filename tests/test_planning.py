@@ -481,15 +481,18 @@ def test_fit_check_footprint_covers_the_kernels_shared_memory():
 
 
 def test_producer_warp_is_planned_for_the_tall_blocks_on_full_grids(monkeypatch):
-    """WGMMA_PRODUCER_WARP: 128- and 256-row packed blocks take the producer-warp kernel where the grid
-    keeps its full CTA count (its register split assumes it); its spec carries the ring depth."""
+    """producer=True: 128- and 256-row packed blocks take the producer-warp kernel where the grid keeps
+    its full CTA count (its register split assumes it); its spec carries the ring depth.  A layer asks
+    the "producer" knob, for both GEMMs."""
     from cuteaot.codegen.kernels.w4a16 import planning
+    from cuteaot.codegen.kernels.w4a16.fused_planning import split_layer
     from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_WS_STAGES
+    from cuteaot.runtime.resolution import MoeLayerFacts
 
-    monkeypatch.setattr(planning, "WGMMA_PRODUCER_WARP", True)
-    tall = plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16)
-    wide = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16)
-    mid = plan_gemm(1024, 1536, 2048, 8, 128, H200, scale_format=K16)
+    ws = dict(scale_format=K16, producer=True)
+    tall = plan_gemm(2048, 1536, 2048, 8, 128, H200, **ws)
+    wide = plan_gemm(4096, 1536, 2048, 8, 128, H200, **ws)
+    mid = plan_gemm(1024, 1536, 2048, 8, 128, H200, **ws)
     assert (tall.moe_block_size, tall.producer_warp, tall.blocks_per_sm, tall.registers) == (128, True, 2, 128)
     assert (wide.moe_block_size, wide.producer_warp, wide.blocks_per_sm, wide.registers) == (256, True, 1, 168)
     assert mid.moe_block_size == 64 and not mid.producer_warp
@@ -497,8 +500,12 @@ def test_producer_warp_is_planned_for_the_tall_blocks_on_full_grids(monkeypatch)
                                   epilogue="none")
     assert spec.producer_warp and spec.stages == WGMMA_WS_STAGES[256] and spec.shared_bytes == wide.shared_memory_bytes
     # a small problem lowers the grid below the full count: the plain wgmma kernel
-    few = plan_gemm(16, 256, 512, 2, 2, H200, scale_format=K16, tall=True)
+    few = plan_gemm(16, 256, 512, 2, 2, H200, tall=True, **ws)
     assert few.moe_block_size == 128 and few.blocks_per_sm == 1 and not few.producer_warp
-    assert not plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16, layout="modelopt").producer_warp
-    monkeypatch.setattr(planning, "WGMMA_PRODUCER_WARP", False)
-    assert not plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16).producer_warp
+    assert not plan_gemm(4096, 1536, 2048, 8, 128, H200, layout="modelopt", **ws).producer_warp
+    assert not plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16).producer_warp  # the rule: never
+    facts = MoeLayerFacts(dtype="bf16", hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
+                          activation="silu")
+    assert not any(p.plan.producer_warp for p in split_layer(4096, facts, H200))  # nothing recorded
+    monkeypatch.setitem(planning.POLICY, "producer", "always")
+    assert all(p.plan.producer_warp and p.spec.producer_warp for p in split_layer(4096, facts, H200))

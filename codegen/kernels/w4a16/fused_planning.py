@@ -428,6 +428,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
     wide = layer_choice("wide", m, facts, profile)
     promote = layer_choice("promote", m, facts, profile)
+    producer = layer_choice("producer", m, facts, profile)
     if facts.weights.layout == "modelopt":
         if tall is None and m * facts.top_k >= MODELOPT_TALL_MIN_ROUTES * facts.num_experts:
             tall = True
@@ -436,9 +437,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide,
-                  facts.weights.layout, promote)
+                  facts.weights.layout, promote, producer)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide,
-                  facts.weights.layout, promote)
+                  facts.weights.layout, promote, producer)
     if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
         return None
     on_input = facts.router_weight_on_input

@@ -161,11 +161,6 @@ WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 22
 # 128-wide one's 111-132) gained less (0.69-1.06x).
 WGMMA_SHORT = True
 WGMMA_SHORT_MAX_TILE_N = 128
-# 128- and 256-row blocks on the wgmma loop with a producer warpgroup (codegen/kernels/w4a16/wgmma_ws.py),
-# where the grid is not lowered for a small problem (its register split assumes the full CTA count).
-# Off: on the H200 it takes 0.98-1.05x the layer time of the plain loop at M = 2048-16384 (compare_layer,
-# docs/benchmarks.md "The wgmma loop with a producer warpgroup"), and racecheck reports hazards on it.
-WGMMA_PRODUCER_WARP = False
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
@@ -185,14 +180,17 @@ WGMMA_WIDE_MIN_K = 1024
 # 8-row route blocks, top-k sum folded into FC2) past DECODE_MAX_M; "wide", 256-row blocks where
 # the K rule (WGMMA_WIDE_MIN_K) says no; and "promote", 16-row wgmma blocks where the rule packs 8-row
 # mma.sync ones (0.70-0.93x the time on Mixtral and the narrow Qwen3-235B shards, 1.02-1.07x on the
-# wide 128-expert shapes).
+# wide 128-expert shapes).  A fifth, "producer", runs 128- and 256-row blocks on the wgmma loop with a
+# producer warpgroup (codegen/kernels/w4a16/wgmma_ws.py); the rule never does, and nothing is recorded:
+# on the H200 it took 0.98-1.05x the plain loop's layer time at M = 2048-16384 and racecheck reports
+# hazards on it (docs/benchmarks.md "The wgmma loop with a producer warpgroup").
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode", "wide", "promote")
+MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
-POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured"}
+POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured"}
 
 
 @functools.cache
@@ -490,7 +488,7 @@ class GemmPlan:
     splitk_scratch_floats: int
     whole_tiles_m8: bool = False  # 8-row blocks: one whole-K tile per CTA when they all fit (no split-K)
     mainloop: str = "mma_sync"  # "wgmma": the sm_90a warpgroup-MMA loop (64-row blocks, WGMMA_TILES)
-    producer_warp: bool = False  # the wgmma loop with a producer warpgroup (WGMMA_PRODUCER_WARP)
+    producer_warp: bool = False  # the wgmma loop with a producer warpgroup (the "producer" knob)
 
     @property
     def cta_m_blocks(self) -> int:
@@ -516,6 +514,7 @@ def plan_gemm(
     layout: str = "packed",
     short: bool | None = None,
     promote: bool | None = None,
+    producer: bool | None = None,
 ) -> GemmPlan:
     """Plan the grouped GEMM of m tokens x top_k routes against (N, K) expert weights.
 
@@ -531,6 +530,8 @@ def plan_gemm(
     one packing).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
     short: 16-, 32- and 48-row blocks on the wgmma loop (True) or the mma.sync loop (None: WGMMA_SHORT).
     promote: 16-row wgmma blocks where the rule packs 8-row ones (`promoted_block`).
+    producer: 128- and 256-row packed blocks on the wgmma loop with a producer warpgroup, where the grid
+    keeps its full CTA count (its register split assumes it); None / False: the plain loop.
     """
     check_positive(m=m, n=n, k=k, top_k=top_k, num_experts=num_experts)
     if top_k > num_experts:
@@ -557,7 +558,7 @@ def plan_gemm(
         registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
         mainloop, tile, used_registers = "wgmma", wg_tile, registers[(block, wg_tile.tile_n)]
         per_sm = wgmma_blocks_per_sm(m, n, top_k, block, tile, profile, used_registers)
-        if WGMMA_PRODUCER_WARP and block in WGMMA_WS_BLOCKS and layout == "packed":
+        if producer and block in WGMMA_WS_BLOCKS and layout == "packed":
             ws_per_sm = wgmma_ws_blocks_per_sm(block, tile, profile)
             if per_sm == ws_per_sm:
                 producer_warp = True
@@ -630,11 +631,12 @@ def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers)
 
 
 def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None,
-             wide: bool | None = None, layout: str = "packed", promote: bool | None = None) -> GemmPlan:
+             wide: bool | None = None, layout: str = "packed", promote: bool | None = None,
+             producer: bool | None = None) -> GemmPlan:
     """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
     n_stored, k_stored = stored_dims(n, k)
     return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall,
-                     wide=wide, layout=layout, promote=promote)
+                     wide=wide, layout=layout, promote=promote, producer=producer)
 
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,

@@ -1,5 +1,5 @@
-"""The wgmma GEMM with a producer warpgroup (sm_90a, `GemmSpec.producer_warp`; not planned by default,
-planning.WGMMA_PRODUCER_WARP says why).
+"""The wgmma GEMM with a producer warpgroup (sm_90a, `GemmSpec.producer_warp`; planned only where the
+"producer" knob of planning.MEASURED_KNOBS was measured to win, so far nowhere: the comment there says why).
 
 The loop of wgmma.py makes its warpgroup(s) copy their own stages: every tile starts with a pipeline
 fill (the first stages' loads, in full view of the tensor cores) and ends with an epilogue that
