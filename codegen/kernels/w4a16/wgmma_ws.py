@@ -89,8 +89,7 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
             I.st_shared_i32(smem + Int32(lay.rings + 4), Int32(0))
             I.fence_mbarrier_init()
         cute.arch.sync_threads()
-        # the role by warpgroup, warp-uniform as ptxas sees it: it then allocates each role's registers
-        # to its own setmaxnreg count
+        # the role by warpgroup (setmaxnreg is executed by whole warpgroups), uniform as ptxas sees it
         if I.warp_uniform(tid // Int32(128)) >= Int32(self.compute // 128):
             I.setmaxnreg(PRODUCER_REGISTERS, increase=False)
             self._schedule(True, ops, smem, tid, cta, grid_x, tokens)
@@ -301,7 +300,8 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
                       n_tile: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
-        # warp-uniform as ptxas sees them: the main loop's branches must not look divergent
+        # uniform as ptxas sees them (the main loop branches on them around wgmma; ptxas serializes
+        # wgmma it finds in divergent paths, C7520)
         ring = I.warp_uniform(I.ld_shared_i32(smem + Int32(self.lay.rings + 4)))
         k_tiles = I.warp_uniform(k_count)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
