@@ -781,7 +781,7 @@ def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, loc=None, ip
 # ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)
 # A bulk copy is issued by one thread and moves a whole contiguous range; its completion is
 # counted in bytes on an mbarrier (a 64-bit shared-memory object), which threads wait on by
-# phase parity.  Used by `benchmarks/stream_probe.py` and the producer-warp wgmma GEMM (wgmma_ws.py).
+# phase parity.  Used by `benchmarks/stream_probe.py` and the producer-warpgroup wgmma GEMM (wgmma_ws.py).
 
 
 @dsl_user_op

@@ -481,7 +481,7 @@ def test_fit_check_footprint_covers_the_kernels_shared_memory():
 
 
 def test_producer_warp_is_planned_for_the_tall_blocks_on_full_grids(monkeypatch):
-    """producer=True: 128- and 256-row packed blocks take the producer-warp kernel where the grid keeps
+    """producer=True: 128- and 256-row packed blocks take the producer-warpgroup kernel where the grid keeps
     its full CTA count (its register split assumes it); its spec carries the ring depth.  A layer asks
     the "producer" knob, for both GEMMs."""
     from cuteaot.codegen.kernels.w4a16 import planning

@@ -220,8 +220,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
 
     @cute.jit
     def _sync(self):
-        """A barrier over the threads that compute tiles: the whole CTA here (the producer-warp
-        kernel, wgmma_ws.py, leaves its producer warp out)."""
+        """A barrier over the threads that compute tiles: the whole CTA here (the producer-warpgroup
+        kernel, wgmma_ws.py, leaves its producer out)."""
         cute.arch.sync_threads()
 
     @cute.jit

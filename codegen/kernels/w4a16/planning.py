@@ -53,6 +53,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     wgmma_shared_memory_footprint,
     wgmma_threads,
     wgmma_tiles,
+    wgmma_ws_launch_registers,
     wgmma_ws_layout,
 )
 
@@ -314,7 +315,7 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
     return limit
 
 def wgmma_ws_blocks_per_sm(moe_block_size: int, tile: TileConfig, profile: DeviceProfile) -> int:
-    """Co-resident producer-warp CTAs per SM: shared memory and threads (registers are split by setmaxnreg
+    """Co-resident producer-warpgroup CTAs per SM: shared memory and threads (registers are split by setmaxnreg
     from what that count leaves, geometry.wgmma_ws_compute_registers)."""
     threads = wgmma_threads(moe_block_size) + PRODUCER_THREADS
     smem = (wgmma_ws_layout(moe_block_size, tile, WGMMA_WS_STAGES[moe_block_size]).footprint
@@ -562,7 +563,7 @@ def plan_gemm(
             ws_per_sm = wgmma_ws_blocks_per_sm(block, tile, profile)
             if per_sm == ws_per_sm:
                 producer_warp = True
-                used_registers = profile.registers_per_sm // (per_sm * (wgmma_threads(block) + PRODUCER_THREADS)) // 8 * 8
+                used_registers = wgmma_ws_launch_registers(block, per_sm, profile.registers_per_sm)
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
           and tile_misfit(n, k, block, PACKED_M8_TILE, scale_format, profile) is None):

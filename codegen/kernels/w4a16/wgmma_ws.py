@@ -300,8 +300,9 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
                       n_tile: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
-        # uniform as ptxas sees them (the main loop branches on them around wgmma; ptxas serializes
-        # wgmma it finds in divergent paths, C7520)
+        # uniform as ptxas sees them (the main loop branches on them around wgmma).  Added while chasing
+        # C7520 (wgmma serialized "in divergent path"); what removed it was the order of the remainder
+        # loop (_ws_rows_mainloop), but this is the code the H200 runs verified
         ring = I.warp_uniform(I.ld_shared_i32(smem + Int32(self.lay.rings + 4)))
         k_tiles = I.warp_uniform(k_count)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)

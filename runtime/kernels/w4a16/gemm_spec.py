@@ -180,7 +180,7 @@ class GemmSpec(SpecKey):
     # MODELOPT_SCALE_EXPONENT[dtype] when built; the weights' global scale undoes it, so a kernel built
     # with another one is refused (`modelopt_scale_exponent`).  None for the other layouts.
     scale_exponent: int | None = None
-    # The wgmma loop with a producer warp (codegen/kernels/w4a16/wgmma_ws.py): True, or None for the
+    # The wgmma loop with a producer warpgroup (codegen/kernels/w4a16/wgmma_ws.py): True, or None for the
     # loop whose warpgroups copy their own stages.
     producer_warp: bool | None = None
 
@@ -311,12 +311,12 @@ class GemmSpec(SpecKey):
 
     @property
     def threads(self) -> int:
-        """Threads of a CTA: those that compute tiles, and the producer warp if there is one."""
+        """Threads of a CTA: those that compute tiles, and the producer warpgroup if there is one."""
         return self.compute_threads + (PRODUCER_THREADS if self.producer_warp else 0)
 
     @property
     def compute_threads(self) -> int:
-        """Threads that decode, multiply and store (every thread but the producer warp)."""
+        """Threads that decode, multiply and store (every thread but the producer warpgroup)."""
         return wgmma_threads(self.moe_block_size) if self.mainloop is Mainloop.WGMMA else self.tile.threads
 
     @property
@@ -514,7 +514,7 @@ class GemmSpec(SpecKey):
 
     @property
     def ws_layout(self):
-        """The producer-warp kernel's shared-memory offsets (geometry.WgmmaWsLayout)."""
+        """The producer-warpgroup kernel's shared-memory offsets (geometry.WgmmaWsLayout)."""
         assert self.producer_warp
         return wgmma_ws_layout(self.moe_block_size, self.tile, self.stages)
 

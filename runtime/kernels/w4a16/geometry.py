@@ -159,10 +159,10 @@ def wgmma_shared_memory_footprint(moe_block_size: int, tile: TileConfig, stages:
     return (route_metadata_bytes(moe_block_size) + WGMMA_SMEM_ALIGN
             + stages * wgmma_stage_bytes(moe_block_size, tile))
 
-# The producer-warp form of the wgmma GEMM (codegen/kernels/w4a16/wgmma_ws.py): the warpgroup(s) only
-# decode and multiply; one more warp streams every stage with cp.async, across tile boundaries, through
-# a ring of full / empty mbarriers, and the epilogue stages its output in a region of its own.  For the
-# large-M blocks, with the ring depth each CTA count per SM leaves room for.
+# The producer-warpgroup form of the wgmma GEMM (codegen/kernels/w4a16/wgmma_ws.py): the compute
+# warpgroup(s) only decode, multiply and store; one more warpgroup streams every stage with cp.async,
+# across tile boundaries, through a ring of full / empty mbarriers, and the epilogue stages its output in
+# a region of its own.  For the large-M blocks, with the ring depth each CTA count per SM leaves room for.
 WGMMA_WS_BLOCKS = (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK)
 WGMMA_WS_STAGES = {WGMMA_TALL_BLOCK: 3, WGMMA_WIDE_BLOCK: 4}
 # The producer is a whole warpgroup (setmaxnreg works per warpgroup, and ptxas budgets registers for
@@ -174,7 +174,7 @@ PRODUCER_REGISTERS = 56
 
 @dataclass(frozen=True)
 class WgmmaWsLayout:
-    """Byte offsets of the producer-warp kernel's shared memory (from the dynamic base, which is
+    """Byte offsets of the producer-warpgroup kernel's shared memory (from the dynamic base, which is
     16-aligned): route metadata as the other kernels, the two roles' ring counters, full[stages] and
     empty[stages] mbarriers, the producer's source row per block row, then (aligned at run time) the
     stages and the epilogue's output tile."""
@@ -187,11 +187,17 @@ class WgmmaWsLayout:
     footprint: int
 
 
+def wgmma_ws_launch_registers(moe_block_size: int, blocks_per_sm: int, registers_per_sm: int = 65536) -> int:
+    """Registers per thread of the producer-warpgroup kernel at launch: what blocks_per_sm CTAs of its
+    threads leave each, in multiples of 8 (ptxas compiles it to this count: min blocks per SM)."""
+    return registers_per_sm // (blocks_per_sm * (wgmma_threads(moe_block_size) + PRODUCER_THREADS)) // 8 * 8
+
+
 def wgmma_ws_compute_registers(moe_block_size: int, blocks_per_sm: int, registers_per_sm: int = 65536) -> int:
-    """Registers per compute thread after setmaxnreg: what the CTA holds at launch (its threads x the
-    per-thread count that blocks_per_sm leaves, in multiples of 8) less the producer's PRODUCER_REGISTERS."""
+    """Registers per compute thread after setmaxnreg: what the CTA holds at launch less the producer's
+    PRODUCER_REGISTERS."""
     threads = wgmma_threads(moe_block_size) + PRODUCER_THREADS
-    at_launch = registers_per_sm // (blocks_per_sm * threads) // 8 * 8
+    at_launch = wgmma_ws_launch_registers(moe_block_size, blocks_per_sm, registers_per_sm)
     return min((threads * at_launch - PRODUCER_THREADS * PRODUCER_REGISTERS) // wgmma_threads(moe_block_size) // 8 * 8,
                256)
 
