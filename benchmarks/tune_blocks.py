@@ -4,8 +4,10 @@ rule, and record the answers where the build reads them (codegen/kernels/w4a16/m
 Knobs: "tall" (128-row wgmma route blocks below 128 routes per expert), "decode" (the fused decode
 regime, direct routes and the top-k sum in FC2, past M = 2 up to fused_planning.DECODE_MEASURED_MAX_M),
 "wide" (256-row wgmma route blocks from 256 routes per expert where a GEMM's K is below
-planning.WGMMA_WIDE_MIN_K), "promote" (16-row wgmma route blocks where the rule packs 8-row ones) and
-"producer" (128- and 256-row blocks on the wgmma loop with a producer warpgroup, wgmma_ws.py).
+planning.WGMMA_WIDE_MIN_K), "promote" (16-row wgmma route blocks where the rule packs 8-row ones),
+"producer" (128- and 256-row blocks on the wgmma loop with a producer warpgroup, wgmma_ws.py),
+"onewave" (decode launches whose grid covers the larger GEMM's whole tiles in one wave) and "topksum"
+(packed mma.sync plans whose FC2 adds the routes' rows into the output: no top-k sum kernel).
 
     # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
     python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
@@ -32,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
-KNOBS = ("tall", "decode", "wide", "promote", "producer")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
+KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:
@@ -53,7 +55,7 @@ def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> Non
 
 
 def measure(knob: str, rule: str, always: str, models: list[str], ms: list[int], rounds: int,
-            json_path: str | None) -> None:
+            json_path: str | None, check: bool = False) -> None:
     import torch
 
     from benchmarks.common import write_results
@@ -61,7 +63,7 @@ def measure(knob: str, rule: str, always: str, models: list[str], ms: list[int],
     from cuteaot.runtime import load_bundle
 
     base = load_bundle(rule)
-    rows = compare(base, {"always": load_bundle(always)}, models, ms, rounds)
+    rows = compare(base, {"always": load_bundle(always)}, models, ms, rounds, check)
     facts = _problems(base)
     for row in rows:
         f = facts[row["model"]]
@@ -191,6 +193,7 @@ def main(argv=None) -> int:
     m.add_argument("--m", required=True, type=comma_list(int))
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--json", default=None)
+    m.add_argument("--check", action="store_true", help="also each output's error against the float32 reference")
     r = sub.add_parser("record", help="builder: measured rows -> the planner's table")
     r.add_argument("rows", nargs="+", help="rows JSON of one or several measure runs")
     r.add_argument("--margin", type=float, default=0.02)
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
     if args.cmd == "build":
         build(args.spec, args.knob, args.out, args.targets, args.jobs)
     elif args.cmd == "measure":
-        measure(args.knob, args.rule, args.always, args.models, args.m, args.rounds, args.json)
+        measure(args.knob, args.rule, args.always, args.models, args.m, args.rounds, args.json, args.check)
     else:
         record(args.rows, args.margin)
     return 0

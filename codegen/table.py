@@ -99,7 +99,7 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
                 continue
             plan = plan_layer(m, facts, profile)
             decided = (plan.decode, plan.moe_block_size, plan.fc1_tile, plan.fc2_tile, plan.blocks_per_sm,
-                       plan.mainloop)
+                       plan.mainloop, plan.whole_tiles_m8, plan.topk_sum)
             key = specs.get(decided)
             if key is None:
                 key = specs[decided] = fused_spec_for(plan, facts).key()

@@ -102,7 +102,7 @@ class _PackedSteps:
 
     ws: MoeWorkspace  # held: the cache key's id(ws) stays unique while the entry lives
     route_pack: PreparedRoutePack
-    topk_sum: PreparedTopkSum
+    topk_sum: PreparedTopkSum | None  # None where the fused kernel sums the routes itself (topk_sum)
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,15 @@ class Resolved:
     # two launches whose FC1 writes the gate | up product, not the activation (its epilogue is plain:
     # 2I zero-padded, or no gated epilogue on the target), so the activation kernel runs between them
     activation_launch: bool = dataclasses.field(init=False)
+    # the fused kernel's FC2 adds each route's row into the (M, H) output (decode, or packed routes
+    # with FusedSpec.topk_sum): no top-k sum kernel after it
+    sums_topk: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode", self.launch.direct)  # read several times per call
         object.__setattr__(self, "activation_launch",
                            self.launch.split and self.kernels["fc1"].spec.epilogue is Epilogue.NONE)
+        object.__setattr__(self, "sums_topk", not self.launch.split and self.kernels["fused"].spec.sums_topk)
 
     def describe(self) -> str:
         launch = self.launch
@@ -130,7 +134,7 @@ class Resolved:
             return (f"split b{launch.route_block} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
                     f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
         f = self.kernels["fused"].spec
-        path = "decode" if self.decode else f"packed b{launch.route_block}"
+        path = "decode" if self.decode else f"packed b{launch.route_block}" + (" +sum" if self.sums_topk else "")
         act = f"+{f.activation.value}" if f.gated_epilogue else ""
         return (f"{path} {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
                 f"grid {launch.grid_x}")
@@ -385,25 +389,26 @@ class MoeLayer:
                                        out=ws.ids32[:routes].view(m, self.top_k))
             route_indices = block_experts = route_count = ids
         else:
-            steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out)
+            steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out, r.sums_topk)
             route_indices, block_experts, route_count = steps.route_pack(topk_ids, stream)
         if r.launch.split:
             self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws, stream)
         else:
             self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
                                ws, stream)
-        if not r.decode:
+        if not r.sums_topk:
             # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
             steps.topk_sum(out, topk_ids, stream)
 
     _STEPS_CACHE = 64  # token counts whose packed-path launches a layer keeps prepared
 
     def _packed_steps(self, ws: MoeWorkspace, m: int, block: int, topk_ids: torch.Tensor,
-                      out: torch.Tensor) -> "_PackedSteps":
-        """The route packing and top-k sum of an m-token call on the packed path, with the workspace
-        slices they read and write packed in: prepared (and checked) once per (workspace, M, ids
-        dtype), kept for the most recent token counts.  A call's own inputs were checked by _check."""
-        key = (id(ws), m, block, topk_ids.dtype)
+                      out: torch.Tensor, summed: bool = False) -> "_PackedSteps":
+        """The route packing and top-k sum (none where the fused kernel sums: `summed`) of an m-token
+        call on the packed path, with the workspace slices they read and write packed in: prepared (and
+        checked) once per (workspace, M, ids dtype), kept for the most recent token counts.  A call's
+        own inputs were checked by _check."""
+        key = (id(ws), m, block, topk_ids.dtype, summed)
         found = self._steps.get(key)
         if found is not None and found.ws is ws:
             return found
@@ -416,7 +421,8 @@ class MoeLayer:
                               packed=ws.route_indices[:slots], block_ids=ws.block_experts[: slots // block],
                               count=ws.route_count,
                               workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)]),
-            PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts, accumulate=self.accumulate),
+            None if summed else PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts,
+                                                accumulate=self.accumulate),
         )
         if len(self._steps) >= self._STEPS_CACHE:
             self._steps.pop(next(iter(self._steps)))  # the oldest
@@ -449,7 +455,7 @@ class MoeLayer:
         routes = route_indices.data_ptr()
         self._prepared_fused(r.kernels["fused"], ws).launch(
             r.launch.grid_x, stream,
-            x.data_ptr(), (out if r.decode else ws.fc13).data_ptr(),
+            x.data_ptr(), (out if r.sums_topk else ws.fc13).data_ptr(),
             routes, routes if block_experts is route_indices else block_experts.data_ptr(),
             routes if route_count is route_indices else route_count.data_ptr(), topk_weights.data_ptr(),
             (amax if amax is not None else ws.c_tmp).data_ptr(), 0 if layer_idx is None else layer_idx, x.shape[0],

@@ -68,6 +68,42 @@ def test_decode_splits_k_over_the_grid_where_whole_tiles_need_a_second_wave():
     assert gpt_oss.grid_x == 180 and gpt_oss.whole_tiles_m8
 
 
+def test_onewave_decode_grid_covers_the_larger_gemm_in_whole_tiles():
+    """The "onewave" knob: the grid is sized to the GEMM with more whole tiles, so FC2 keeps its
+    narrower tile (Qwen3-30B) or is not split over the grid (GLM-4.5-Air); where either GEMM needs a
+    second wave the plan is the rule's."""
+    p = plan_fused(1, *QWEN3_30B, True, H200, onewave=True)
+    # FC1 8 x 12 = 96 tiles, FC2 8 x 16 = 128 tiles of 128 columns: both fit one CTA per SM
+    assert p.fc1_tile == TileConfig(128, 128) and p.fc2_tile == TileConfig(128, 128)
+    assert p.grid_x == 128 and p.whole_tiles_m8
+    glm = (4096, 1408, 128, 8)
+    g = plan_fused(1, *glm, True, H200, onewave=True)  # 88 wide FC1 tiles, 128 wide FC2 tiles
+    assert g.fc1_tile == g.fc2_tile == TileConfig(64, 256) and g.grid_x == 128 and g.whole_tiles_m8
+    mixtral = (4096, 14336, 8, 2)  # 896 FC1 tiles at M = 2: never one wave
+    assert plan_fused(2, *mixtral, True, H200, onewave=True) == plan_fused(2, *mixtral, True, H200)
+    gpt_oss = plan_fused(1, *GPT_OSS, True, H200)  # already one wave sized to FC1 (180 >= 92)
+    assert plan_fused(1, *GPT_OSS, True, H200, onewave=True) == gpt_oss
+
+
+def test_topk_sum_folds_into_packed_mma_sync_plans_only():
+    """The "topksum" knob: a packed mma.sync plan's FC2 adds the routes' rows into the output (the
+    decode regime's red.add), so no top-k sum kernel runs; never where the order must be fixed
+    (deterministic), nor with expert_map or calibration, nor on the wgmma loop or in decode."""
+    p = plan_fused(8, *QWEN3_30B, True, H200, topk_sum=True)
+    assert not p.decode and p.mainloop == "mma_sync" and p.topk_sum
+    spec = spec_of(p, *QWEN3_30B[:4], "silu")
+    assert spec.topk_sum and spec.sums_topk and spec.fc2_gemm.sum_topk == 8 and spec.fc2_gemm.routes.value == "packed"
+    assert spec.key() != spec_of(plan_fused(8, *QWEN3_30B, True, H200), *QWEN3_30B[:4], "silu").key()
+    for options in (dict(deterministic=True), dict(expert_map=True), dict(collect_amax=True)):
+        assert not plan_fused(8, *QWEN3_30B, True, H200, topk_sum=True, **options).topk_sum, options
+    assert not plan_fused(1, *QWEN3_30B, True, H200, topk_sum=True).topk_sum  # decode sums already
+    assert plan_fused(4096, *QWEN3_30B, True, H200, topk_sum=True).mainloop == "wgmma"
+    assert not plan_fused(4096, *QWEN3_30B, True, H200, topk_sum=True).topk_sum
+    decode = spec_of(plan_fused(1, *QWEN3_30B, True, H200), *QWEN3_30B[:4], "silu")
+    with pytest.raises(BadInputError, match="topk_sum"):
+        FusedSpec(**{**{f: getattr(decode, f) for f in FusedSpec.__dataclass_fields__}, "topk_sum": True})
+
+
 def test_decode_ends_at_decode_max_m_and_with_expert_map_or_calibration():
     assert plan_fused(DECODE_MAX_M, *QWEN3_30B, True, H200).decode
     assert not plan_fused(DECODE_MAX_M + 1, *QWEN3_30B, True, H200).decode
@@ -299,6 +335,35 @@ def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer, 
     x, w, ids = _inputs(e=16)
     with pytest.raises(BadInputError, match=r"topk_ids must be in \[-1, 16\)"):
         ep(x, w, ids.masked_fill(ids == 3, -2))
+
+
+def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeypatch):
+    """A table whose packed plans fold the top-k sum (knob "topksum" forced on): the call packs the
+    routes and launches the fused kernel with the (M, H) output as FC2's target, and no top-k sum
+    kernel after it; the same bundle planned by the rule keeps the top-k sum kernel."""
+    import tests.stub_bundle as stubs
+    from cuteaot.codegen.kernels.w4a16 import planning
+
+    g = torch.Generator().manual_seed(3)
+    w13 = prepare_w13(*quantize_nvfp4(torch.randn(16, 512, 512, generator=g) * 0.05), "bf16")
+    w2 = prepare_w2(*quantize_nvfp4(torch.randn(16, 512, 256, generator=g) * 0.05), "bf16")
+    seen = {}
+    try:
+        for policy in ("always", "rule"):
+            monkeypatch.setitem(planning.POLICY, "topksum", policy)
+            stubs._planned.cache_clear()  # the stub's table is planned under this policy
+            calls = stubs.stub_launches(monkeypatch)
+            layer = MoeLayer(stubs.stub_bundle(), w13, w2, top_k=4, activation="silu")
+            x, w, ids = _inputs(m=8)
+            out = torch.empty(8, 512, dtype=torch.bfloat16)
+            assert not layer.resolve(8).decode
+            layer(x, w, ids, out=out)
+            fused = [c[2] for c in calls if c[0] == "fused"]
+            seen[policy] = ([c[0] for c in calls], layer.resolve(8).sums_topk, fused[0]["fc2_out"] == out.data_ptr())
+    finally:
+        stubs._planned.cache_clear()
+    assert seen["always"] == (["pack_routes", "fused"], True, True)
+    assert seen["rule"] == (["pack_routes", "fused", "topk_sum"], False, False)
 
 
 def test_custom_op_fake_shapes():

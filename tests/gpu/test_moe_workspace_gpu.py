@@ -135,7 +135,7 @@ def test_capture_needs_no_reservation(bundle):
 def test_deterministic_mode_is_bit_identical(bundle, m):
     w13, w2, _, _ = weights(6)
     layer = MoeLayer(bundle, w13, w2, top_k=TOP_K, deterministic=True)
-    assert not layer.resolve(m).decode
+    assert not layer.resolve(m).decode and not layer.resolve(m).sums_topk  # no bf16 atomics
     x, w, ids = inputs(m, 7)
     first = layer(x, w, ids).clone()
     for _ in range(20):

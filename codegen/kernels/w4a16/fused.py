@@ -85,7 +85,7 @@ class W4A16FusedMoeKernel:
         first = cta * Int32(self.threads) + tid  # this thread's index in grid-strided passes
         stride = grid_x * Int32(self.threads)
 
-        if cutlass.const_expr(s.decode):
+        if cutlass.const_expr(s.sums_topk):
             # FC2 adds into the output: zero it now; the barrier after FC1 orders it before FC2
             self._zero(I.gmem_address(fc2_out), tokens * Int32(s.hidden_size // 8), first, stride)
 

@@ -19,6 +19,8 @@ Two regimes, as in the seed:
   H200, see DECODE_ONE_WAVE).  Wide N tiles are chosen where they save a wave.
 * packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
   separate top-k sum kernel combines them; the grid is every co-resident CTA.
+  Where planning.MEASURED_BLOCKS measured it faster (knob "topksum"), a packed
+  mma.sync plan's FC2 adds its rows into the output instead, as decode does.
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ class FusedPlan:
     # 8-row blocks take one whole-K tile per CTA when the tiles fit the grid (the seed's fused
     # choice); multi-wave decode plans split K over the grid instead
     whole_tiles_m8: bool = False
+    # packed routes (mma.sync loop): FC2 adds each route's row into the output (FusedSpec.topk_sum)
+    topk_sum: bool = False
 
     @property
     def lock_words(self) -> int:
@@ -167,6 +171,8 @@ def plan_fused(
     decode: bool | None = None,
     short: bool | None = None,
     promote: bool | None = None,
+    onewave: bool | None = None,
+    topk_sum: bool | None = None,
     stored_as_is: bool = False,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
@@ -177,6 +183,9 @@ def plan_fused(
     (planning.wgmma_tall_block; None: the average-routes rule).  `decode`: the decode regime up to
     DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).  `short`: 16- to 48-row blocks on the wgmma
     loop (None: planning.WGMMA_SHORT).  `promote`: 16-row wgmma blocks where the rule packs 8-row ones.
+    `onewave`: a decode grid sized to the larger GEMM's whole tiles (None: to FC1's, `_decode_grid`).
+    `topk_sum`: packed mma.sync plans whose FC2 adds the routes' rows into the output (bf16 red.add, no
+    fixed order: not with `deterministic`; not with expert_map or calibration) instead of a top-k sum kernel.
     `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only,
     and FC1 tiles that do not straddle the gate | up boundary (each half has its own global scale).
     """
@@ -205,7 +214,7 @@ def plan_fused(
         t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile, threads=threads)
         t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile, threads=threads)
     if decode:
-        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale)
+        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale, bool(onewave))
     if stored_as_is and gated and intermediate_size % t1.tile_n:
         t1 = TileConfig(t1.tile_k * t1.tile_n // MODELOPT_HALF_TILE_N, MODELOPT_HALF_TILE_N)  # same threads
 
@@ -232,20 +241,29 @@ def plan_fused(
     cap = profile.sm_count * bps
     grid_x, whole_tiles = cap, block == 8
     if decode:
-        grid_x, whole_tiles = _decode_grid(routes * (n1 // t1.tile_n), routes * (n2 // t2.tile_n), cap)
+        grid_x, whole_tiles = _decode_grid(routes * (n1 // t1.tile_n), routes * (n2 // t2.tile_n), cap,
+                                           bool(onewave))
         slots, blocks = routes * block, routes
     else:
         slots = max_packed_route_slots(routes, block, num_experts)
         blocks = slots // block
+    summed = bool(topk_sum) and not decode and not expert_map and not collect_amax and not deterministic
     return FusedPlan(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
         grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks, whole_tiles_m8=whole_tiles,
+        topk_sum=summed,
     )
 
 
-def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int) -> tuple[int, bool]:
+def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int, onewave: bool = False) -> tuple[int, bool]:
     """(grid, whole tiles) of a decode launch: one whole tile per CTA while one wave covers both GEMMs
-    (the grid right-sized to FC1's tiles), else split K over all `cap` co-resident CTAs (DECODE_ONE_WAVE)."""
+    (the grid right-sized to FC1's tiles), else split K over all `cap` co-resident CTAs (DECODE_ONE_WAVE).
+
+    `onewave` (the measured knob): the grid is right-sized to the larger GEMM's tiles wherever both fit
+    in one wave of co-resident CTAs, so a GEMM with more tiles than FC1 is not split (CTAs past a
+    GEMM's tile count sit that phase out)."""
+    if onewave and max(fc1_tiles, fc2_tiles) <= cap:
+        return max(fc1_tiles, fc2_tiles), True
     waves = -(-fc1_tiles // cap)
     grid = fc1_tiles // waves if fc1_tiles % waves == 0 else cap
     if max(-(-fc1_tiles // grid), -(-fc2_tiles // grid)) > 1:
@@ -272,13 +290,16 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale
     return block, tiles[0], tiles[1], per_sm
 
 
-def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format) -> tuple[TileConfig, TileConfig]:
+def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
+                       onewave: bool = False) -> tuple[TileConfig, TileConfig]:
     """The seed's decode overrides: 256-wide N tiles where they remove a persistent wave.
 
     FC1 widens only when the default tile needs two waves of SMs and the wide one
     fits one; FC2 (usually twice FC1's tiles) widens whenever it fits, so it runs in
     FC1's waves.  Both keep 256 threads (the fused kernel's one CTA size).  The
     seed's further 512x32 FC2 tile is not ported (tiles here are multiples of 64).
+    `onewave` (the grid covers both GEMMs' tiles, `_decode_grid`): FC2 keeps its default tile where
+    both GEMMs' default tiles fit one CTA per SM, so it spreads over twice the CTAs.
     """
     def fits(n, k):
         return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile) is None
@@ -288,7 +309,8 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format) ->
     if (t1 == TileConfig(128, 128) and sms < default_tiles <= 2 * sms and default_tiles // 2 <= sms
             and fits(n1, k1)):
         t1 = WIDE_TILE
-    if t2 == TileConfig(128, 128) and t1.threads == WIDE_TILE.threads and fits(n2, k2):
+    if (t2 == TileConfig(128, 128) and t1.threads == WIDE_TILE.threads and fits(n2, k2)
+            and not (onewave and max(default_tiles, routes * (n2 // t2.tile_n)) <= sms)):
         t2 = WIDE_TILE
     return t1, t2
 
@@ -339,6 +361,7 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         amax_experts=(amax_experts or facts.num_experts) if facts.calibration else 0,
         mainloop=Mainloop(plan.mainloop), bias=facts.bias, weights=facts.weights,
         scale_exponent=_scale_exponent(facts), gated_epilogue=True if fused_gated_epilogue(plan, facts) else None,
+        topk_sum=True if plan.topk_sum else None,
     )
 
 
@@ -389,7 +412,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
                       tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile),
                       promote=layer_choice("promote", m, facts, profile),
-                      stored_as_is=facts.weights.layout == "modelopt")
+                      onewave=layer_choice("onewave", m, facts, profile),
+                      topk_sum=layer_choice("topksum", m, facts, profile), stored_as_is=facts.weights.layout == "modelopt")
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the

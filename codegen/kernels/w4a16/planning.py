@@ -184,14 +184,18 @@ WGMMA_WIDE_MIN_K = 1024
 # wide 128-expert shapes).  A fifth, "producer", runs 128- and 256-row blocks on the wgmma loop with a
 # producer warpgroup (codegen/kernels/w4a16/wgmma_ws.py); the rule never does, and nothing is recorded:
 # on the H200 it took 0.98-1.05x the plain loop's layer time at M = 2048-16384 and racecheck reports
-# hazards on it (docs/benchmarks.md "The wgmma loop with a producer warpgroup").
+# hazards on it (docs/benchmarks.md "The wgmma loop with a producer warpgroup").  A sixth, "onewave",
+# sizes a decode launch's grid to the larger GEMM's whole tiles instead of FC1's, so that FC2 keeps its
+# narrower tiles and spreads over more SMs (fused_planning._decode_grid); a seventh, "topksum", has a
+# packed mma.sync plan's FC2 add the routes' rows into the output itself (no top-k sum kernel).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer")
+MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
-POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured"}
+POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
+          "onewave": "measured", "topksum": "measured"}
 
 
 @functools.cache

@@ -18,7 +18,7 @@ Buffers (row = route = token * top_k + k; widths are the logical sizes):
     fc1_out   (routes, 2I | I)   FC1 output (gated: [gate | up])
     activated (routes, I)        activation output = FC2 input (relu2: FC1 writes it directly)
     fc2_out   (routes, H)        FC2 output rows (packed path; may alias fc1_out), or
-              (M, H)             the final output, summed over top-k in the kernel (decode)
+              (M, H)             the final output, summed over top-k in the kernel (decode, topk_sum)
 
 Expert ids are bounds-checked on the device against the `num_experts` argument: a
 decode route (raw topk_ids) or a packed block whose expert is outside [0, E) is
@@ -47,7 +47,7 @@ class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 2  # 2: the bias parameter(s) joined the ABI
     # NVFP4 kernels: the keys they had before NF3 (and kernels without the facts added since)
-    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue"})
+    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue", "topk_sum"})
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -56,7 +56,7 @@ class FusedSpec(SpecKey):
             ptr("w2", Pointee.I32, "(E, I/16, 2*H) int32 packed FC2 weights; modelopt: (E, H, I/2) uint8"),
             ptr("fc1_out", Pointee.ELEM, "(routes, fc1 width) dtype FC1 output"),
             ptr("activated", Pointee.ELEM, "(routes, I) dtype activation output"),
-            ptr("fc2_out", Pointee.ELEM, "(routes, H) dtype FC2 rows, or (M, H) output when decode"),
+            ptr("fc2_out", Pointee.ELEM, "(routes, H) dtype FC2 rows, or (M, H) output when decode or topk_sum"),
             ptr("w13_scales", Pointee.U8, "FC1 uint8 S0E5M3 block scales, permuted; modelopt: e4m3 as stored"),
             ptr("w2_scales", Pointee.U8, "FC2 uint8 S0E5M3 block scales, permuted; modelopt: e4m3 as stored"),
             ptr("w13_global_scale", Pointee.F32, "(E,) float32; modelopt gated: (E, 2) [gate, up]"),
@@ -109,6 +109,10 @@ class FusedSpec(SpecKey):
     # (GemmSpec's gated epilogues; any weight format, unpadded FC1 N) and writes `activated`, so
     # the kernel runs no activation pass and one grid barrier fewer.  None: the activation pass.
     gated_epilogue: Optional[bool] = None
+    # True: packed routes whose FC2 adds each route's row, times its router weight, into its token's
+    # output row with red.add (the decode regime's top-k sum; the output is zeroed in the prologue), so
+    # no top-k sum kernel runs after the layer.  None: FC2 writes route rows for that kernel.
+    topk_sum: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -118,6 +122,10 @@ class FusedSpec(SpecKey):
         object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         if self.decode and (self.expert_map or self.collect_amax or self.moe_block_size != 8):
             raise BadInputError("decode (direct routes, fused top-k sum) needs 8-row blocks, no expert_map, no amax")
+        if self.topk_sum not in (None, True) or (self.topk_sum and (
+                self.decode or self.expert_map or self.collect_amax or self.mainloop is not Mainloop.MMA_SYNC)):
+            raise BadInputError(f"topk_sum must be None, or True for packed routes on the mma.sync loop without "
+                                f"expert_map or amax (decode sums its routes already); got {self.topk_sum!r}")
         if self.bias and self.router_weight_on_input:
             raise BadInputError("bias with router_weight_on_input is not defined: the router weight would "
                                 "scale FC1's bias but not FC2's")
@@ -196,7 +204,12 @@ class FusedSpec(SpecKey):
         _, (n2, k2) = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
         return self._gemm(n2, k2, self.hidden_size, self.intermediate_size, self.fc2_tile_n, self.fc2_tile_k,
                           top_k=1, mul_topk_weights=not self.router_weight_on_input, epilogue=Epilogue.NONE,
-                          sum_topk=self.top_k if self.decode else 0)
+                          sum_topk=self.top_k if self.sums_topk else 0)
+
+    @property
+    def sums_topk(self) -> bool:
+        """FC2 adds the routes' rows into the (M, H) output itself (decode, or packed with topk_sum)."""
+        return self.decode or bool(self.topk_sum)
 
     @property
     def fc1_tile(self) -> TileConfig:

@@ -159,8 +159,9 @@ class GemmSpec(SpecKey):
     # are k_in wide and out rows n_out wide; None = not padded.  Both are multiples of 8.
     n_out: int | None = None
     k_in: int | None = None
-    # Fused top-k sum (the fused kernel's small-M decode): 0 = off; else `out` is (tokens / sum_topk, N)
-    # and each route's row is added with red.add into out[route // sum_topk] (zeroed beforehand).
+    # Fused top-k sum (the fused kernel's small-M FC2, direct or packed routes, mma.sync loop): 0 = off;
+    # else `out` is (tokens / sum_topk, N) and each route's row is added with red.add into
+    # out[route // sum_topk] (zeroed beforehand).
     sum_topk: int = 0
     mainloop: Mainloop = Mainloop.MMA_SYNC
     # Per-expert bias (gpt-oss): bias[e, :n_out] added to each output row before the router weight
@@ -228,8 +229,8 @@ class GemmSpec(SpecKey):
             raise BadInputError(f"stages must be an int in [3, 12], got {self.stages!r}")
         if not isinstance(self.sum_topk, int) or self.sum_topk < 0:
             raise BadInputError(f"sum_topk must be a non-negative int, got {self.sum_topk!r}")
-        if self.sum_topk and (self.routes is not Routes.DIRECT or self.top_k != 1 or self.epilogue is not Epilogue.NONE):
-            raise BadInputError("sum_topk (fused top-k sum) needs direct routes, top_k=1 (route rows) and no epilogue")
+        if self.sum_topk and (self.top_k != 1 or self.epilogue is not Epilogue.NONE):
+            raise BadInputError("sum_topk (fused top-k sum) needs top_k=1 (route rows) and no epilogue")
         if not 1 <= self.blocks_per_sm <= 8:
             raise BadInputError(f"blocks_per_sm must be in [1, 8], got {self.blocks_per_sm}")
         if self.mainloop is Mainloop.WGMMA:
