@@ -114,7 +114,7 @@ def _add_split(ranges: _Ranges, keys: set, specs: dict, m: int, split) -> None:
     """Record M as two grouped-GEMM launches (FC1, FC2) with the layer's activation between them."""
     fc1, fc2 = split
     decided = ("split", fc1.plan.moe_block_size, fc1.plan.tile, fc1.plan.blocks_per_sm, fc1.plan.whole_tiles_m8,
-               fc2.plan.tile, fc2.plan.blocks_per_sm, fc2.plan.whole_tiles_m8)
+               fc2.plan.tile, fc2.plan.blocks_per_sm, fc2.plan.whole_tiles_m8, fc2.spec.sum_topk)
     found = specs.get(decided)
     if found is None:
         found = specs[decided] = {"fc1": fc1.spec.key(), "fc2": fc2.spec.key()}

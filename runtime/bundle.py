@@ -174,6 +174,29 @@ class RecordedLaunch:
             check_cu((err,), f"cuLaunchKernel({k.record.symbol}, grid=({self.grid_x}, 1, 1))")
 
 
+class ZeroFill:
+    """Zeroing `words` 32-bit words at a device address on a stream (cuMemsetD32Async): the output of a
+    layer whose FC2 adds its rows into it.  Issued at once, or, while a call is being bound, recorded
+    with the launches so that the bound call zeroes before it launches."""
+
+    __slots__ = ("address", "words")
+
+    def __init__(self, address: int, words: int):
+        self.address, self.words = address, words
+
+    def issue(self, stream: int) -> None:
+        recording = getattr(_RECORDING, "launches", None)
+        if recording is not None:
+            recording.append(self)
+            return
+        self.launch(stream)
+
+    def launch(self, stream: int) -> None:
+        (err,) = driver.cuMemsetD32Async(self.address, 0, self.words, stream)
+        if err:
+            check_cu((err,), f"cuMemsetD32Async({self.address:#x}, 0, {self.words})")
+
+
 class recording_launches:
     """Within this block, LoadedKernel.launch on this thread records instead of launching."""
 

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from .bundle import Bundle, PreparedLaunch, RecordedLaunch, current_stream_handle, recording_launches
+from .bundle import Bundle, PreparedLaunch, RecordedLaunch, ZeroFill, current_stream_handle, recording_launches
 from .errors import BadInputError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
 from .kernels.w4a16.gemm_spec import Epilogue
@@ -116,22 +116,23 @@ class Resolved:
     # two launches whose FC1 writes the gate | up product, not the activation (its epilogue is plain:
     # 2I zero-padded, or no gated epilogue on the target), so the activation kernel runs between them
     activation_launch: bool = dataclasses.field(init=False)
-    # the fused kernel's FC2 adds each route's row into the (M, H) output (decode, or packed routes
-    # with FusedSpec.topk_sum): no top-k sum kernel after it
+    # FC2 adds each route's row into the (M, H) output (decode; packed routes with FusedSpec.topk_sum,
+    # or GemmSpec.sum_topk when split): no top-k sum kernel after it
     sums_topk: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode", self.launch.direct)  # read several times per call
         object.__setattr__(self, "activation_launch",
                            self.launch.split and self.kernels["fc1"].spec.epilogue is Epilogue.NONE)
-        object.__setattr__(self, "sums_topk", not self.launch.split and self.kernels["fused"].spec.sums_topk)
+        object.__setattr__(self, "sums_topk", self.kernels["fc2"].spec.sum_topk > 0 if self.launch.split
+                           else self.kernels["fused"].spec.sums_topk)
 
     def describe(self) -> str:
         launch = self.launch
         if launch.split:
             f1, f2 = self.kernels["fc1"].spec, self.kernels["fc2"].spec
             act = f"+{f1.epilogue.value}" if f1.epilogue.is_gated else ""
-            return (f"split b{launch.route_block} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
+            return (f"split b{launch.route_block}{' +sum' if self.sums_topk else ''} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
                     f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
         f = self.kernels["fused"].spec
         path = "decode" if self.decode else f"packed b{launch.route_block}" + (" +sum" if self.sums_topk else "")
@@ -392,7 +393,7 @@ class MoeLayer:
             steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out, r.sums_topk)
             route_indices, block_experts, route_count = steps.route_pack(topk_ids, stream)
         if r.launch.split:
-            self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, ws, stream)
+            self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, out, ws, stream)
         else:
             self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
                                ws, stream)
@@ -461,11 +462,14 @@ class MoeLayer:
             (amax if amax is not None else ws.c_tmp).data_ptr(), 0 if layer_idx is None else layer_idx, x.shape[0],
         )
 
-    def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, ws: MoeWorkspace,
+    def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, out, ws: MoeWorkspace,
                       stream: int) -> None:
         """FC1 and FC2 as grouped-GEMM launches on the packed routes; the activation in FC1's epilogue, or
-        (zero-padded N, other archs) its own launch between them."""
+        (zero-padded N, other archs) its own launch between them.  Where FC2 sums the routes itself
+        (r.sums_topk) the output is zeroed first and FC2 adds into it."""
         m = x.shape[0]
+        if r.sums_topk:
+            ZeroFill(out.data_ptr(), m * self.hidden_size * out.element_size() // 4).issue(stream)
         routes, on_input = m * self.top_k, self.facts.router_weight_on_input
         routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
                        route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
@@ -487,7 +491,7 @@ class MoeLayer:
                            swiglu_beta=f.swiglu_beta, swiglu_limit=f.swiglu_limit)
         r.kernels["fc2"].kernel.launch(
             r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
-            out=ws.fc13.data_ptr(), scales=self.w2.scales.data_ptr(), global_scale=self.w2.global_scale.data_ptr(),
+            out=(out if r.sums_topk else ws.fc13).data_ptr(), scales=self.w2.scales.data_ptr(), global_scale=self.w2.global_scale.data_ptr(),
             topk_weights=ws.c_tmp.data_ptr() if on_input else weight, bias=self._bias2_ptr,
             tokens=routes, **routing,
         )
@@ -576,7 +580,7 @@ class BoundMoeCall:
 
     __slots__ = ("layer", "launches", "stream", "buffers", "out")
 
-    def __init__(self, layer: MoeLayer, launches: tuple[RecordedLaunch, ...], stream: int, buffers: tuple):
+    def __init__(self, layer: MoeLayer, launches: tuple[RecordedLaunch | ZeroFill, ...], stream: int, buffers: tuple):
         self.layer = layer  # keeps the layer, and with it the workspace, alive
         self.launches, self.stream, self.buffers = launches, stream, buffers  # the bound tensors stay alive too
         self.out = buffers[-1]
@@ -587,7 +591,8 @@ class BoundMoeCall:
         return self.out
 
     def __repr__(self) -> str:
-        names = ", ".join(launch.kernel.record.key.family for launch in self.launches)
+        names = ", ".join("memset" if isinstance(launch, ZeroFill) else launch.kernel.record.key.family
+                          for launch in self.launches)
         return f"BoundMoeCall({self.layer.id}, M={self.out.shape[0]}, launches=[{names}])"
 
 

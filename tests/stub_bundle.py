@@ -122,9 +122,19 @@ class StubTopkSum:
         StubLaunch.calls.append(("topk_sum", self.fc2_shape) + (("accumulate",) if self.accumulate else ()))
 
 
+class StubZeroFill:
+    """ZeroFill without a driver: records ("zero", address, words) in StubLaunch.calls."""
+
+    def __init__(self, address, words):
+        self.address, self.words = address, words
+
+    def issue(self, stream):
+        StubLaunch.calls.append(("zero", self.address, self.words))
+
+
 def stub_launches(monkeypatch) -> list:
-    """Replace MoeLayer's kernel launches (fused or GEMM, route packing, top-k sum, activation) by
-    recorders; returns the list they append to."""
+    """Replace MoeLayer's kernel launches (fused or GEMM, route packing, top-k sum, activation, the
+    output's zeroing) by recorders; returns the list they append to."""
     from cuteaot.runtime import moe
 
     calls: list = []
@@ -133,6 +143,7 @@ def stub_launches(monkeypatch) -> list:
     monkeypatch.setattr(moe, "current_stream_handle", lambda index: 0)
     monkeypatch.setattr(moe, "PreparedRoutePack", StubRoutePack)
     monkeypatch.setattr(moe, "PreparedTopkSum", StubTopkSum)
+    monkeypatch.setattr(moe, "ZeroFill", StubZeroFill)
     monkeypatch.setattr(moe, "moe_activation", lambda bundle, fc1, out, **kw: calls.append(("activation", fc1.shape)))
     return calls
 

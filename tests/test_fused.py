@@ -85,10 +85,10 @@ def test_onewave_decode_grid_covers_the_larger_gemm_in_whole_tiles():
     assert plan_fused(1, *GPT_OSS, True, H200, onewave=True) == gpt_oss
 
 
-def test_topk_sum_folds_into_packed_mma_sync_plans_only():
-    """The "topksum" knob: a packed mma.sync plan's FC2 adds the routes' rows into the output (the
-    decode regime's red.add), so no top-k sum kernel runs; never where the order must be fixed
-    (deterministic), nor with expert_map or calibration, nor on the wgmma loop or in decode."""
+def test_topk_sum_folds_into_packed_plans_only():
+    """The "topksum" knob: a packed plan's FC2 adds the routes' rows into the output (the decode
+    regime's red.add), so no top-k sum kernel runs; never where the order must be fixed
+    (deterministic), nor with expert_map or calibration, nor in decode (which sums already)."""
     p = plan_fused(8, *QWEN3_30B, True, H200, topk_sum=True)
     assert not p.decode and p.mainloop == "mma_sync" and p.topk_sum
     spec = spec_of(p, *QWEN3_30B[:4], "silu")
@@ -97,11 +97,27 @@ def test_topk_sum_folds_into_packed_mma_sync_plans_only():
     for options in (dict(deterministic=True), dict(expert_map=True), dict(collect_amax=True)):
         assert not plan_fused(8, *QWEN3_30B, True, H200, topk_sum=True, **options).topk_sum, options
     assert not plan_fused(1, *QWEN3_30B, True, H200, topk_sum=True).topk_sum  # decode sums already
-    assert plan_fused(4096, *QWEN3_30B, True, H200, topk_sum=True).mainloop == "wgmma"
-    assert not plan_fused(4096, *QWEN3_30B, True, H200, topk_sum=True).topk_sum
+    wide = plan_fused(4096, *QWEN3_30B, True, H200, topk_sum=True)
+    assert wide.mainloop == "wgmma" and wide.topk_sum and spec_of(wide, *QWEN3_30B[:4], "silu").fc2_gemm.sum_topk == 8
+    assert not plan_fused(4096, *QWEN3_30B, True, H200, topk_sum=True, deterministic=True).topk_sum
     decode = spec_of(plan_fused(1, *QWEN3_30B, True, H200), *QWEN3_30B[:4], "silu")
     with pytest.raises(BadInputError, match="topk_sum"):
         FusedSpec(**{**{f: getattr(decode, f) for f in FusedSpec.__dataclass_fields__}, "topk_sum": True})
+
+
+def test_split_layer_fc2_sums_the_topk_rows_where_the_knob_says(monkeypatch):
+    from cuteaot.codegen.kernels.w4a16 import planning
+    from cuteaot.codegen.kernels.w4a16.fused_planning import split_layer
+
+    facts = MoeLayerFacts(dtype="bf16", hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
+                          activation="silu")
+    monkeypatch.setitem(planning.POLICY, "topksum", "rule")
+    assert split_layer(4096, facts, H200)[1].spec.sum_topk == 0
+    monkeypatch.setitem(planning.POLICY, "topksum", "always")
+    fc1, fc2 = split_layer(4096, facts, H200)
+    assert fc2.spec.sum_topk == 8 and fc2.spec.mainloop.value == "wgmma" and fc1.spec.sum_topk == 0
+    exact = MoeLayerFacts(**{**facts.__dict__, "deterministic": True})
+    assert split_layer(4096, exact, H200)[1].spec.sum_topk == 0
 
 
 def test_decode_ends_at_decode_max_m_and_with_expert_map_or_calibration():
@@ -339,8 +355,9 @@ def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer, 
 
 def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeypatch):
     """A table whose packed plans fold the top-k sum (knob "topksum" forced on): the call packs the
-    routes and launches the fused kernel with the (M, H) output as FC2's target, and no top-k sum
-    kernel after it; the same bundle planned by the rule keeps the top-k sum kernel."""
+    routes and launches the fused kernel (or, split, zeroes the output and launches both GEMMs) with
+    the (M, H) output as FC2's target, and no top-k sum kernel after it; the same bundle planned by
+    the rule keeps the top-k sum kernel."""
     import tests.stub_bundle as stubs
     from cuteaot.codegen.kernels.w4a16 import planning
 
@@ -354,16 +371,23 @@ def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeyp
             stubs._planned.cache_clear()  # the stub's table is planned under this policy
             calls = stubs.stub_launches(monkeypatch)
             layer = MoeLayer(stubs.stub_bundle(), w13, w2, top_k=4, activation="silu")
-            x, w, ids = _inputs(m=8)
-            out = torch.empty(8, 512, dtype=torch.bfloat16)
-            assert not layer.resolve(8).decode
-            layer(x, w, ids, out=out)
-            fused = [c[2] for c in calls if c[0] == "fused"]
-            seen[policy] = ([c[0] for c in calls], layer.resolve(8).sums_topk, fused[0]["fc2_out"] == out.data_ptr())
+            for m in (8, 4096):  # the fused kernel; FC1 and FC2 as two GEMMs
+                calls.clear()
+                x, w, ids = _inputs(m=m)
+                out = torch.empty(m, 512, dtype=torch.bfloat16)
+                assert not layer.resolve(m).decode
+                layer(x, w, ids, out=out)
+                fc2 = [c[2] for c in calls if c[0] == "fused"][-1]
+                target = fc2["fc2_out" if "fc2_out" in fc2 else "out"]
+                seen[policy, m] = ([c[0] for c in calls], layer.resolve(m).sums_topk, target == out.data_ptr())
+                if layer.resolve(m).sums_topk and layer.resolve(m).launch.split:  # zeroed before FC2 adds
+                    assert calls[1] == ("zero", out.data_ptr(), m * 512 // 2)
     finally:
         stubs._planned.cache_clear()
-    assert seen["always"] == (["pack_routes", "fused"], True, True)
-    assert seen["rule"] == (["pack_routes", "fused", "topk_sum"], False, False)
+    assert seen["always", 8] == (["pack_routes", "fused"], True, True)
+    assert seen["rule", 8] == (["pack_routes", "fused", "topk_sum"], False, False)
+    assert seen["always", 4096] == (["pack_routes", "zero", "fused", "fused"], True, True)
+    assert seen["rule", 4096] == (["pack_routes", "fused", "fused", "topk_sum"], False, False)
 
 
 def test_custom_op_fake_shapes():

@@ -20,7 +20,8 @@ Two regimes, as in the seed:
 * packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
   separate top-k sum kernel combines them; the grid is every co-resident CTA.
   Where planning.MEASURED_BLOCKS measured it faster (knob "topksum"), a packed
-  mma.sync plan's FC2 adds its rows into the output instead, as decode does.
+  plan's FC2 adds its rows into the output instead, as decode does (also where
+  the layer runs as two GEMMs, split_layer: the runtime zeroes the output first).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class FusedPlan:
     # 8-row blocks take one whole-K tile per CTA when the tiles fit the grid (the seed's fused
     # choice); multi-wave decode plans split K over the grid instead
     whole_tiles_m8: bool = False
-    # packed routes (mma.sync loop): FC2 adds each route's row into the output (FusedSpec.topk_sum)
+    # packed routes: FC2 adds each route's row into the output (FusedSpec.topk_sum)
     topk_sum: bool = False
 
     @property
@@ -184,8 +185,8 @@ def plan_fused(
     DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).  `short`: 16- to 48-row blocks on the wgmma
     loop (None: planning.WGMMA_SHORT).  `promote`: 16-row wgmma blocks where the rule packs 8-row ones.
     `onewave`: a decode grid sized to the larger GEMM's whole tiles (None: to FC1's, `_decode_grid`).
-    `topk_sum`: packed mma.sync plans whose FC2 adds the routes' rows into the output (bf16 red.add, no
-    fixed order: not with `deterministic`; not with expert_map or calibration) instead of a top-k sum kernel.
+    `topk_sum`: packed plans whose FC2 adds the routes' rows into the output (bf16 red.add, no fixed
+    order: not with `deterministic`; not with expert_map or calibration) instead of a top-k sum kernel.
     `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only,
     and FC1 tiles that do not straddle the gate | up boundary (each half has its own global scale).
     """
@@ -218,6 +219,7 @@ def plan_fused(
     if stored_as_is and gated and intermediate_size % t1.tile_n:
         t1 = TileConfig(t1.tile_k * t1.tile_n // MODELOPT_HALF_TILE_N, MODELOPT_HALF_TILE_N)  # same threads
 
+    summed = bool(topk_sum) and not decode and not expert_map and not collect_amax and not deterministic
     wg = None if decode or stored_as_is else _wgmma_plan(m, top_k, num_experts, block, (n1, k1), (n2, k2), profile,
                                                           scale, tall, short)
     if wg is not None:
@@ -226,7 +228,7 @@ def plan_fused(
         slots = max_packed_route_slots(routes, block, num_experts)
         return FusedPlan(m=m, decode=False, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
                          grid_x=cap, max_grid_x=cap, max_route_slots=slots, max_route_blocks=slots // block,
-                         mainloop="wgmma", whole_tiles_m8=False)
+                         mainloop="wgmma", whole_tiles_m8=False, topk_sum=summed)
 
     def per_sm(n: int, tile: TileConfig) -> int:
         cap = None if decode else FUSED_PACKED_BLOCKS_PER_SM.get(profile.arch, {}).get(block)
@@ -247,7 +249,6 @@ def plan_fused(
     else:
         slots = max_packed_route_slots(routes, block, num_experts)
         blocks = slots // block
-    summed = bool(topk_sum) and not decode and not expert_map and not collect_amax and not deterministic
     return FusedPlan(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
         grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks, whole_tiles_m8=whole_tiles,
@@ -480,6 +481,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
                        mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **layout,
                        **stored_w13_facts(facts.weights, facts.intermediate_size, facts.gated), **activation)
+    # the measured "topksum" choice: FC2 adds its rows into the (M, H) output (zeroed by the runtime first)
+    summed = bool(layer_choice("topksum", m, facts, profile)) and not facts.deterministic
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
-                       mul_topk_weights=not on_input, epilogue="none", bias=facts.bias, **layout)
+                       mul_topk_weights=not on_input, epilogue="none", bias=facts.bias,
+                       sum_topk=facts.top_k if summed else 0, **layout)
     return GemmPhase(p1, s1), GemmPhase(p2, s2)

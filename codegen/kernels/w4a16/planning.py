@@ -187,7 +187,7 @@ WGMMA_WIDE_MIN_K = 1024
 # hazards on it (docs/benchmarks.md "The wgmma loop with a producer warpgroup").  A sixth, "onewave",
 # sizes a decode launch's grid to the larger GEMM's whole tiles instead of FC1's, so that FC2 keeps its
 # narrower tiles and spreads over more SMs (fused_planning._decode_grid); a seventh, "topksum", has a
-# packed mma.sync plan's FC2 add the routes' rows into the output itself (no top-k sum kernel).
+# packed plan's FC2 add the routes' rows into the output itself (no top-k sum kernel).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
 MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum")
 
@@ -647,13 +647,13 @@ def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,
                   mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
                   scale_format: str = "e4m3_k16", bias: bool = False, n_rotation: int | None = None,
-                  split_global_scale: bool | None = None, scale_exponent: int | None = None,
+                  split_global_scale: bool | None = None, scale_exponent: int | None = None, sum_topk: int = 0,
                   **activation) -> GemmSpec:
     """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
 
     The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.  `activation`:
     a gated epilogue's fast_math and swiglu_* (GemmSpec); `n_rotation`, `split_global_scale`,
-    `scale_exponent`: the modelopt layout's (GemmSpec).
+    `scale_exponent`: the modelopt layout's (GemmSpec); `sum_topk`: FC2 adds route rows into token rows.
     """
     n_stored, k_stored = stored_dims(n, k)
     return GemmSpec(
@@ -680,5 +680,6 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         n_rotation=n_rotation,
         split_global_scale=split_global_scale,
         scale_exponent=scale_exponent,
+        sum_topk=sum_topk,
         **activation,
     )

@@ -159,7 +159,7 @@ class GemmSpec(SpecKey):
     # are k_in wide and out rows n_out wide; None = not padded.  Both are multiples of 8.
     n_out: int | None = None
     k_in: int | None = None
-    # Fused top-k sum (the fused kernel's small-M FC2, direct or packed routes, mma.sync loop): 0 = off;
+    # Fused top-k sum (FC2 of the fused kernel or of a layer run as two GEMMs, any loop): 0 = off;
     # else `out` is (tokens / sum_topk, N) and each route's row is added with red.add into
     # out[route // sum_topk] (zeroed beforehand).
     sum_topk: int = 0
@@ -234,13 +234,13 @@ class GemmSpec(SpecKey):
         if not 1 <= self.blocks_per_sm <= 8:
             raise BadInputError(f"blocks_per_sm must be in [1, 8], got {self.blocks_per_sm}")
         if self.mainloop is Mainloop.WGMMA:
-            wanted = (True, Routes.PACKED, 0)
-            given = (self.tile in wgmma_tiles(self.moe_block_size), self.routes, self.sum_topk)
+            wanted = (True, Routes.PACKED)
+            given = (self.tile in wgmma_tiles(self.moe_block_size), self.routes)
             if given != wanted:
                 raise BadInputError(
                     f"mainloop=wgmma implements tiles {[f'{t.tile_n}x{t.tile_k}' for t in wgmma_tiles(self.moe_block_size)]} "
-                    f"for {self.moe_block_size}-row blocks, packed routes, no sum_topk; got tile "
-                    f"{self.tile_n}x{self.tile_k}, routes {self.routes.value}, sum_topk {self.sum_topk}"
+                    f"for {self.moe_block_size}-row blocks and packed routes; got tile "
+                    f"{self.tile_n}x{self.tile_k}, routes {self.routes.value}"
                 )
 
         if self.producer_warp is not None:
