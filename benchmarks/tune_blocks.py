@@ -6,8 +6,9 @@ regime, direct routes and the top-k sum in FC2, past M = 2 up to fused_planning.
 "wide" (256-row wgmma route blocks from 256 routes per expert where a GEMM's K is below
 planning.WGMMA_WIDE_MIN_K), "promote" (16-row wgmma route blocks where the rule packs 8-row ones),
 "producer" (128- and 256-row blocks on the wgmma loop with a producer warpgroup, wgmma_ws.py),
-"onewave" (decode launches whose grid covers the larger GEMM's whole tiles in one wave) and "topksum"
-(packed mma.sync plans whose FC2 adds the routes' rows into the output: no top-k sum kernel).
+"onewave" (decode launches whose grid covers the larger GEMM's whole tiles in one wave), "topksum"
+(packed plans of the fused kernel whose FC2 adds the routes' rows into the output: no top-k sum
+kernel) and "splitsum" (the same for the FC2 GEMM of a layer run as two GEMMs).
 
     # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
     python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
@@ -34,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
-KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
+KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:

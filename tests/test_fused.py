@@ -111,9 +111,9 @@ def test_split_layer_fc2_sums_the_topk_rows_where_the_knob_says(monkeypatch):
 
     facts = MoeLayerFacts(dtype="bf16", hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
                           activation="silu")
-    monkeypatch.setitem(planning.POLICY, "topksum", "rule")
+    monkeypatch.setitem(planning.POLICY, "splitsum", "rule")
     assert split_layer(4096, facts, H200)[1].spec.sum_topk == 0
-    monkeypatch.setitem(planning.POLICY, "topksum", "always")
+    monkeypatch.setitem(planning.POLICY, "splitsum", "always")
     fc1, fc2 = split_layer(4096, facts, H200)
     assert fc2.spec.sum_topk == 8 and fc2.spec.mainloop.value == "wgmma" and fc1.spec.sum_topk == 0
     exact = MoeLayerFacts(**{**facts.__dict__, "deterministic": True})
@@ -354,8 +354,8 @@ def test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one(layer, 
 
 
 def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeypatch):
-    """A table whose packed plans fold the top-k sum (knob "topksum" forced on): the call packs the
-    routes and launches the fused kernel (or, split, zeroes the output and launches both GEMMs) with
+    """A table whose packed plans fold the top-k sum (knobs "topksum", "splitsum" forced on): the call
+    packs the routes and launches the fused kernel (or, split, zeroes the output and launches both GEMMs) with
     the (M, H) output as FC2's target, and no top-k sum kernel after it; the same bundle planned by
     the rule keeps the top-k sum kernel."""
     import tests.stub_bundle as stubs
@@ -368,6 +368,7 @@ def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeyp
     try:
         for policy in ("always", "rule"):
             monkeypatch.setitem(planning.POLICY, "topksum", policy)
+            monkeypatch.setitem(planning.POLICY, "splitsum", policy)
             stubs._planned.cache_clear()  # the stub's table is planned under this policy
             calls = stubs.stub_launches(monkeypatch)
             layer = MoeLayer(stubs.stub_bundle(), w13, w2, top_k=4, activation="silu")

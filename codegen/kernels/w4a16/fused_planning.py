@@ -20,8 +20,9 @@ Two regimes, as in the seed:
 * packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
   separate top-k sum kernel combines them; the grid is every co-resident CTA.
   Where planning.MEASURED_BLOCKS measured it faster (knob "topksum"), a packed
-  plan's FC2 adds its rows into the output instead, as decode does (also where
-  the layer runs as two GEMMs, split_layer: the runtime zeroes the output first).
+  plan's FC2 adds its rows into the output instead, as decode does; where the
+  layer runs as two GEMMs (split_layer) the knob is "splitsum" (the runtime
+  zeroes the output first).
 """
 
 from __future__ import annotations
@@ -481,8 +482,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     s1 = gemm_spec_for(p1, facts.dtype, fc1_n, facts.hidden_size, facts.top_k, a_per_route=False,
                        mul_topk_weights=on_input, epilogue=fc1_epilogue, bias=facts.bias, **layout,
                        **stored_w13_facts(facts.weights, facts.intermediate_size, facts.gated), **activation)
-    # the measured "topksum" choice: FC2 adds its rows into the (M, H) output (zeroed by the runtime first)
-    summed = bool(layer_choice("topksum", m, facts, profile)) and not facts.deterministic
+    # the measured "splitsum" choice: FC2 adds its rows into the (M, H) output (zeroed by the runtime first)
+    summed = bool(layer_choice("splitsum", m, facts, profile)) and not facts.deterministic
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
                        mul_topk_weights=not on_input, epilogue="none", bias=facts.bias,
                        sum_topk=facts.top_k if summed else 0, **layout)

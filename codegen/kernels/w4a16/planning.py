@@ -187,15 +187,16 @@ WGMMA_WIDE_MIN_K = 1024
 # hazards on it (docs/benchmarks.md "The wgmma loop with a producer warpgroup").  A sixth, "onewave",
 # sizes a decode launch's grid to the larger GEMM's whole tiles instead of FC1's, so that FC2 keeps its
 # narrower tiles and spreads over more SMs (fused_planning._decode_grid); a seventh, "topksum", has a
-# packed plan's FC2 add the routes' rows into the output itself (no top-k sum kernel).
+# packed plan's FC2 add the routes' rows into the output itself (no top-k sum kernel), and an eighth,
+# "splitsum", the FC2 GEMM of a layer run as two GEMMs (measured slower from M = 512: recorded nowhere).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum")
+MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
-          "onewave": "measured", "topksum": "measured"}
+          "onewave": "measured", "topksum": "measured", "splitsum": "measured"}
 
 
 @functools.cache
