@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
-KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum")  # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
+# = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
+KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum")
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:

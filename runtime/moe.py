@@ -132,7 +132,8 @@ class Resolved:
         if launch.split:
             f1, f2 = self.kernels["fc1"].spec, self.kernels["fc2"].spec
             act = f"+{f1.epilogue.value}" if f1.epilogue.is_gated else ""
-            return (f"split b{launch.route_block}{' +sum' if self.sums_topk else ''} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
+            summed = " +sum" if self.sums_topk else ""
+            return (f"split b{launch.route_block}{summed} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
                     f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
         f = self.kernels["fused"].spec
         path = "decode" if self.decode else f"packed b{launch.route_block}" + (" +sum" if self.sums_topk else "")
@@ -491,7 +492,8 @@ class MoeLayer:
                            swiglu_beta=f.swiglu_beta, swiglu_limit=f.swiglu_limit)
         r.kernels["fc2"].kernel.launch(
             r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
-            out=(out if r.sums_topk else ws.fc13).data_ptr(), scales=self.w2.scales.data_ptr(), global_scale=self.w2.global_scale.data_ptr(),
+            out=(out if r.sums_topk else ws.fc13).data_ptr(), scales=self.w2.scales.data_ptr(),
+            global_scale=self.w2.global_scale.data_ptr(),
             topk_weights=ws.c_tmp.data_ptr() if on_input else weight, bias=self._bias2_ptr,
             tokens=routes, **routing,
         )

@@ -415,7 +415,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile),
                       promote=layer_choice("promote", m, facts, profile),
                       onewave=layer_choice("onewave", m, facts, profile),
-                      topk_sum=layer_choice("topksum", m, facts, profile), stored_as_is=facts.weights.layout == "modelopt")
+                      topk_sum=layer_choice("topksum", m, facts, profile),
+                      stored_as_is=facts.weights.layout == "modelopt")
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the

@@ -122,7 +122,8 @@ class FusedSpec(SpecKey):
         object.__setattr__(self, "mainloop", Mainloop(self.mainloop))
         if self.decode and (self.expert_map or self.collect_amax or self.moe_block_size != 8):
             raise BadInputError("decode (direct routes, fused top-k sum) needs 8-row blocks, no expert_map, no amax")
-        if self.topk_sum not in (None, True) or (self.topk_sum and (self.decode or self.expert_map or self.collect_amax)):
+        if self.topk_sum not in (None, True) or (
+                self.topk_sum and (self.decode or self.expert_map or self.collect_amax)):
             raise BadInputError(f"topk_sum must be None, or True for packed routes without expert_map or amax "
                                 f"(decode sums its routes already); got {self.topk_sum!r}")
         if self.bias and self.router_weight_on_input:
