@@ -11,7 +11,7 @@ never disagree.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 from cuteaot.runtime.devices import DeviceProfile
@@ -98,8 +98,8 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
                 _add_split(ranges, keys, specs, m, split)
                 continue
             plan = plan_layer(m, facts, profile)
-            decided = (plan.decode, plan.moe_block_size, plan.fc1_tile, plan.fc2_tile, plan.blocks_per_sm,
-                       plan.mainloop, plan.whole_tiles_m8, plan.topk_sum)
+            # the plan without its per-M launch facts decides the kernel (any field added later counts)
+            decided = replace(plan, m=0, grid_x=0, max_route_slots=0, max_route_blocks=0)
             key = specs.get(decided)
             if key is None:
                 key = specs[decided] = fused_spec_for(plan, facts).key()
@@ -113,8 +113,7 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
 def _add_split(ranges: _Ranges, keys: set, specs: dict, m: int, split) -> None:
     """Record M as two grouped-GEMM launches (FC1, FC2) with the layer's activation between them."""
     fc1, fc2 = split
-    decided = ("split", fc1.plan.moe_block_size, fc1.plan.tile, fc1.plan.blocks_per_sm, fc1.plan.whole_tiles_m8,
-               fc2.plan.tile, fc2.plan.blocks_per_sm, fc2.plan.whole_tiles_m8, fc2.spec.sum_topk)
+    decided = (fc1.spec, fc2.spec)  # the kernels themselves (split_layer made them)
     found = specs.get(decided)
     if found is None:
         found = specs[decided] = {"fc1": fc1.spec.key(), "fc2": fc2.spec.key()}

@@ -31,6 +31,7 @@ from .geometry import (
     PRODUCER_THREADS,
     WGMMA_BLOCK_SIZES,
     WGMMA_WS_BLOCKS,
+    wgmma_out_row_bytes,
     wgmma_threads,
     wgmma_ws_layout,
     wgmma_tiles,
@@ -522,7 +523,7 @@ class GemmSpec(SpecKey):
     @property
     def wg_out_row_bytes(self) -> int:
         """Bytes per staged output row in the epilogue (+16 against bank conflicts)."""
-        return self.tile_n * 2 + 16
+        return wgmma_out_row_bytes(self.tile)
 
     @property
     def dynamic_smem_bytes(self) -> int:

@@ -172,6 +172,11 @@ PRODUCER_THREADS = 128
 PRODUCER_REGISTERS = 56
 
 
+def wgmma_out_row_bytes(tile: TileConfig) -> int:
+    """Bytes per output row the wgmma epilogue stages in shared memory (+16 against bank conflicts)."""
+    return tile.tile_n * 2 + 16
+
+
 @dataclass(frozen=True)
 class WgmmaWsLayout:
     """Byte offsets of the producer-warpgroup kernel's shared memory (from the dynamic base, which is
@@ -209,7 +214,7 @@ def wgmma_ws_layout(moe_block_size: int, tile: TileConfig, stages: int) -> Wgmma
     empty = full + 8 * stages
     rows = empty + 8 * stages
     stages_at = rows + 4 * moe_block_size
-    out_tile = moe_block_size * (tile.tile_n * 2 + 16)
+    out_tile = moe_block_size * wgmma_out_row_bytes(tile)
     return WgmmaWsLayout(rings, full, empty, rows, stages_at,
                          stages_at + WGMMA_SMEM_ALIGN + stages * wgmma_stage_bytes(moe_block_size, tile) + out_tile)
 
