@@ -5,8 +5,8 @@
 
 Paths: direct routes (M = 1, whole tiles and split-K), packed 8-row blocks, 16/32/48/64-row
 blocks (split-K tails; on sm_90a the warpgroup-MMA loop from 16 rows, M = 33 / 64 / 150 its 16-, 32- and
-48-row blocks), zero-padded sizes, fp16.  Uses the tiny-gemm test bundle (CUTEAOT_GEMM_BUNDLE to
-override, as the GPU tests do).
+48-row blocks), zero-padded sizes with masked last N tiles and part k-tiles, fp16.  Uses the tiny-gemm
+test bundle (CUTEAOT_GEMM_BUNDLE to override, as the GPU tests do).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tests.reference.nvfp4 import quantize_nvfp4
 CASES = [  # (N, K, dtype, M list, a_per_route)
     (512, 512, "bf16", (1, 5, 33, 64, 256, 1000, 4096), False),
     (512, 256, "fp16", (1, 8, 150, 300), True),
-    (1440, 720, "bf16", (1, 64, 1000), False),
+    (1376, 688, "bf16", (1, 64, 1000), False),
+    (688, 688, "bf16", (1, 64, 1000), True),  # the last N tile and 128-deep k-tile masked
 ]
 
 

@@ -34,7 +34,7 @@ import torch
 
 from .bundle import Bundle, PreparedLaunch, RecordedLaunch, ZeroFill, current_stream_handle, recording_launches
 from .errors import BadInputError, UnknownSpecializationError
-from .kernels.w4a16.gemm import PersistentLaunch, persistent_launch
+from .kernels.w4a16.gemm import PersistentLaunch, check_stored_sizes, persistent_launch
 from .kernels.w4a16.gemm_spec import Epilogue
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
@@ -230,8 +230,8 @@ class MoeLayer:
         self._steps: dict[tuple, _PackedSteps] = {}
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
-                for digest in launch.kernels.values():
-                    persistent_launch(bundle, digest)
+                for role, digest in launch.kernels.items():
+                    self._check_stored_sizes(role, persistent_launch(bundle, digest))
         self.shape = self._workspace_shape()
         pool = bundle.workspaces
         pool.acquire(self.shape, self._allocate_workspace)
@@ -262,6 +262,16 @@ class MoeLayer:
                 f"w13 is {w13.n}x{w13.k} and w2 {w2.n}x{w2.k} (N x K); {self.activation.value} needs "
                 f"w13 = {'2I' if self.activation.is_gated else 'I'} x H and w2 = H x I"
             )
+
+    def _check_stored_sizes(self, role: str, kernel: PersistentLaunch) -> None:
+        """The kernel's GEMMs read w13 and w2 at the sizes they are stored at (a stale bundle fails here)."""
+        spec = kernel.spec
+        if role == "fused":
+            gemms = ((spec.fc1_gemm, self.w13, "w13"), (spec.fc2_gemm, self.w2, "w2"))
+        else:
+            gemms = ((spec, self.w13, "w13") if role == "fc1" else (spec, self.w2, "w2"),)
+        for gemm, weights, name in gemms:
+            check_stored_sizes(kernel, gemm, weights, name)
 
     @staticmethod
     def _biases(w13: PackedNvfp4, w2: PackedNvfp4) -> tuple[torch.Tensor | None, torch.Tensor | None]:

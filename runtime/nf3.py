@@ -36,6 +36,7 @@ from .weights import (
 
 NF3_CODEBOOK = (-1.0, -0.6047, -0.3563, -0.1275, 0.1275, 0.3563, 0.6047, 1.0)  # the seed's code points
 NF3_BLOCK_K = 32  # k per e4m3 scale: two 16-k MMA rows share one
+NF3_STORED_N_MULTIPLE = 128  # N is zero-padded to whole 128-wide tiles (no masked N tiles in the NF3 loop)
 NF3_CODES = len(NF3_CODEBOOK)
 # bf16 roundings of the code points: what the kernels multiply (and quantize_nf3 picks among)
 NF3_CODEBOOK_BF16 = torch.tensor(NF3_CODEBOOK, dtype=torch.float32).to(torch.bfloat16)
@@ -177,6 +178,7 @@ class PackedNf3(PackedNvfp4):
     scale_format: ClassVar[str] = "e4m3_k32"
     weights: ClassVar[WeightFormat] = WeightFormat.NF3
     scale_group_k: ClassVar[int] = NF3_BLOCK_K
+    stored_n_multiple: ClassVar[int] = NF3_STORED_N_MULTIPLE
 
     def _qweight_shape(self) -> tuple[int, int, int]:
         return (self.num_experts, self.k_stored // NF3_BLOCK_K, WORDS_PER_ROW * self.n_stored)
@@ -214,7 +216,7 @@ def _check_nf3(codes: object, scales: object, prefix: str) -> tuple[int, int, in
 
 def _pack(codes, scales, scale_2, num_experts, n, k, prefix, bias) -> PackedNf3:
     global_scale = scale_2.float() * NF3_GLOBAL_SCALE_COMPENSATION
-    n_stored, k_stored = stored_dims(n, k)
+    n_stored, k_stored = stored_dims(n, k, NF3_STORED_N_MULTIPLE)
     scale_bytes = _encode_scale_bytes(scales)
     if (n_stored, k_stored) != (n, k):
         # padding: finite weights the kernels never use (activations past K are read as zeros,

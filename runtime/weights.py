@@ -42,16 +42,20 @@ WORDS_PER_SLAB = LANES * WORDS_PER_LANE  # 128 = 64 columns * 16 k / 8 nibbles
 FP4_PER_WORD = 8
 FP4_BITS = 4
 FP4_MASK = 0xF
-# Stored dimensions are padded with zero weights to multiples of these, so every problem has a
-# GEMM tile (64- and 128-wide tiles divide them); the GEMM reads the logical N x K only.
-STORED_N_MULTIPLE = 128
-STORED_K_MULTIPLE = 128
+# Stored dimensions are padded with zero weights to multiples of these: N to whole 64-column slabs,
+# K to whole 64-deep k-tiles.  Where N = 64 (mod 128) no tile divides it: the GEMM's last N tile is
+# masked past N (its copies there read nothing, its outputs there are not stored); a 128-deep tile's
+# last k-tile likewise past K = 64 (mod 128).  The GEMM reads the logical N x K only.  (NF3 pads N to
+# 128: its kernels have no masked N tiles.)
+STORED_N_MULTIPLE = 64
+STORED_K_MULTIPLE = 64
 VECTOR_ELEMENTS = 8  # activations and outputs move in 16-byte vectors: logical N and K are multiples
 
 
-def stored_dims(n: int, k: int) -> tuple[int, int]:
-    """(N, K) as stored in the packed layout: the logical sizes rounded up to the padding multiples."""
-    return -(-n // STORED_N_MULTIPLE) * STORED_N_MULTIPLE, -(-k // STORED_K_MULTIPLE) * STORED_K_MULTIPLE
+def stored_dims(n: int, k: int, n_multiple: int = STORED_N_MULTIPLE) -> tuple[int, int]:
+    """(N, K) as stored in the packed layout (NF3's: `n_multiple` 128): the logical sizes rounded up to the
+    padding multiples."""
+    return -(-n // n_multiple) * n_multiple, -(-k // STORED_K_MULTIPLE) * STORED_K_MULTIPLE
 
 # A packed word holds 8 e2m1 codes; code i = (register j = i % 4, half h = i // 4) holds
 # (k = 2t + dk, column c0 + 8 * half) for NIBBLE_SOURCES[i] = (dk, half).  The device decodes the
@@ -143,13 +147,16 @@ class PackedNvfp4:
     # layers run_w4a16_moe built on these weights, by options: they live and die with the weights
     functional_layers: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
+    # N is zero-padded to a multiple of this (stored_dims)
+    stored_n_multiple: ClassVar[int] = STORED_N_MULTIPLE
+
     @property
     def n_stored(self) -> int:
-        return stored_dims(self.n, self.k)[0]
+        return stored_dims(self.n, self.k, self.stored_n_multiple)[0]
 
     @property
     def k_stored(self) -> int:
-        return stored_dims(self.n, self.k)[1]
+        return stored_dims(self.n, self.k, self.stored_n_multiple)[1]
 
     # one scale (and, in this layout, one packed row) per this many k
     scale_group_k: ClassVar[int] = SCALE_GROUP_K

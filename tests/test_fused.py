@@ -189,8 +189,10 @@ def test_table_workspaces_cover_every_launch_up_to_their_capacity(tmp_path, prof
 def test_fused_spec_derives_both_gemms():
     spec = spec_of(plan_fused(1, *GPT_OSS, True, H200), 2880, 2880, 128, 4, "swigluoai")
     fc1, fc2 = spec.fc1_gemm, spec.fc2_gemm
-    assert (fc1.n, fc1.k, fc1.n_out, fc1.k_in) == (5760, 2944, None, 2880)
-    assert (fc2.n, fc2.k, fc2.n_out, fc2.k_in) == (2944, 2944, 2880, 2880)
+    assert (fc1.n, fc1.k, fc1.n_out, fc1.k_in) == (5760, 2880, None, None)  # K: whole 64-k rows, no padding
+    assert (fc2.n, fc2.k, fc2.n_out, fc2.k_in) == (2880, 2880, None, None)  # N: whole 64-column slabs
+    assert fc1.k_tail and fc2.k_tail and fc1.k_tiles == fc2.k_tiles == 23  # 128-deep tiles, the last half past K
+    assert fc2.n_tail and not fc1.n_tail and fc2.n_tiles == 23  # 128-wide tiles, the last half past N
     assert fc2.sum_topk == 4 and fc2.mul_topk_weights and not fc1.mul_topk_weights
     assert (spec.swiglu_alpha, spec.swiglu_beta, spec.swiglu_limit) == (1.702, 1.0, 7.0)
     assert FusedSpec.from_facts(spec.key().facts) == spec
@@ -430,3 +432,35 @@ def test_measured_ctas_per_sm_of_16_and_32_row_blocks_apply_where_measured():
     assert plan_fused(256, *QWEN3_30B, True, GB10).blocks_per_sm == 2
     sixteen = plan_fused(256, 2880, 2880, 128, 4, True, H200, short=False)  # gpt-oss: 1024 routes, 16-row blocks
     assert (sixteen.moe_block_size, sixteen.blocks_per_sm) == (16, 4)
+
+
+def test_tiny_relu2_problem_reaches_the_masked_tiles():
+    """specs/tiny-fused.yaml's relu2 problem (H = 576, I = 320: both 64 mod 128, stored unpadded), which the
+    GPU tests run: decode masks both GEMMs' last N tile and 128-deep k-tile, the wgmma plan the last N tile."""
+    shape = (576, 320, 8, 3)
+    decode = spec_of(plan_fused(1, *shape, False, H200), *shape, "relu2")
+    for gemm in (decode.fc1_gemm, decode.fc2_gemm):
+        assert gemm.n_tail and gemm.k_tail and (gemm.n_out, gemm.k_in) == (None, None)
+    large = spec_of(plan_fused(1000, *shape, False, H200), *shape, "relu2")
+    assert large.mainloop.value == "wgmma"
+    assert large.fc1_gemm.n_tail and large.fc2_gemm.n_tail and not large.fc2_gemm.k_tail
+
+
+def test_layer_refuses_a_bundle_that_stores_other_sizes(monkeypatch):
+    """Weights packed by this runtime (K = 576 stored unpadded) against kernels that read them padded to 640,
+    as a bundle of the runtime before 2026-12-02 (sizes padded to multiples of 128) would: refused when the
+    layer is built, not misread at the first call."""
+    import tests.stub_bundle as stubs
+    import cuteaot.runtime.weights as weights_module
+    from cuteaot.runtime.errors import BundleError
+
+    g = torch.Generator().manual_seed(4)
+    w13 = prepare_w13(*quantize_nvfp4(torch.randn(8, 320, 576, generator=g) * 0.05), "bf16")
+    w2 = prepare_w2(*quantize_nvfp4(torch.randn(8, 576, 320, generator=g) * 0.05), "bf16")
+    stubs.stub_launches(monkeypatch)
+    bundle = stubs.stub_bundle()  # tiny-fused-relu2: H = 576, I = 320
+    assert MoeLayer(bundle, w13, w2, top_k=3, activation="relu2").w13.k_stored == 576
+    monkeypatch.setattr(weights_module, "STORED_K_MULTIPLE", 128)  # the weights now claim K stored as 640
+    with pytest.raises(BundleError, match=r"reads w13 stored as N=320 x K=576, but this runtime stores them as "
+                                          r"320 x 640 .* rebuild it"):
+        MoeLayer(bundle, w13, w2, top_k=3, activation="relu2")

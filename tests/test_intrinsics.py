@@ -282,3 +282,54 @@ def test_bias_epilogue_compiles_without_spills():
         with tempfile.TemporaryDirectory() as d:
             ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
         assert "ld.global.nc.v4.b32" not in ptx  # without bias the epilogue reads nothing more
+
+
+def test_masked_tail_tiles_compile_without_spills():
+    """N and K = 64 (mod 128), stored unpadded: the last 128-wide N tile and 128-deep k-tile are masked
+    (weight and scale copies there zero-filled without a read) on the mma.sync loop (8-row direct with the
+    fused top-k sum, 64-row packed) and the wgmma loop; no spills, and kernels without tails copy as before."""
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels.w4a16.device import build_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+
+    zfill = re.compile(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, ")
+
+    def zero_filled_copies(spec) -> int:
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+        kernel, args = build_gemm(spec)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        return len(zfill.findall(ptx))
+
+    specs = (
+        GemmSpec(dtype="bf16", n=576, k=320, top_k=1, tile_n=128, tile_k=128, moe_block_size=8, blocks_per_sm=2,
+                 mul_topk_weights=True, routes="direct", sum_topk=4),
+        GemmSpec(dtype="fp16", n=576, k=320, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=2,
+                 epilogue="relu2"),
+        GemmSpec(dtype="bf16", n=576, k=320, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=3,
+                 mul_topk_weights=True, mainloop="wgmma"),
+    )
+    for spec in specs:
+        assert spec.n_tail and spec.n_tiles == 5 and spec.k_tail == (spec.tile_k == 128)
+        whole = dataclasses.replace(spec, n=640, k=384)  # the same kernel on whole tiles
+        assert not (whole.n_tail or whole.k_tail)
+        # the activation copies zero-fill rows past the block's routes either way; a tail adds the weight and
+        # scale copies
+        assert zero_filled_copies(spec) > zero_filled_copies(whole)
+
+
+def test_masked_tails_only_where_a_loop_masks_them():
+    from cuteaot.runtime import BadInputError
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+
+    base = dict(dtype="bf16", n=576, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=2)
+    assert GemmSpec(**base).n_tail
+    with pytest.raises(BadInputError, match="multiples of 64"):
+        GemmSpec(**base | dict(n=544))
+    with pytest.raises(BadInputError, match="only the packed layout masks"):
+        GemmSpec(**base | dict(layout="modelopt", scale_exponent=15))
+    with pytest.raises(BadInputError, match="only the packed layout masks"):
+        GemmSpec(**base | dict(n=512, k=576, tile_k=128, layout="nf3", scale_format="e4m3_k32", moe_block_size=16))
+    with pytest.raises(BadInputError, match="whole tiles of gate"):  # a gated tile stages whole gate | up pairs
+        GemmSpec(**base | dict(n=640, tile_n=256, mainloop="wgmma", epilogue="silu", fast_math=True))

@@ -319,7 +319,10 @@ def test_wgmma_is_planned_only_where_it_runs():
     assert (short.mainloop, short.moe_block_size, short.tile) == ("wgmma", 32, narrow)
     assert plan_gemm(256, 1536, 2048, 8, 128, H200, scale_format=K16, short=False).mainloop == "mma_sync"
     assert plan_gemm(256, 1536, 2048, 8, 128, PROFILES["b200"], scale_format=K16).mainloop == "mma_sync"
-    assert "multiples" in wgmma_tile(1536 + 64, 2048, 64, K16, H200)[1]
+    assert "multiples" in wgmma_tile(1536 + 32, 2048, 64, K16, H200)[1]
+    # N = 64 (mod 128): the 128-wide tile with its last tile half past N (256 wide: a quarter, refused)
+    assert wgmma_tile(1536 + 64, 2048, 64, K16, H200) == (narrow, None)
+    assert wgmma_tile(1536 + 64 + 128, 2048, 64, K16, H200) == (wide, None)  # 1728 = 6.75 256-wide tiles
     assert "e4m3_k16" in wgmma_tile(1536, 2048, 64, ScaleFormat.E8M0_K32, H200)[1]
     # a pinned tile keeps the mma.sync loop and its 64-row blocks
     pinned = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16, pinned_tile=TileConfig(64, 128))

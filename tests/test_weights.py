@@ -61,11 +61,11 @@ def _decode(packed, dtype):
     return full[:, : packed.n, : packed.k]
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("experts,n,k", [(1, 64, 64), (3, 128, 192), (2, 320, 128), (2, 40, 48)])
+@pytest.mark.parametrize("experts,n,k", [(1, 64, 64), (3, 128, 192), (2, 320, 128), (2, 40, 48), (2, 128, 320)])
 def test_pack_unpack_round_trip_is_bit_exact(dtype, experts, n, k):
     weight, scale, scale_2 = _random_modelopt(experts, n, k, min_scale_byte=0x00, seed=n + k)
     packed = pack_nvfp4(weight, scale, scale_2, dtype)
-    n_stored, k_stored = stored_dims(n, k)  # zero-padded to multiples of 128
+    n_stored, k_stored = stored_dims(n, k)  # zero-padded to multiples of 64
     assert packed.qweight.shape == (experts, k_stored // 16, 2 * n_stored) and packed.qweight.dtype == torch.int32
     assert packed.scales.shape == (experts, k_stored // 16, n_stored) and packed.scales.dtype == torch.uint8
     assert (packed.n, packed.k) == (n, k)
@@ -260,7 +260,7 @@ def test_w13_and_w2_errors_name_their_tensors():
 
 def test_packed_object_checks_its_tensors():
     packed = pack_nvfp4(*_ok(), "bf16")
-    with pytest.raises(BadInputError, match=r"PackedNvfp4.scales must be a torch.uint8 tensor of shape \(2, 8, 128\)"):
+    with pytest.raises(BadInputError, match=r"PackedNvfp4.scales must be a torch.uint8 tensor of shape \(2, 4, 64\)"):
         PackedNvfp4(packed.qweight, packed.scales[:, :2], packed.global_scale, 2, 64, 64, DType.BF16)
     with pytest.raises(BadInputError, match="packed must be a PackedNvfp4"):
         unpack_nvfp4(packed.qweight)

@@ -3,6 +3,7 @@
 #   bash benchmarks/scripts/serving_session.sh tests        # every GPU test + memcheck of the bad-id paths
 #   bash benchmarks/scripts/serving_session.sh bench        # layer benchmarks: moe, large-M study, decoder example
 #   bash benchmarks/scripts/serving_session.sh peers        # benchmarks/scripts/peers.sh (carry .whl)
+#   bash benchmarks/scripts/serving_session.sh tails        # memcheck of the masked N / K tiles (tiny-gemm, tiny-fused)
 #   bash benchmarks/scripts/serving_session.sh nf3          # NF3 vs NVFP4 (bench-nf3), memcheck of the NF3
 #                                                           # layer, host cost of a layer call (moe-models)
 #   bash benchmarks/scripts/serving_session.sh modelopt     # NVFP4 read as stored: its GPU tests and probes
@@ -65,5 +66,16 @@ modelopt)
 peers)
   shift
   bash benchmarks/scripts/peers.sh "$@"
+  ;;
+tails)
+  # masked tiles (N or K = 64 mod 128): memcheck of the GEMM cases past N and K (tiny-gemm) and of the fused
+  # layer whose both sizes end in part tiles (tiny-fused relu2: decode, packed, wgmma)
+  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m benchmarks.sanitize_gemm \
+    > "$OUT/memcheck_tails_gemm.log" 2>&1
+  echo "memcheck tails gemm rc=$?"; grep -E "ERROR SUMMARY" "$OUT/memcheck_tails_gemm.log" | tail -1
+  timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_moe_fused_gpu.py -k "matches_reference and relu2" \
+    > "$OUT/memcheck_tails_fused.log" 2>&1
+  echo "memcheck tails fused rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_tails_fused.log" | tail -3
   ;;
 esac

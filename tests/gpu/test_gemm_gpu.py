@@ -84,12 +84,13 @@ def _split_k_used(m, n, k, top_k, bundle) -> bool:
     return any(i.slice_count > 1 for i in items)
 
 
-# (N, K) per weight: the tiny-gemm-silu problem, and tiny-gemm-padded (hidden = intermediate = 720,
-# gpt-oss-like sizes that are not multiples of 128: stored zero-padded, read/written at 720 / 1440).
+# (N, K) per weight: the tiny-gemm-silu problem, and tiny-gemm-padded (hidden = intermediate = 688, not
+# multiples of 64: stored zero-padded to 704 = 64 (mod 128), so the last N tile and 128-deep k-tile are
+# masked; read/written at 688 / 1376).
 # tiny-gemm-narrow (hidden 640, intermediate 320): N % 256 = 128, the 128-wide wgmma tiles.
 # tiny-gemm-wide (hidden = intermediate = 1024): K >= WGMMA_WIDE_MIN_K, so 256-row blocks (two
 # warpgroups) from 256 routes per expert (M >= 1024 here).
-SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER), "w13 padded": (1440, 720), "w2 padded": (720, 720),
+SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER), "w13 padded": (1376, 688), "w2 padded": (688, 688),
           "w13 narrow": (640, 640), "w2 narrow": (640, 320), "w13 wide": (2048, 1024), "w2 wide": (1024, 1024)}
 CASES = [(w, d) for w in ("w13", "w2") for d in DTYPES] + [
     (w, "bf16") for w in ("w13 padded", "w2 padded", "w13 narrow", "w2 narrow", "w13 wide", "w2 wide")]

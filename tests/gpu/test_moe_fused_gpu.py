@@ -27,12 +27,12 @@ PROBLEMS = {
     "silu-bf16": (512, 256, 16, 4, "silu", "bf16"),
     "silu-fp16": (512, 256, 16, 4, "silu", "fp16"),
     "swigluoai": (736, 352, 8, 2, "swigluoai", "bf16"),
-    "relu2": (512, 384, 8, 3, "relu2", "bf16"),
-    "relu2-bias-fp16": (512, 384, 8, 3, "relu2", "fp16"),  # built with biases only
-    "swigluoai-whole-bias": (512, 384, 8, 2, "swigluoai", "bf16"),  # whole gate | up slabs; biases only
+    "relu2": (576, 320, 8, 3, "relu2", "bf16"),  # both sizes 64 (mod 128): masked N tiles, part k-tiles
+    "relu2-bias-fp16": (576, 320, 8, 3, "relu2", "fp16"),  # built with biases only; masked tiles as relu2
+    "swigluoai-whole-bias": (576, 384, 8, 2, "swigluoai", "bf16"),  # whole gate | up slabs; biases only
 }
 # the NF3 problems (weights: nf3; swigluoai with biases and logical tails)
-NF3_PROBLEMS = {"silu": (512, 256, 16, 4), "swigluoai": (736, 352, 8, 2), "relu2": (512, 384, 8, 3)}
+NF3_PROBLEMS = {"silu": (512, 256, 16, 4), "swigluoai": (736, 352, 8, 2), "relu2": (512, 320, 8, 3)}
 NF3_TOKENS = (1, 2, 7, 37, 64, 129, 1000, 3000)
 TOKENS = (1, 2, 3, 4, 8, 16, 37, 64, 512, 1000, 4096)
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)  # the swigluoai defaults

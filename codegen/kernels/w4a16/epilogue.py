@@ -69,12 +69,13 @@ class EpilogueMixin:
                      bias_row: Int64):
         """Write the staged 16-byte chunk at `staged` to output column chunk `col` of block row `row`.
 
-        Rows past the block's routes and (zero-padded N) columns past n_out are not written.
+        Rows past the block's routes and columns past the logical N (zero-padded N, or a last tile past N)
+        are not written.
         """
         s = self.s
         store = row < valid_rows
-        if cutlass.const_expr(s.n_out is not None):
-            store = store and col < Int32(s.n_out // 8)
+        if cutlass.const_expr(s.n_out is not None or s.n_tail):
+            store = store and col < Int32(s.bias_width // 8)
         if store:
             route = I.ld_shared_i32(smem + Int32(s.sh_route_off * 16) + row * Int32(4))
             q0, q1, q2, q3 = self._finish_chunk(smem, row, I.ld_shared_v4_u32(staged), bias_row + Int64(col) * Int64(16))
@@ -326,7 +327,7 @@ class EpilogueMixin:
             self._store_gated_rows(ops, smem, tid, n_tile, valid_rows, rows, c_sh_stride, bias_row)
         else:
             per_iter = s.threads // (2 * s.n_blocks)
-            c_gl_stride = Int32(s.n // 8)
+            c_gl_stride = Int32(s.n_tiles * s.tile_n // 8)  # chunks per row of whole tiles (N where they divide it)
             c_gl_wr = (c_gl_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)
                        + Int32(2 * s.n_blocks) * n_tile)
             c_sh_rd = c_sh_stride * (tid // Int32(2 * s.n_blocks)) + tid % Int32(2 * s.n_blocks)

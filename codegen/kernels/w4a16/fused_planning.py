@@ -198,12 +198,13 @@ def plan_fused(
             raise BadInputError(f"{name} must be a positive int, got {v!r}")
     if top_k > num_experts:
         raise BadInputError(f"top_k={top_k} exceeds num_experts={num_experts}")
-    (n1, k1), (n2, k2) = fused_gemm_dims(hidden_size, intermediate_size, gated)
+    dims = fused_gemm_dims(hidden_size, intermediate_size, gated, nf3=scale is ScaleFormat.E4M3_K32)
+    (n1, k1), (n2, k2) = dims
     direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
     decode = direct and not expert_map and not collect_amax and not deterministic
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
     if not decode:
-        block = promoted_block(block, fused_gemm_dims(hidden_size, intermediate_size, gated), scale, profile,
+        block = promoted_block(block, dims, scale, profile,
                                "modelopt" if stored_as_is else "packed", promote, short)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
@@ -244,7 +245,7 @@ def plan_fused(
     cap = profile.sm_count * bps
     grid_x, whole_tiles = cap, block == 8
     if decode:
-        grid_x, whole_tiles = _decode_grid(routes * (n1 // t1.tile_n), routes * (n2 // t2.tile_n), cap,
+        grid_x, whole_tiles = _decode_grid(routes * -(-n1 // t1.tile_n), routes * -(-n2 // t2.tile_n), cap,
                                            bool(onewave))
         slots, blocks = routes * block, routes
     else:
@@ -307,12 +308,12 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
         return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile) is None
 
     sms = profile.sm_count
-    default_tiles = routes * (n1 // t1.tile_n)
+    default_tiles = routes * -(-n1 // t1.tile_n)
     if (t1 == TileConfig(128, 128) and sms < default_tiles <= 2 * sms and default_tiles // 2 <= sms
             and fits(n1, k1)):
         t1 = WIDE_TILE
     if (t2 == TileConfig(128, 128) and t1.threads == WIDE_TILE.threads and fits(n2, k2)
-            and not (onewave and max(default_tiles, routes * (n2 // t2.tile_n)) <= sms)):
+            and not (onewave and max(default_tiles, routes * -(-n2 // t2.tile_n)) <= sms)):
         t2 = WIDE_TILE
     return t1, t2
 
@@ -387,10 +388,10 @@ def fused_gated_epilogue(plan: FusedPlan, facts: MoeLayerFacts) -> bool:
 
 
 def whole_gate_up_slabs(facts: MoeLayerFacts) -> bool:
-    """FC1's stored N is its logical 2I (no zero padding), so every 64-column slab lies in the gate or
-    the up half: what a gated epilogue (GemmSpec) needs to stage gate and up columns in one tile."""
-    (n1, _), _ = fused_gemm_dims(facts.hidden_size, facts.intermediate_size, facts.gated)
-    return facts.gated and n1 == facts.activation.fc1_width(facts.intermediate_size)
+    """Each half of FC1's N = 2I is whole 64-column slabs (I a multiple of 64: stored unpadded, N a multiple
+    of 128), so every slab lies in the gate or the up half: what a gated epilogue (GemmSpec) needs to
+    stage gate and up columns in one tile."""
+    return facts.gated and facts.intermediate_size % 64 == 0
 
 
 def _scale_exponent(facts: MoeLayerFacts) -> int | None:

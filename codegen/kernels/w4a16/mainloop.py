@@ -142,11 +142,19 @@ class MainloopMixin:
         else:
             t.b_src = ops.qweight + t.b_gl_rd * Int64(16)
             t.b_dst = smem + (Int32(s.sh_b_off) + tid) * Int32(16)
+            if cutlass.const_expr(s.k_tail):  # the 16-k row of a stage this thread's first copy fills
+                t.b_k_row = tid // Int32(s.b_sh_stride)
+            if cutlass.const_expr(s.n_tail):  # this thread's int4 column (the same in every copy) inside N
+                t.b_in_n = t.n_tile * Int32(s.b_sh_stride) + tid % Int32(s.b_sh_stride) < Int32(s.n // 2)
         if cutlass.const_expr(not s.modelopt):
             t.s_ok = tid < Int32(s.s_sh_stage)
+            if cutlass.const_expr(s.k_tail):  # the scale row of a stage this thread copies
+                t.s_k_row = tid // Int32(s.s_sh_stride)
             n_group = Int32(s.s_sh_stride) * t.n_tile + tid % Int32(s.s_sh_stride)
             if cutlass.const_expr(s.epilogue.is_gated):  # 4 scale int4 per 64-column slab
                 n_group = self._slab_column(t.n_tile, tid % Int32(s.s_sh_stride), 4)
+            if cutlass.const_expr(s.n_tail):
+                t.s_in_n = n_group < Int32(s.n // 16)
             t.s_src = ops.scales + (t.scales_base + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
                                     + Int64(n_group)) * Int64(16)
             t.s_dst = smem + (Int32(s.sh_s_off) + tid) * Int32(16)
@@ -182,14 +190,29 @@ class MainloopMixin:
         t.s_dst = smem + Int32(s.sh_s_off * 16) + tid * Int32(s.tile_k // 16)
 
     @cute.jit
+    def _copy_inside(self, dst: Int32, src: Int64, in_n=None, row=None, rows: cutlass.Constexpr[int] = 0):
+        """A 16-byte weight-side copy.  In a tile that runs past N or K it is zero-filled (nothing read) unless
+        its column is inside N (`in_n`, None: always) and its row is one of the first `rows` (`row`, None:
+        always); with neither it is a plain copy."""
+        if cutlass.const_expr(in_n is None and row is None):
+            I.cp_async_16(dst, src)
+        else:
+            inside = Int32(1)
+            if cutlass.const_expr(in_n is not None):
+                inside = in_n.to(Int32)
+            if cutlass.const_expr(row is not None):
+                inside = inside & (row < Int32(rows)).to(Int32)
+            I.cp_async_16_zfill(dst, src, inside)
+
+    @cute.jit
     def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
         """Issue the cp.async copies of k-tile `k_tile` into stage `pipe` and commit them."""
         s = self.s
         k64 = Int64(k_tile)
         for i in cutlass.range_constexpr(s.a_sh_wr_iters):
             load = t.a_ok[i]
-            if cutlass.const_expr(s.k_in is not None):  # zero-padded K: columns past k_in read as zeros
-                load = load and k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0 < Int32(s.k_in // 8)
+            if cutlass.const_expr(s.k_in is not None or s.k_tail):  # columns past the logical K read as zeros
+                load = load and k_tile * Int32(s.a_sh_stride) + t.a_gl_rd_col0 < Int32(s.a_width // 8)
             src = t.a_src[i] + k64 * Int64(s.a_sh_stride * 16)
             dst = t.a_dst[i] + Int32(pipe * s.a_sh_stage * 16)
             if cutlass.const_expr(s.a_rows_per_iter * (i + 1) > 16 * s.m_blocks):
@@ -211,16 +234,22 @@ class MainloopMixin:
                     I.cp_async_16(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), src)
         else:
             b_row = s.threads // s.b_sh_stride  # 16-k rows one pass of the CTA covers
-            for i in cutlass.range_constexpr(s.b_sh_wr_iters):
-                I.cp_async_16(t.b_dst + Int32((pipe * s.b_sh_stage + i * s.threads) * 16),
-                              t.b_src + k64 * Int64(s.k_blocks * (s.n // 2) * 16) + Int64(i * b_row * (s.n // 2) * 16))
+            for i in cutlass.range_constexpr(s.b_sh_wr_iters):  # past K (the last k-tile) or N: zeros, nothing read
+                self._copy_inside(t.b_dst + Int32((pipe * s.b_sh_stage + i * s.threads) * 16),
+                                  t.b_src + k64 * Int64(s.k_blocks * (s.n // 2) * 16)
+                                  + Int64(i * b_row * (s.n // 2) * 16),
+                                  t.b_in_n if s.n_tail else None,
+                                  k_tile * Int32(s.k_blocks) + Int32(i * b_row) + t.b_k_row if s.k_tail else None,
+                                  s.k // 16)
         scale_rows = s.tile_k // self.scale_group  # scale rows a k-tile holds
         if cutlass.const_expr(s.modelopt):
             if t.s_ok:
                 I.cp_async_ca(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(s.tile_k // 16),
                               s.tile_k // 16)
-        elif t.s_ok:
-            I.cp_async_16(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(scale_rows * (s.n // 16) * 16))
+        elif t.s_ok:  # and their scales (zero bytes: finite, times zero codes)
+            self._copy_inside(t.s_dst + Int32(pipe * s.s_sh_stage * 16),
+                              t.s_src + k64 * Int64(scale_rows * (s.n // 16) * 16), t.s_in_n if s.n_tail else None,
+                              k_tile * Int32(scale_rows) + t.s_k_row if s.k_tail else None, s.k // self.scale_group)
         cute.arch.cp_async_commit_group()
 
     @cute.jit

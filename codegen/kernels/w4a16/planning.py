@@ -285,7 +285,7 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
     if layout == "modelopt":
         tiles = tuple(t for t in tiles if t.tile_n <= 128)
     for tile in tiles:
-        if (n % tile.tile_n == 0 and k % tile.tile_k == 0
+        if (n_tiles_fit(n, tile.tile_n) and k % tile.tile_k == 0
                 and wgmma_shared_memory_footprint(moe_block_size, tile) <= limit):
             return tile, None
     return None, f"N={n} and K={k} are not multiples of a wgmma tile ({', '.join(f'{t.tile_n}x{t.tile_k}' for t in tiles)})"
@@ -314,7 +314,7 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
     smem = wgmma_shared_memory_footprint(moe_block_size, tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
     limit = max(min(profile.registers_per_sm // per_block, profile.shared_memory_per_sm // smem,
                     profile.max_threads_per_sm // threads), 1)
-    work_ctas = (n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
+    work_ctas = -(-n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
     return limit
@@ -327,18 +327,28 @@ def wgmma_ws_blocks_per_sm(moe_block_size: int, tile: TileConfig, profile: Devic
             + _RESIDENT_SHARED_MEMORY_PER_BLOCK)
     return max(min(profile.shared_memory_per_sm // smem, profile.max_threads_per_sm // threads), 1)
 
+def n_tiles_fit(n: int, tile_n: int) -> bool:
+    """Whether tile_n-wide tiles may cover N: whole tiles, or where N = 64 (mod 128) (stored to whole 64-column
+    slabs, which no 128- or 256-wide tile divides) a masked last tile at least half inside N."""
+    tail = n % tile_n
+    return tail == 0 or (n % 128 == 64 and 2 * tail >= tile_n)
+
+
 @functools.cache
 def tile_misfit(
     n: int, k: int, moe_block_size: int, tile: TileConfig, scale_format: ScaleFormat, profile: DeviceProfile
 ) -> str | None:
     """Why `tile` cannot run an (N, K) GEMM on `profile`, or None if it can.
 
-    Only exact tiling is supported: every N tile, K tile and scale group is whole.
+    Every scale group is whole; N and K end in part tiles only as `n_tiles_fit` and the packed layout
+    allow (e4m3_k16 scales: K a multiple of 64 on a 128-deep tile; NF3 and the stored layout keep whole
+    tiles, their N being a multiple of 128).
     """
     group = scale_format.group_size
-    if n % tile.tile_n:
+    masks = scale_format is ScaleFormat.E4M3_K16  # the (packed) layouts whose kernels mask part tiles
+    if n % tile.tile_n and not (masks and n_tiles_fit(n, tile.tile_n)):
         return f"N={n} is not a multiple of tile_n={tile.tile_n}"
-    if k % tile.tile_k:
+    if k % tile.tile_k and not (masks and k % 64 == 0):
         return f"K={k} is not a multiple of tile_k={tile.tile_k}"
     if k % group or tile.tile_k % group:
         return f"K={k} and tile_k={tile.tile_k} must be multiples of the {scale_format.value} scale group {group}"
@@ -380,7 +390,7 @@ def blocks_per_sm(
     limit = _resident_blocks(moe_block_size, tile, scale_format, profile, registers)
     if cap is not None:
         limit = max(min(cap, _resource_blocks(moe_block_size, tile, scale_format, profile)), 1)
-    work_ctas = (n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
+    work_ctas = -(-n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
     return limit
@@ -583,7 +593,7 @@ def plan_gemm(
         )
     routes = m * top_k
     whole_tiles = block == 8 and per_sm == 1
-    if direct and routes * (n // tile.tile_n) <= profile.sm_count:
+    if direct and routes * -(-n // tile.tile_n) <= profile.sm_count:
         # Every output tile fits on its own SM: one whole-K tile per CTA, one CTA per SM. Two per SM
         # would stack pairs of tiles on half the SMs (measured on the H200: Qwen3-30B FC1 at M = 1
         # 11.4 us at 1/SM vs 17.9 us at 2/SM).
@@ -604,8 +614,8 @@ def plan_gemm(
                              else shared_memory_footprint(block, tile, scale_format)),
         blocks_per_sm=per_sm,
         grid_x=grid_x,
-        n_tiles=n // tile.tile_n,
-        k_tiles=k // tile.tile_k,
+        n_tiles=-(-n // tile.tile_n),
+        k_tiles=-(-k // tile.tile_k),
         max_route_slots=slots,
         max_route_blocks=blocks,
         lock_slots=lock_slots(grid_x),

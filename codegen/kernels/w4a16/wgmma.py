@@ -167,6 +167,9 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # scales: tile_n / 16 int4 per 16-k row, one per thread of the first s_sh_stage threads
         t.s_ok = tid < Int32(s.s_sh_stage)
         s_col = tid % Int32(s.s_sh_stride)
+        if cutlass.const_expr(s.n_tail):  # this thread's weight / scale column inside N (a last tile past N)
+            t.w_in_n = n_tile * Int32(per_row) + w_col < Int32(s.n // 2)
+            t.s_in_n = n_tile * Int32(s.s_sh_stride) + s_col < Int32(s.n // 16)
         t.s_src = ops.scales + (Int64(s.n * s.k // 256) * Int64(expert)
                                 + Int64(tid // Int32(s.s_sh_stride)) * Int64(s.n // 16)
                                 + Int64(self._slab_column(n_tile, s_col, 4))
@@ -247,12 +250,13 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                     I.cp_async_ca(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16), 4)
         else:
             rows_per_pass = s.threads // (s.tile_n // 2)
-            for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):
-                I.cp_async_16(t.w_dst + Int32(pipe * s.wg_w_stage_bytes + i * s.threads * 16),
-                              t.w_src + (k64 * Int64(s.k_blocks) + Int64(i * rows_per_pass)) * Int64(s.n // 2 * 16))
+            for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):  # columns past N: zeros, nothing read
+                self._copy_inside(t.w_dst + Int32(pipe * s.wg_w_stage_bytes + i * s.threads * 16),
+                                  t.w_src + (k64 * Int64(s.k_blocks) + Int64(i * rows_per_pass)) * Int64(s.n // 2 * 16),
+                                  t.w_in_n if s.n_tail else None)
             if t.s_ok:
-                I.cp_async_16(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
-                              t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16))
+                self._copy_inside(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
+                                  t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16), t.s_in_n if s.n_tail else None)
         cute.arch.cp_async_commit_group()
 
     @cute.jit

@@ -35,9 +35,9 @@ from typing import Optional
 from ...abi import Pointee, Signature, i32, ptr
 from ...errors import BadInputError
 from ...keys import SpecKey
+from ...modelopt import MODELOPT_MULTIPLE
 from ...types import Activation, DType, WeightFormat
 from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
-from ...weights import STORED_N_MULTIPLE as STORED_MULTIPLE
 from ..activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes, check_modelopt_scale_exponent, stored_w13_facts
 
@@ -149,13 +149,11 @@ class FusedSpec(SpecKey):
             if self.weight_format.up_first and not self.gated:
                 raise BadInputError(f"{self.weight_format.value} (W13 stored up rows first) needs a gated activation "
                                     f"(gate and up halves), got {self.activation.value}")
-            dims = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
-            logical = ((self.fc1_width, self.hidden_size), (self.hidden_size, self.intermediate_size))
-            if dims != logical:
+            if self.hidden_size % MODELOPT_MULTIPLE or self.intermediate_size % MODELOPT_MULTIPLE:
                 raise BadInputError(
                     f"{self.weight_format.value} weights are read as stored, without the zero padding other layouts "
                     f"get: hidden_size={self.hidden_size} and intermediate_size={self.intermediate_size} must be "
-                    f"multiples of {STORED_MULTIPLE}")
+                    f"multiples of {MODELOPT_MULTIPLE}")
         self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
 
     # --------------------------------------------------------------- parts
@@ -167,6 +165,10 @@ class FusedSpec(SpecKey):
     @property
     def gated(self) -> bool:
         return self.activation.is_gated
+
+    @property
+    def nf3(self) -> bool:
+        return self.weight_format is WeightFormat.NF3
 
     @property
     def activation_spec(self) -> ActivationSpec:
@@ -189,7 +191,7 @@ class FusedSpec(SpecKey):
 
     @property
     def fc1_gemm(self) -> GemmSpec:
-        (n1, k1), _ = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+        (n1, k1), _ = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated, self.nf3)
         epilogue, activation = (Epilogue.NONE if self.gated else Epilogue.RELU2), {}
         if self.gated_epilogue:
             epilogue = Epilogue(self.activation.value)
@@ -201,7 +203,7 @@ class FusedSpec(SpecKey):
 
     @property
     def fc2_gemm(self) -> GemmSpec:
-        _, (n2, k2) = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+        _, (n2, k2) = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated, self.nf3)
         return self._gemm(n2, k2, self.hidden_size, self.intermediate_size, self.fc2_tile_n, self.fc2_tile_k,
                           top_k=1, mul_topk_weights=not self.router_weight_on_input, epilogue=Epilogue.NONE,
                           sum_topk=self.top_k if self.sums_topk else 0)

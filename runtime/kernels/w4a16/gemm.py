@@ -28,7 +28,7 @@ import torch
 from cuda.bindings import driver
 
 from ...bundle import Bundle, LoadedKernel, check_cu, current_stream_handle
-from ...errors import BadInputError, LaunchError
+from ...errors import BadInputError, BundleError, LaunchError
 from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
 from ...tensors import INT32_MAX, check_rank, check_tensor
 from ...weights import PackedNvfp4
@@ -204,10 +204,24 @@ def persistent_launch(bundle: Bundle, digest: str) -> PersistentLaunch:
     return bundle.plans.kernels.get(digest, lambda: PersistentLaunch(bundle, digest))
 
 
+def check_stored_sizes(kernel: PersistentLaunch, spec, weights: PackedNvfp4, name: str) -> None:
+    """`spec` (a GEMM of `kernel`) reads `name` at the stored sizes this runtime packs them to.  A bundle
+    built by a runtime that pads otherwise (before 2026-12-02 sizes were padded to multiples of 128)
+    is refused here instead of misreading the weights."""
+    if (spec.n, spec.k) != (weights.n_stored, weights.k_stored):
+        raise BundleError(
+            f"kernel {kernel.spec.key().describe()} reads {name} stored as N={spec.n} x K={spec.k}, but this "
+            f"runtime stores them as {weights.n_stored} x {weights.k_stored} (logical {weights.n} x {weights.k}): "
+            "the bundle was built by another version of cuteaot; rebuild it"
+        )
+
+
 def _resolve_gemm(bundle: Bundle, weights: PackedNvfp4, top_k: int, m: int, variant: str):
     """The table's launch for this M and the checked kernel of this operand variant."""
     launch = gemm_entry(bundle, weights, top_k).launch(m)
-    return launch, persistent_launch(bundle, launch.kernel(variant))
+    kernel = persistent_launch(bundle, launch.kernel(variant))
+    check_stored_sizes(kernel, kernel.spec, weights, "the weights")
+    return launch, kernel
 
 
 def w4a16_moe_gemm(

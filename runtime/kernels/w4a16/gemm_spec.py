@@ -215,9 +215,13 @@ class GemmSpec(SpecKey):
         if self.tile_n % 64 or self.tile_k % 64:
             raise BadInputError(f"tile_n and tile_k must be multiples of 64, got {self.tile_n}x{self.tile_k}")
         TileConfig(self.tile_k, self.tile_n)  # validates the thread count (128 or 256)
-        if self.n % self.tile_n or self.k % self.tile_k:
+        if self.n % 64 or self.k % 64:
+            raise BadInputError(f"N={self.n} and K={self.k} must be multiples of 64 (whole slabs and k-tiles)")
+        if (self.n_tail or self.k_tail) and (self.layout != "packed" or self.producer_warp):
             raise BadInputError(
-                f"N={self.n} and K={self.k} must be multiples of the tile {self.tile_n}x{self.tile_k} (no tail tiles)"
+                f"N={self.n}, K={self.k} end in part tiles of {self.tile_n}x{self.tile_k}, which only the packed "
+                f"layout masks (without a producer warpgroup); got layout {self.layout}, producer_warp "
+                f"{self.producer_warp}"
             )
         self._check_modelopt()
         for name, stored in (("n_out", self.n), ("k_in", self.k)):
@@ -255,11 +259,11 @@ class GemmSpec(SpecKey):
 
         act_facts = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
         if self.epilogue.is_gated:
-            if self.n_out is not None or self.n % 128 or self.tile_n % 128:
+            if self.n_out is not None or self.n % 128 or self.tile_n % 128 or self.n_tail:
                 raise BadInputError(
-                    f"epilogue={self.epilogue.value} (gated) needs an unpadded N and tiles of whole gate | up "
-                    f"64-column slab pairs (N and tile_n multiples of 128); got N={self.n}, n_out={self.n_out}, "
-                    f"tile_n={self.tile_n}"
+                    f"epilogue={self.epilogue.value} (gated) needs an unpadded N and whole tiles of gate | up "
+                    f"64-column slab pairs (N and tile_n multiples of 128, tile_n dividing N); got N={self.n}, "
+                    f"n_out={self.n_out}, tile_n={self.tile_n}"
                 )
             if not isinstance(self.fast_math, bool):
                 raise BadInputError(f"epilogue={self.epilogue.value} needs fast_math True or False, got {self.fast_math!r}")
@@ -351,11 +355,23 @@ class GemmSpec(SpecKey):
 
     @property
     def n_tiles(self) -> int:
-        return self.n // self.tile_n
+        return -(-self.n // self.tile_n)
+
+    @property
+    def n_tail(self) -> bool:
+        """The last N tile is part past N (N = 64 mod 128, runtime/weights.py): its weight and scale copies
+        there are zero-filled and its outputs there not stored."""
+        return self.n % self.tile_n != 0
 
     @property
     def k_tiles(self) -> int:
-        return self.k // self.tile_k
+        return -(-self.k // self.tile_k)
+
+    @property
+    def k_tail(self) -> bool:
+        """The last k-tile is part past K (K = 64 mod 128 on a 128-deep tile): its copies of weights, scales
+        and activations past K are zero-filled, so they add exact zeros."""
+        return self.k % self.tile_k != 0
 
     @property
     def n_warps(self) -> int:

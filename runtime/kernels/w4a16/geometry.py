@@ -371,9 +371,12 @@ def splitk_scratch_floats(grid_x: int, moe_block_size: int, tile_n: int) -> int:
 BARRIER_WORDS = 4
 
 
-def fused_gemm_dims(hidden_size: int, intermediate_size: int, gated: bool) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Stored (N, K) of FC1 and FC2 (sizes zero-padded to multiples of 128, runtime/weights.py)."""
-    from ...weights import stored_dims  # weights imports this module's constants
+def fused_gemm_dims(hidden_size: int, intermediate_size: int, gated: bool,
+                    nf3: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Stored (N, K) of FC1 and FC2 (sizes zero-padded, runtime/weights.py `stored_dims`; NF3's N to 128)."""
+    from ...nf3 import NF3_STORED_N_MULTIPLE  # weights and nf3 import this module's constants
+    from ...weights import STORED_N_MULTIPLE, stored_dims
 
+    multiple = NF3_STORED_N_MULTIPLE if nf3 else STORED_N_MULTIPLE
     fc1_n = fc1_width(intermediate_size, gated)
-    return stored_dims(fc1_n, hidden_size), stored_dims(hidden_size, intermediate_size)
+    return stored_dims(fc1_n, hidden_size, multiple), stored_dims(hidden_size, intermediate_size, multiple)
