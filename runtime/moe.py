@@ -335,8 +335,9 @@ class MoeLayer:
         if r is None:
             launch = self._entry(collect_amax).launch(m)
             kernels = {role: persistent_launch(self.bundle, digest) for role, digest in launch.kernels.items()}
-            for role, kernel in kernels.items():  # calibration kernels were not checked when the layer was built
-                self._check_stored_sizes(role, kernel)
+            if collect_amax:  # the calibration table's kernels: not loaded (nor checked) when the layer was built
+                for role, kernel in kernels.items():
+                    self._check_stored_sizes(role, kernel)
             r = self._resolved[(m, collect_amax)] = Resolved(launch, kernels)
         return r
 

@@ -288,19 +288,12 @@ def test_masked_tail_tiles_compile_without_spills():
     """N and K = 64 (mod 128), stored unpadded: the last 128-wide N tile and 128-deep k-tile are masked
     (weight and scale copies there zero-filled without a read) on the mma.sync loop (8-row direct with the
     fused top-k sum, 64-row packed) and the wgmma loop; no spills, and kernels without tails copy as before."""
-    from cuteaot.codegen.compile import compile_kernel
-    from cuteaot.codegen.kernels.w4a16.device import build_gemm
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
     zfill = re.compile(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, ")
 
     def zero_filled_copies(spec) -> int:
-        record = compile_kernel(spec.key(), "sm_90a").record
-        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
-        kernel, args = build_gemm(spec)
-        with tempfile.TemporaryDirectory() as d:
-            ptx = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
-        return len(zfill.findall(ptx))
+        return len(zfill.findall(_compiled_ptx(spec, spec.threads, spec.blocks_per_sm)))
 
     specs = (
         GemmSpec(dtype="bf16", n=576, k=320, top_k=1, tile_n=128, tile_k=128, moe_block_size=8, blocks_per_sm=2,

@@ -47,6 +47,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     fused_gemm_dims,
     max_packed_route_slots,
     splitk_scratch_floats,
+    tile_count,
     wgmma_tiles,
 )
 
@@ -245,7 +246,7 @@ def plan_fused(
     cap = profile.sm_count * bps
     grid_x, whole_tiles = cap, block == 8
     if decode:
-        grid_x, whole_tiles = _decode_grid(routes * -(-n1 // t1.tile_n), routes * -(-n2 // t2.tile_n), cap,
+        grid_x, whole_tiles = _decode_grid(routes * tile_count(n1, t1.tile_n), routes * tile_count(n2, t2.tile_n), cap,
                                            bool(onewave))
         slots, blocks = routes * block, routes
     else:
@@ -308,12 +309,12 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
         return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile) is None
 
     sms = profile.sm_count
-    default_tiles = routes * -(-n1 // t1.tile_n)
+    default_tiles = routes * tile_count(n1, t1.tile_n)
     if (t1 == TileConfig(128, 128) and sms < default_tiles <= 2 * sms and default_tiles // 2 <= sms
             and fits(n1, k1)):
         t1 = WIDE_TILE
     if (t2 == TileConfig(128, 128) and t1.threads == WIDE_TILE.threads and fits(n2, k2)
-            and not (onewave and max(default_tiles, routes * -(-n2 // t2.tile_n)) <= sms)):
+            and not (onewave and max(default_tiles, routes * tile_count(n2, t2.tile_n)) <= sms)):
         t2 = WIDE_TILE
     return t1, t2
 

@@ -50,6 +50,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     max_packed_route_slots,
     shared_memory_footprint,
     splitk_scratch_floats,
+    tile_count,
     wgmma_shared_memory_footprint,
     wgmma_threads,
     wgmma_tiles,
@@ -314,7 +315,7 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
     smem = wgmma_shared_memory_footprint(moe_block_size, tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
     limit = max(min(profile.registers_per_sm // per_block, profile.shared_memory_per_sm // smem,
                     profile.max_threads_per_sm // threads), 1)
-    work_ctas = -(-n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
+    work_ctas = tile_count(n, tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
     return limit
@@ -390,7 +391,7 @@ def blocks_per_sm(
     limit = _resident_blocks(moe_block_size, tile, scale_format, profile, registers)
     if cap is not None:
         limit = max(min(cap, _resource_blocks(moe_block_size, tile, scale_format, profile)), 1)
-    work_ctas = -(-n // tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
+    work_ctas = tile_count(n, tile.tile_n) * m * top_k * _WORK_CTAS_PER_TILE_ROUTE
     if work_ctas < profile.sm_count * limit:
         limit = max(work_ctas // profile.sm_count, 1)
     return limit
@@ -593,7 +594,7 @@ def plan_gemm(
         )
     routes = m * top_k
     whole_tiles = block == 8 and per_sm == 1
-    if direct and routes * -(-n // tile.tile_n) <= profile.sm_count:
+    if direct and routes * tile_count(n, tile.tile_n) <= profile.sm_count:
         # Every output tile fits on its own SM: one whole-K tile per CTA, one CTA per SM. Two per SM
         # would stack pairs of tiles on half the SMs (measured on the H200: Qwen3-30B FC1 at M = 1
         # 11.4 us at 1/SM vs 17.9 us at 2/SM).
@@ -614,8 +615,8 @@ def plan_gemm(
                              else shared_memory_footprint(block, tile, scale_format)),
         blocks_per_sm=per_sm,
         grid_x=grid_x,
-        n_tiles=-(-n // tile.tile_n),
-        k_tiles=-(-k // tile.tile_k),
+        n_tiles=tile_count(n, tile.tile_n),
+        k_tiles=tile_count(k, tile.tile_k),
         max_route_slots=slots,
         max_route_blocks=blocks,
         lock_slots=lock_slots(grid_x),

@@ -31,6 +31,7 @@ from .geometry import (
     PRODUCER_THREADS,
     WGMMA_BLOCK_SIZES,
     WGMMA_WS_BLOCKS,
+    tile_count,
     wgmma_out_row_bytes,
     wgmma_threads,
     wgmma_ws_layout,
@@ -355,7 +356,7 @@ class GemmSpec(SpecKey):
 
     @property
     def n_tiles(self) -> int:
-        return -(-self.n // self.tile_n)
+        return tile_count(self.n, self.tile_n)
 
     @property
     def n_tail(self) -> bool:
@@ -365,7 +366,7 @@ class GemmSpec(SpecKey):
 
     @property
     def k_tiles(self) -> int:
-        return -(-self.k // self.tile_k)
+        return tile_count(self.k, self.tile_k)
 
     @property
     def k_tail(self) -> bool:

@@ -172,6 +172,11 @@ PRODUCER_THREADS = 128
 PRODUCER_REGISTERS = 56
 
 
+def tile_count(size: int, tile: int) -> int:
+    """Tiles of `tile` that cover `size`; the last one may end past it (a masked tile, runtime/weights.py)."""
+    return -(-size // tile)
+
+
 def wgmma_out_row_bytes(tile: TileConfig) -> int:
     """Bytes per output row the wgmma epilogue stages in shared memory (+16 against bank conflicts)."""
     return tile.tile_n * 2 + 16
