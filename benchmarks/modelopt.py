@@ -1,10 +1,11 @@
 """NVFP4 read as stored (weights: modelopt) against the packed layout, on the H200 (issue 15).
 
-    python -m benchmarks.modelopt --bundle generated/bench-modelopt [--models qwen3-30b-a3b,glm-4.5-air]
+    python -m benchmarks.modelopt --bundle generated/bench-modelopt [--models qwen3-30b-a3b,glm-4.5-air,nemotron-3-nano]
                                   [--m 1,8,64,256,1024,4096] [--json docs/results/modelopt-<date>.json]
 
 Per model and M, in one process, on one random ModelOpt NVFP4 checkpoint (gate and up quantized
-apart, given one global scale so that the packed form is exact too), one routing (uniform top-k) and one input:
+apart, given one global scale so that the packed form is exact too; relu2 layers have one projection),
+one routing (uniform top-k) and one input:
 
 * `packed`    MoeLayer on prepare_w13 / prepare_w2 of the checkpoint (repacked);
 * `modelopt`  MoeLayer on prepare_w13_modelopt / prepare_w2_modelopt of the same tensors (no copy).
@@ -18,6 +19,7 @@ on the dequantized checkpoint, after poisoning.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -27,7 +29,10 @@ from tests.reference.moe import moe_reference
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}  # H, I, E, top_k (silu)
+# H, I, E, top_k, activation.  Nemotron-3-Nano's I = 1856 is 64 (mod 128): read as stored, FC1's last N tile is
+# masked and FC2's k-tiles are 64 deep.
+MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8, "silu"), "glm-4.5-air": (4096, 1408, 128, 8, "silu"),
+          "nemotron-3-nano": (2688, 1856, 128, 6, "relu2")}
 
 
 def _expert_bytes(w) -> int:
@@ -38,21 +43,26 @@ def _build(bundle, name, g):
     """Both layers of one model on one random checkpoint, with their float32 reference."""
     from cuteaot.runtime import MoeLayer, prepare_w2, prepare_w2_modelopt, prepare_w13, prepare_w13_modelopt
 
-    h, i, e, top_k = MODELS[name]
-    gate, up, down = random_nvfp4(e, i, h, g), random_nvfp4(e, i, h, g), random_nvfp4(e, h, i, g)
-    w13_t = [torch.cat((gate[j], up[j]), dim=1) for j in (0, 1)]
-    pair = torch.stack((gate[2], gate[2]), dim=1)  # one global scale: the packed form is exact too
-    ref_w = (torch.cat((dequantize_modelopt(*gate), dequantize_modelopt(up[0], up[1], gate[2])), dim=1),
-             dequantize_modelopt(*down))
+    h, i, e, top_k, activation = MODELS[name]
+    gated = activation != "relu2"
+    gate, down = random_nvfp4(e, i, h, g), random_nvfp4(e, h, i, g)
+    if gated:
+        up = random_nvfp4(e, i, h, g)
+        w13_t = [torch.cat((gate[j], up[j]), dim=1) for j in (0, 1)]
+        scale_2 = torch.stack((gate[2], gate[2]), dim=1)  # one global scale: the packed form is exact too
+        w13_f = torch.cat((dequantize_modelopt(*gate), dequantize_modelopt(up[0], up[1], gate[2])), dim=1)
+    else:
+        w13_t, scale_2, w13_f = gate[:2], gate[2], dequantize_modelopt(*gate)
+    ref_w = (w13_f, dequantize_modelopt(*down))
 
     def reference(x, w, ids):
-        return moe_reference(x, *ref_w, w, ids, "silu")[0]
+        return moe_reference(x, *ref_w, w, ids, activation)[0]
 
     layers = {}
     for impl, (p13, p2) in {"packed": (prepare_w13, prepare_w2),
-                            "modelopt": (prepare_w13_modelopt, prepare_w2_modelopt)}.items():
-        w13, w2 = p13(*w13_t, pair, "bf16"), p2(*down, "bf16")
-        layers[impl] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation="silu"), reference,
+                            "modelopt": (functools.partial(prepare_w13_modelopt, gated=gated), prepare_w2_modelopt)}.items():
+        w13, w2 = p13(*w13_t, scale_2, "bf16"), p2(*down, "bf16")
+        layers[impl] = (MoeLayer(bundle, w13, w2, top_k=top_k, activation=activation), reference,
                         _expert_bytes(w13) + _expert_bytes(w2))
     return (h, e, top_k), layers
 

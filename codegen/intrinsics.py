@@ -778,6 +778,16 @@ def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, loc=None, ip
          f"cp.async.ca.shared.global [$0], [$1], {nbytes};", "r,l", effects=True, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def cp_async_ca_zfill(smem_addr: Int32, gmem_addr: Int64, nbytes: int, pred: Int32, *, loc=None, ip=None) -> None:
+    """`cp_async_ca` when pred != 0, else writes `nbytes` zero bytes and reads nothing (src-size 0)."""
+    assert nbytes in (4, 8, 16), nbytes
+    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(pred)], loc, ip),
+         "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n"
+         f" selp.b32 n, {nbytes}, 0, p;\n cp.async.ca.shared.global [$0], [$1], {nbytes}, n;\n}}",
+         "r,l,r", effects=True, loc=loc, ip=ip)
+
+
 # ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)
 # A bulk copy is issued by one thread and moves a whole contiguous range; its completion is
 # counted in bytes on an mbarrier (a 64-bit shared-memory object), which threads wait on by

@@ -18,7 +18,7 @@ name the file, the line, the field and what is allowed.
         fast_math: true             # one value or a list to enumerate
         bias: false                 # per-expert FC1/FC2 biases (gpt-oss); a value or a list (fused layers)
         weights: nvfp4              # nvfp4 | nf3 (bf16 only) | modelopt | modelopt_w31 (NVFP4 read as
-                                    # stored: W13 gate or up rows first; sizes multiples of 128);
+                                    # stored: W13 gate or up rows first; sizes multiples of 64);
                                     # a value or a list (fused layers)
         tokens: [1, 2, 4, 8, 16]    # token-count buckets, ascending, at most MAX_TOKENS (65,536)
         gemm: true                  # also build the W4A16 GEMMs (FC1, FC2) + route packing

@@ -17,7 +17,10 @@ W13 may be stored gate rows first ("w13", `WeightFormat.MODELOPT`) or up rows fi
 `MODELOPT_W31`): the kernels read the halves where they are.  The two projections keep their own
 global scales ((E, 2) `weight_scale_2`, indexed gate, up): a tile never straddles the halves, so
 nothing is re-rounded (the packed layout folds the smaller scale into the block scales instead).
-Logical sizes are the stored ones: N and K multiples of 128 (no zero padding is possible).
+Logical sizes are the stored ones (no zero padding is possible): N and K multiples of 64, like the
+packed layout's stored sizes.  Where N is 64 (mod 128) (Nemotron-3-Nano's I = 1856, a tensor-parallel
+shard's I / tp = 192) no 128-wide tile divides it: the last tile's rows past N are zero-filled, nothing
+read, and its outputs there not stored; where K is, the k-tiles are 64 deep.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ MODELOPT_COMPENSATION = {
 }  # bf16: 2**111, fp16: 2**14
 
 
-# Read as stored, nothing is zero-padded and no tile is masked, so both sizes must be whole 128-wide tiles
-# (each of a layer's two sizes is some GEMM's N).
-MODELOPT_MULTIPLE = 128
+# Read as stored, nothing is zero-padded: both sizes must be whole 64-column slabs and 64-deep k-tiles (each
+# of a layer's two sizes is some GEMM's N and the other's K; a last 128-wide N tile may be masked).
+MODELOPT_MULTIPLE = 64
 
 @dataclass(frozen=True)
 class ModelOptNvfp4(PackedNvfp4):

@@ -290,7 +290,7 @@ def test_masked_tail_tiles_compile_without_spills():
     fused top-k sum, 64-row packed) and the wgmma loop; no spills, and kernels without tails copy as before."""
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
-    zfill = re.compile(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, ")
+    zfill = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], (16|8|4), ")
 
     def zero_filled_copies(spec) -> int:
         return len(zfill.findall(_compiled_ptx(spec, spec.threads, spec.blocks_per_sm)))
@@ -302,6 +302,13 @@ def test_masked_tail_tiles_compile_without_spills():
                  epilogue="relu2"),
         GemmSpec(dtype="bf16", n=576, k=320, top_k=2, tile_n=128, tile_k=64, moe_block_size=64, blocks_per_sm=3,
                  mul_topk_weights=True, mainloop="wgmma"),
+        # read as stored (modelopt): the rows of a last N tile past N; its k-tiles are 64 deep where K = 64 mod 128
+        GemmSpec(dtype="bf16", n=576, k=320, top_k=1, tile_n=128, tile_k=64, moe_block_size=8, blocks_per_sm=4,
+                 mul_topk_weights=True, routes="direct", layout="modelopt", scale_exponent=15),
+        GemmSpec(dtype="fp16", n=576, k=320, top_k=2, tile_n=128, tile_k=64, moe_block_size=32, blocks_per_sm=2,
+                 epilogue="relu2", layout="modelopt", scale_exponent=0),
+        GemmSpec(dtype="bf16", n=576, k=320, top_k=2, tile_n=128, tile_k=64, moe_block_size=128, blocks_per_sm=2,
+                 mul_topk_weights=True, mainloop="wgmma", layout="modelopt", scale_exponent=15),
     )
     for spec in specs:
         assert spec.n_tail and spec.n_tiles == 5 and spec.k_tail == (spec.tile_k == 128)
@@ -320,9 +327,10 @@ def test_masked_tails_only_where_a_loop_masks_them():
     assert GemmSpec(**base).n_tail
     with pytest.raises(BadInputError, match="multiples of 64"):
         GemmSpec(**base | dict(n=544))
-    with pytest.raises(BadInputError, match="only the packed layout masks"):
-        GemmSpec(**base | dict(layout="modelopt", scale_exponent=15))
-    with pytest.raises(BadInputError, match="only the packed layout masks"):
+    assert GemmSpec(**base | dict(layout="modelopt", scale_exponent=15)).n_tail  # N rows masked as stored
+    with pytest.raises(BadInputError, match="the modelopt layout N only"):
+        GemmSpec(**base | dict(n=512, k=576, tile_k=128, layout="modelopt", scale_exponent=15))
+    with pytest.raises(BadInputError, match="the modelopt layout N only"):
         GemmSpec(**base | dict(n=512, k=576, tile_k=128, layout="nf3", scale_format="e4m3_k32", moe_block_size=16))
     with pytest.raises(BadInputError, match="whole tiles of gate"):  # a gated tile stages whole gate | up pairs
         GemmSpec(**base | dict(n=640, tile_n=256, mainloop="wgmma", epilogue="silu", fast_math=True))

@@ -65,8 +65,8 @@ def test_w31_keeps_both_scales_and_reorders_only_the_bias():
 @pytest.mark.parametrize("change, message", [
     (dict(order="interleaved"), "interleaved"),
     (dict(order="up_gate", gated=False), "relu2 W13 is one projection"),
-    (dict(n=200), "multiple of 8|multiples of 128"),
-    (dict(k=96), "multiples of 128"),
+    (dict(n=200), "multiple of 8|multiples of 64"),
+    (dict(k=96), "multiples of 64"),
 ])
 def test_prepare_refusals(change, message):
     n, k = change.pop("n", 256), change.pop("k", 128)
@@ -83,6 +83,25 @@ def test_prepare_refuses_nan_scales_and_a_sliced_weight():
         prepare_w2_modelopt(weight, bad, scale_2, "bf16")
     with pytest.raises(BadInputError, match="contiguous"):
         prepare_w2_modelopt(weight[:, ::2], scale[:, ::2], scale_2, "bf16")
+
+
+def test_sizes_of_64_mod_128_are_read_as_stored_with_a_masked_last_n_tile():
+    """Nemotron-3-Nano's I = 1856 and I / tp = 192 shards: 64-column slabs, no 128-wide tile divides them."""
+    weight, scale, scale_2 = _checkpoint(n=192, k=320)
+    w2 = prepare_w2_modelopt(weight, scale, scale_2, "bf16")
+    assert (w2.n, w2.k, w2.n_stored, w2.k_stored) == (192, 320, 192, 320)
+    assert w2.qweight.data_ptr() == weight.data_ptr()  # still no copy
+    base = dict(dtype="bf16", n=192, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=16, blocks_per_sm=1,
+                layout="modelopt", scale_exponent=15)
+    assert GemmSpec(**base).n_tail and GemmSpec(**base | dict(mainloop="wgmma", moe_block_size=64)).n_tail
+    with pytest.raises(BadInputError, match="modelopt layout N only"):  # its k-tiles are never masked
+        GemmSpec(**base | dict(n=256, k=320, tile_k=128))
+    with pytest.raises(BadInputError, match="unrotated rows"):  # a run of rows from a rotated first one
+        GemmSpec(**base | dict(n=576, n_rotation=128))
+    fused = FusedSpec(dtype="bf16", hidden_size=512, intermediate_size=192, top_k=2, activation="relu2",
+                      fc1_tile_n=128, fc1_tile_k=64, fc2_tile_n=128, fc2_tile_k=64, moe_block_size=16,
+                      blocks_per_sm=2, scale_exponent=15, weights="modelopt")
+    assert fused.fc1_gemm.n_tail and not fused.fc2_gemm.n_tail and not fused.fc2_gemm.k_tail
 
 
 def test_kernel_specs_refuse_what_the_layout_cannot_do():
@@ -113,8 +132,8 @@ def test_kernel_specs_refuse_what_the_layout_cannot_do():
                  fc1_tile_k=64, fc2_tile_n=128, fc2_tile_k=64, moe_block_size=16, blocks_per_sm=2, scale_exponent=15)
     with pytest.raises(BadInputError, match="needs a gated activation"):
         FusedSpec(**fused, weights="modelopt_w31")
-    with pytest.raises(BadInputError, match="multiples of 128"):
-        FusedSpec(**fused | dict(activation="silu", intermediate_size=320), weights="modelopt")
+    with pytest.raises(BadInputError, match="multiples of 64"):
+        FusedSpec(**fused | dict(activation="silu", intermediate_size=288), weights="modelopt")
     with pytest.raises(BadInputError, match="rebuild it"):
         FusedSpec(**fused | dict(activation="silu", scale_exponent=None), weights="modelopt")
     with pytest.raises(BadInputError, match="belongs to the modelopt"):
@@ -155,6 +174,33 @@ def test_planner_runs_modelopt_layers_where_packed_ones_run():
             assert fc2.n_rotation is None and fc2.split_global_scale is None
             assert fc1.moe_block_size == fc2.moe_block_size >= packed[0].spec.moe_block_size  # taller: see the rule
         assert splits >= 3  # M = 1024, 4096, 16384
+
+
+@pytest.mark.parametrize("hidden, inter, top_k, activation", [
+    (2688, 1856, 6, "relu2"),  # Nemotron-3-Nano: FC1's N = I = 1856 ends in a masked tile, FC2's K in 64-deep ones
+    (4096, 192, 8, "silu"),  # Qwen3-235B-A22B on 8 ranks: FC2's K = 192
+    (2880, 2880, 4, "swigluoai"),  # gpt-oss dims: FC1's K and FC2's N and K
+])
+def test_planner_reads_sizes_of_64_mod_128_as_stored(hidden, inter, top_k, activation):
+    """Every token count plans, with a masked last N tile wherever a GEMM's N is 64 (mod 128) on a 128-wide tile,
+    and never a masked k-tile (the stored layout's loops mask none: K = 64 mod 128 takes 64-deep tiles)."""
+    from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
+    from cuteaot.runtime.devices import PROFILES
+
+    for weights in ("modelopt", "modelopt_w31") if activation != "relu2" else ("modelopt",):
+        facts = MoeLayerFacts(dtype="bf16", hidden_size=hidden, intermediate_size=inter, num_experts=128,
+                              top_k=top_k, activation=activation, weights=weights)
+        for m in (1, 2, 8, 64, 256, 1024, 4096, 16384):
+            split = split_layer(m, facts, PROFILES["h200"])
+            if split is None:
+                spec = fused_spec_for(plan_layer(m, facts, PROFILES["h200"]), facts)
+                gemms = (spec.fc1_gemm, spec.fc2_gemm)
+            else:
+                gemms = tuple(phase.spec for phase in split)
+            for g in gemms:
+                assert g.modelopt and not g.k_tail and g.k % g.tile_k == 0, (m, g.key().describe())
+                assert g.n_tail == (g.n % g.tile_n != 0) and (not g.n_tail or g.n % 128 == 64), (m, g.n, g.tile_n)
+            assert any(g.n_tail for g in gemms) == any(g.n % 128 == 64 and g.tile_n >= 128 for g in gemms)
 
 
 def test_layer_launches_read_the_checkpoint_tensors(monkeypatch):

@@ -8,7 +8,8 @@
 #                                                           # layer, host cost of a layer call (moe-models)
 #   bash benchmarks/scripts/serving_session.sh modelopt     # NVFP4 read as stored: its GPU tests and probes
 #                                                           # (tiny-modelopt, probes), racecheck and memcheck of
-#                                                           # one layer test, then modelopt vs packed (bench-modelopt)
+#                                                           # three layer tests (two with masked N tiles), then
+#                                                           # modelopt vs packed (bench-modelopt)
 # Carry generated/ (tiny, probes, tiny-gemm, tiny-fused, tiny-modelopt, moe-models, bench-*). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -54,9 +55,10 @@ modelopt)
   echo "pytest rc=$?"; grep -E "passed|failed" "$OUT/modelopt_tests.log" | tail -2
   grep -E "^(FAILED|ERROR)|probe e|mismatch" "$OUT/modelopt_tests.log" | head -20
   sed -n '/worst relative error/,/^=/p' "$OUT/modelopt_tests.log" | head -20
+  # one layer test on whole tiles (silu-fp16) and the two whose sizes are 64 mod 128 (a last N tile masked)
   for tool in racecheck memcheck; do
-    timeout 150 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
-      -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and silu-fp16" \
+    timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+      -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and (silu-fp16 or tail)" \
       > "$OUT/${tool}_modelopt.log" 2>&1
     echo "$tool modelopt rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}_modelopt.log" | tail -3
   done

@@ -27,6 +27,9 @@ PROBLEMS = {
     "swigluoai-bias": (512, 256, 8, 2, "swigluoai", "bf16", ("up_gate",)),
     "relu2-fp16": (768, 384, 8, 3, "relu2", "fp16", ("gate_up",)),
     "wide": (1024, 1024, 8, 2, "silu", "bf16", ("up_gate",)),
+    # sizes 64 (mod 128): a last N tile masked past N, 64-deep k-tiles
+    "relu2-tail": (512, 320, 8, 3, "relu2", "bf16", ("gate_up",)),
+    "silu-tail": (576, 192, 16, 4, "silu", "bf16", ("gate_up", "up_gate")),
 }
 TOKENS = (1, 2, 3, 7, 8, 37, 64, 129, 512, 1000, 3000)
 
@@ -86,7 +89,7 @@ def test_modelopt_layer_matches_reference(bundle, check, name, order):
     layer = ckpt.layer(bundle)
     assert layer.facts.weights.value == ("modelopt_w31" if order == "up_gate" else "modelopt")
     assert layer.w13.qweight.data_ptr() == ckpt.w13[0].data_ptr()  # read as stored: no copy
-    activated_in_fc1 = 0
+    activated_in_fc1 = masked = 0
     for m in TOKENS:
         x, w, ids = routed_inputs(m, ckpt.h, ckpt.e, ckpt.top_k, ckpt.g, ckpt.dtype)
         out = layer(x, w, ids, out=poisoned(m, ckpt.h, ckpt.dtype))
@@ -94,10 +97,13 @@ def test_modelopt_layer_matches_reference(bundle, check, name, order):
         check(out, ckpt.reference(x, w, ids), f"{name} {order} M={m} ({r.describe()})", f"modelopt {name} {order}")
         assert_clean(layer.workspace())
         fused = None if r.launch.split else r.kernels["fused"].spec
+        gemms = (fused.fc1_gemm, fused.fc2_gemm) if fused is not None else (r.kernels["fc1"].spec, r.kernels["fc2"].spec)
+        masked += any(g.n_tail for g in gemms)
         if ckpt.gated and fused is not None and fused.fc1_tile_n % 128 == 0:
             assert fused.gated_epilogue, r.describe()  # FC1 activates: gate | up slabs of one tile
             activated_in_fc1 += 1
     assert activated_in_fc1 or not ckpt.gated, "no fused plan of a gated layer took the gated epilogue"
+    assert (masked == len(TOKENS)) == name.endswith("-tail"), (name, masked)  # every plan of a tail problem masks
 
 
 def test_modelopt_large_m_runs_the_wgmma_loop(bundle):

@@ -107,7 +107,7 @@ FUSED_MMA_SYNC_MAX_BLOCK = 48
 # Not on sm_100a: there the same launch bounds spill (168 registers + 32-40 B of stack).
 FUSED_PACKED_BLOCKS_PER_SM = {"sm_90a": {16: 4, 32: 3}}
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
-# modelopt FC1 tiles narrower than this divide every intermediate size the layout takes (multiples of 128)
+# modelopt FC1 tiles of a gated layer: at most this wide where a wider one would straddle gate | up
 MODELOPT_HALF_TILE_N = 128
 # modelopt layers: at most this many CTAs per SM for 16- and 32-row blocks, below the packed caps (4, 3).
 # Its first decode needed 144 and 195 registers there on sm_90a (the packed caps' 128 and 168 spilled);
@@ -203,22 +203,22 @@ def plan_fused(
     (n1, k1), (n2, k2) = dims
     direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
     decode = direct and not expert_map and not collect_amax and not deterministic
+    layout = "modelopt" if stored_as_is else "packed"
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
     if not decode:
-        block = promoted_block(block, dims, scale, profile,
-                               "modelopt" if stored_as_is else "packed", promote, short)
+        block = promoted_block(block, dims, scale, profile, layout, promote, short)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
     routes = m * top_k
 
-    t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile)
-    t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile)
+    t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile, layout=layout)
+    t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile, layout=layout)
     if t1.threads != t2.threads:
         threads = min(t1.threads, t2.threads)
-        t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile, threads=threads)
-        t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile, threads=threads)
+        t1, _ = select_tile(m, n1, k1, top_k, block, scale, profile, threads=threads, layout=layout)
+        t2, _ = select_tile(m, n2, k2, top_k, block, scale, profile, threads=threads, layout=layout)
     if decode:
-        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale, bool(onewave))
+        t1, t2 = _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale, bool(onewave), layout)
     if stored_as_is and gated and intermediate_size % t1.tile_n:
         t1 = TileConfig(t1.tile_k * t1.tile_n // MODELOPT_HALF_TILE_N, MODELOPT_HALF_TILE_N)  # same threads
 
@@ -239,7 +239,7 @@ def plan_fused(
         return min(count, MODELOPT_BLOCKS_PER_SM.get(block, count)) if stored_as_is else count
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
-    if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, scale, profile) is None
+    if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, scale, profile, layout) is None
                                          for n, k in ((n1, k1), (n2, k2))):
         t1 = t2 = PACKED_M8_TILE
         bps = packed_m8_blocks_per_sm(profile)
@@ -295,7 +295,7 @@ def _wgmma_plan(m, top_k, num_experts, block, fc1_dims, fc2_dims, profile, scale
 
 
 def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
-                       onewave: bool = False) -> tuple[TileConfig, TileConfig]:
+                       onewave: bool = False, layout: str = "packed") -> tuple[TileConfig, TileConfig]:
     """The seed's decode overrides: 256-wide N tiles where they remove a persistent wave.
 
     FC1 widens only when the default tile needs two waves of SMs and the wide one
@@ -306,7 +306,7 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
     both GEMMs' default tiles fit one CTA per SM, so it spreads over twice the CTAs.
     """
     def fits(n, k):
-        return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile) is None
+        return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile, layout) is None
 
     sms = profile.sm_count
     default_tiles = routes * tile_count(n1, t1.tile_n)

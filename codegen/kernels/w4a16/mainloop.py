@@ -170,11 +170,13 @@ class MainloopMixin:
         row_bytes = Int64(s.k // 2)
         expert_rows = Int64(t.expert) * Int64(s.n) + Int64(t.src_n0)
         expert_row0 = Int64(t.expert) * Int64(s.n)
-        t.b_src, t.b_dst = [], []
+        t.b_src, t.b_dst, t.b_in_n = [], [], []
         for i in cutlass.range_constexpr(s.b_copies):
             ci = tid + Int32(i * s.threads)
             n = ci // Int32(c_count)
             c = ci - n * Int32(c_count)
+            if cutlass.const_expr(s.n_tail):  # a last tile past N (not gated, not rotated): rows there read as zeros
+                t.b_in_n.append(t.src_n0 + n < Int32(s.n))
             if cutlass.const_expr(s.epilogue.is_gated):  # rows of the gate and up slabs (`_stored_row`)
                 t.b_src.append(ops.qweight + (expert_row0 + Int64(self._stored_row(t.n_tile, n))) * row_bytes
                                + Int64(c * Int32(16)))
@@ -183,6 +185,8 @@ class MainloopMixin:
             t.b_dst.append(smem + (Int32(s.sh_b_off) + n * Int32(c_count) + (c ^ self._modelopt_b_swizzle(n)))
                            * Int32(16))
         t.s_ok = tid < Int32(s.tile_n)
+        if cutlass.const_expr(s.n_tail):
+            t.s_in_n = t.src_n0 + tid < Int32(s.n)
         if cutlass.const_expr(s.epilogue.is_gated):
             t.s_src = ops.scales + (expert_row0 + Int64(self._stored_row(t.n_tile, tid))) * Int64(s.k // 16)
         else:
@@ -205,6 +209,17 @@ class MainloopMixin:
             I.cp_async_16_zfill(dst, src, inside)
 
     @cute.jit
+    def _modelopt_scale_copy(self, t, pipe: cutlass.Constexpr[int], k64: Int64):
+        """modelopt: this thread's row's tile_k / 16 scale bytes of a k-tile (zeros, nothing read, past N)."""
+        s = self.s
+        dst = t.s_dst + Int32(pipe * s.s_sh_stage * 16)
+        src = t.s_src + k64 * Int64(s.tile_k // 16)
+        if cutlass.const_expr(s.n_tail):
+            I.cp_async_ca_zfill(dst, src, s.tile_k // 16, t.s_in_n.to(Int32))
+        else:
+            I.cp_async_ca(dst, src, s.tile_k // 16)
+
+    @cute.jit
     def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
         """Issue the cp.async copies of k-tile `k_tile` into stage `pipe` and commit them."""
         s = self.s
@@ -224,7 +239,8 @@ class MainloopMixin:
                 I.cp_async_16_zfill(dst, src, load.to(Int32))
         if cutlass.const_expr(s.modelopt):
             for i in cutlass.range_constexpr(s.b_copies):
-                I.cp_async_16(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), t.b_src[i] + k64 * Int64(s.tile_k // 2))
+                self._copy_inside(t.b_dst[i] + Int32(pipe * s.b_sh_stage * 16), t.b_src[i] + k64 * Int64(s.tile_k // 2),
+                                  t.b_in_n[i] if s.n_tail else None)
         elif cutlass.const_expr(s.nf3):
             for i in cutlass.range_constexpr(s.b_copies):
                 src = t.b_src[i] + k64 * Int64(s.tile_k // NF3_BLOCK_K * s.nf3_row_int4 * 16)
@@ -244,8 +260,7 @@ class MainloopMixin:
         scale_rows = s.tile_k // self.scale_group  # scale rows a k-tile holds
         if cutlass.const_expr(s.modelopt):
             if t.s_ok:
-                I.cp_async_ca(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(s.tile_k // 16),
-                              s.tile_k // 16)
+                self._modelopt_scale_copy(t, pipe, k64)
         elif t.s_ok:  # and their scales (zero bytes: finite, times zero codes)
             self._copy_inside(t.s_dst + Int32(pipe * s.s_sh_stage * 16),
                               t.s_src + k64 * Int64(scale_rows * (s.n // 16) * 16), t.s_in_n if s.n_tail else None,

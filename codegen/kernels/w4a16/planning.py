@@ -337,19 +337,21 @@ def n_tiles_fit(n: int, tile_n: int) -> bool:
 
 @functools.cache
 def tile_misfit(
-    n: int, k: int, moe_block_size: int, tile: TileConfig, scale_format: ScaleFormat, profile: DeviceProfile
+    n: int, k: int, moe_block_size: int, tile: TileConfig, scale_format: ScaleFormat, profile: DeviceProfile,
+    layout: str = "packed",
 ) -> str | None:
     """Why `tile` cannot run an (N, K) GEMM on `profile`, or None if it can.
 
-    Every scale group is whole; N and K end in part tiles only as `n_tiles_fit` and the packed layout
-    allow (e4m3_k16 scales: K a multiple of 64 on a 128-deep tile; NF3 and the stored layout keep whole
-    tiles, their N being a multiple of 128).
+    Every scale group is whole; N and K end in part tiles only as `n_tiles_fit` and the layout allow:
+    e4m3_k16 scales mask a last N tile (packed and stored alike), the packed layout also a last 128-deep
+    k-tile (K a multiple of 64); NF3 keeps whole tiles (its N a multiple of 128).
     """
     group = scale_format.group_size
-    masks = scale_format is ScaleFormat.E4M3_K16  # the (packed) layouts whose kernels mask part tiles
-    if n % tile.tile_n and not (masks and n_tiles_fit(n, tile.tile_n)):
+    masks_n = scale_format is ScaleFormat.E4M3_K16  # NVFP4, packed or read as stored (modelopt)
+    masks_k = masks_n and layout == "packed"
+    if n % tile.tile_n and not (masks_n and n_tiles_fit(n, tile.tile_n)):
         return f"N={n} is not a multiple of tile_n={tile.tile_n}"
-    if k % tile.tile_k and not (masks and k % 64 == 0):
+    if k % tile.tile_k and not (masks_k and k % 64 == 0):
         return f"K={k} is not a multiple of tile_k={tile.tile_k}"
     if k % group or tile.tile_k % group:
         return f"K={k} and tile_k={tile.tile_k} must be multiples of the {scale_format.value} scale group {group}"
@@ -433,12 +435,12 @@ def packed_m8_blocks_per_sm(profile: DeviceProfile) -> int:
 
 def select_tile(
     m: int, n: int, k: int, top_k: int, moe_block_size: int, scale_format: ScaleFormat, profile: DeviceProfile,
-    *, threads: int | None = None,
+    *, threads: int | None = None, layout: str = "packed",
 ) -> tuple[TileConfig, int]:
     """The candidate tile with the most blocks per SM (earliest on ties), and that count.
 
     threads restricts the candidates to one CTA size (the fused kernel runs FC1 and FC2
-    with the same threads).
+    with the same threads); layout: the weights' (which part tiles its kernels mask, `tile_misfit`).
 
     Raises BadInputError naming every candidate and why it does not fit when none does.
     """
@@ -449,7 +451,7 @@ def select_tile(
         if threads is not None and tile.threads != threads:
             reasons.append(f"(tile_k={tile.tile_k}, tile_n={tile.tile_n}): not {threads} threads")
             continue
-        reason = tile_misfit(n, k, moe_block_size, tile, scale_format, profile)
+        reason = tile_misfit(n, k, moe_block_size, tile, scale_format, profile, layout)
         if reason is not None:
             reasons.append(f"(tile_k={tile.tile_k}, tile_n={tile.tile_n}): {reason}")
             continue
@@ -582,15 +584,15 @@ def plan_gemm(
                 used_registers = wgmma_ws_launch_registers(block, per_sm, profile.registers_per_sm)
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
-          and tile_misfit(n, k, block, PACKED_M8_TILE, scale_format, profile) is None):
+          and tile_misfit(n, k, block, PACKED_M8_TILE, scale_format, profile, layout) is None):
         tile, per_sm = PACKED_M8_TILE, packed_m8_blocks_per_sm(profile)
         used_registers = estimated_registers(tile, block)
     elif pinned_tile is None:
-        tile, per_sm = select_tile(m, n, k, top_k, block, scale_format, profile)
+        tile, per_sm = select_tile(m, n, k, top_k, block, scale_format, profile, layout=layout)
         used_registers = estimated_registers(tile, block)
     else:
         tile, used_registers, per_sm = _check_pinned(
-            m, n, k, top_k, block, scale_format, profile, pinned_tile, registers
+            m, n, k, top_k, block, scale_format, profile, pinned_tile, registers, layout
         )
     routes = m * top_k
     whole_tiles = block == 8 and per_sm == 1
@@ -633,11 +635,12 @@ def _coerce_scale_format(scale_format) -> ScaleFormat:
         allowed = ", ".join(f.value for f in ScaleFormat)
         raise BadInputError(f"scale_format must be one of {allowed}, got {scale_format!r}") from None
 
-def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers) -> tuple[TileConfig, int, int]:
+def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers,
+                  layout: str = "packed") -> tuple[TileConfig, int, int]:
     """Validate a pinned tile with the automatic choice's fit check; its registers and blocks per SM."""
     if not isinstance(tile, TileConfig):
         raise BadInputError(f"pinned_tile must be a TileConfig, got {type(tile).__name__}")
-    reason = tile_misfit(n, k, block, tile, scale_format, profile)
+    reason = tile_misfit(n, k, block, tile, scale_format, profile, layout)
     if reason is not None:
         raise BadInputError(
             f"pinned tile (tile_k={tile.tile_k}, tile_n={tile.tile_n}, threads={tile.threads}) "

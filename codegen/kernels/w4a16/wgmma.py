@@ -201,18 +201,23 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         stored k order, so the activations stay as wgmma reads them (docs/layouts.md)."""
         s = self.s
         expert_row = Int64(expert) * Int64(s.n)
-        t.w_src, t.w_dst = [], []
+        t.w_src, t.w_dst, t.w_in_n = [], [], []
         for i in cutlass.range_constexpr(s.tile_n * 2 // s.threads):
             q = tid + Int32(i * s.threads)
             r = q // Int32(2)
             c = q % Int32(2)
-            t.w_src.append(ops.qweight + (expert_row + Int64(self._stored_row(n_tile, r))) * Int64(s.k // 2)
-                           + Int64(c * Int32(16)))
+            row = self._stored_row(n_tile, r)
+            if cutlass.const_expr(s.n_tail):  # a last tile past N (not gated, not rotated): rows there read as zeros
+                t.w_in_n.append(row < Int32(s.n))
+            t.w_src.append(ops.qweight + (expert_row + Int64(row)) * Int64(s.k // 2) + Int64(c * Int32(16)))
             t.w_dst.append(t.w_base + (r * Int32(2) + (c ^ ((r >> Int32(2)) & Int32(1)))) * Int32(16))
-        t.s_src, t.s_dst = [], []
+        t.s_src, t.s_dst, t.s_in_n = [], [], []
         for i in cutlass.range_constexpr(max(s.tile_n // s.threads, 1)):
             r = tid + Int32(i * s.threads)
-            t.s_src.append(ops.scales + (expert_row + Int64(self._stored_row(n_tile, r))) * Int64(s.k // 16))
+            row = self._stored_row(n_tile, r)
+            if cutlass.const_expr(s.n_tail):
+                t.s_in_n.append(row < Int32(s.n))
+            t.s_src.append(ops.scales + (expert_row + Int64(row)) * Int64(s.k // 16))
             t.s_dst.append(t.s_base + r * Int32(4))
         t.s_ok = tid < Int32(s.tile_n)
         g = lane // Int32(4)
@@ -242,12 +247,13 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                                 t.x_src[i] + k64 * Int64(_X_ROW), load.to(Int32))
         if cutlass.const_expr(s.modelopt):  # 32 stored bytes and 4 scale bytes of each tile row
             for i in cutlass.range_constexpr(len(t.w_src)):
-                I.cp_async_16(t.w_dst[i] + Int32(pipe * s.wg_w_stage_bytes), t.w_src[i] + k64 * Int64(s.tile_k // 2))
+                self._copy_inside(t.w_dst[i] + Int32(pipe * s.wg_w_stage_bytes), t.w_src[i] + k64 * Int64(s.tile_k // 2),
+                                  t.w_in_n[i] if s.n_tail else None)
             for i in cutlass.range_constexpr(len(t.s_src)):
                 if cutlass.const_expr(s.tile_n >= s.threads):
-                    I.cp_async_ca(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16), 4)
+                    self._wg_scale_copy(t, i, pipe, k64)
                 elif t.s_ok:
-                    I.cp_async_ca(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16), 4)
+                    self._wg_scale_copy(t, i, pipe, k64)
         else:
             rows_per_pass = s.threads // (s.tile_n // 2)
             for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):  # columns past N: zeros, nothing read
@@ -258,6 +264,17 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 self._copy_inside(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
                                   t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16), t.s_in_n if s.n_tail else None)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _wg_scale_copy(self, t, i: cutlass.Constexpr[int], pipe: cutlass.Constexpr[int], k64: Int64):
+        """modelopt: the 4 scale bytes of tile row i's k-tile (zeros, nothing read, for a row past N)."""
+        s = self.s
+        dst = t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes)
+        src = t.s_src[i] + k64 * Int64(s.tile_k // 16)
+        if cutlass.const_expr(s.n_tail):
+            I.cp_async_ca_zfill(dst, src, 4, t.s_in_n[i].to(Int32))
+        else:
+            I.cp_async_ca(dst, src, 4)
 
     @cute.jit
     def _wg_publish(self, pending: cutlass.Constexpr[int]):

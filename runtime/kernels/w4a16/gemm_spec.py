@@ -218,11 +218,13 @@ class GemmSpec(SpecKey):
         TileConfig(self.tile_k, self.tile_n)  # validates the thread count (128 or 256)
         if self.n % 64 or self.k % 64:
             raise BadInputError(f"N={self.n} and K={self.k} must be multiples of 64 (whole slabs and k-tiles)")
-        if (self.n_tail or self.k_tail) and (self.layout != "packed" or self.producer_warp):
+        # part tiles: the packed layout masks both sizes, the stored one (modelopt) its N rows, NF3 neither
+        if ((self.n_tail or self.k_tail) and (self.nf3 or self.producer_warp)
+                or self.k_tail and self.modelopt):
             raise BadInputError(
-                f"N={self.n}, K={self.k} end in part tiles of {self.tile_n}x{self.tile_k}, which only the packed "
-                f"layout masks (without a producer warpgroup); got layout {self.layout}, producer_warp "
-                f"{self.producer_warp}"
+                f"N={self.n}, K={self.k} end in part tiles of {self.tile_n}x{self.tile_k}: the packed layout masks "
+                f"both, the modelopt layout N only, and neither with a producer warpgroup; got layout "
+                f"{self.layout}, producer_warp {self.producer_warp}"
             )
         self._check_modelopt()
         for name, stored in (("n_out", self.n), ("k_in", self.k)):
@@ -290,6 +292,9 @@ class GemmSpec(SpecKey):
                                             or not 0 < self.n_rotation < self.n or self.n_rotation % rotation_step):
             raise BadInputError(f"n_rotation must be None or a multiple of {rotation_step} in (0, {self.n}), "
                                 f"got {self.n_rotation!r}")
+        if self.n_tail and (self.n_rotation is not None or self.split_global_scale):
+            raise BadInputError(f"a last tile past N={self.n} reads one run of unrotated rows: not with "
+                                f"n_rotation {self.n_rotation} or split_global_scale")
         if self.split_global_scale not in (None, True):
             raise BadInputError(f"split_global_scale must be None or True, got {self.split_global_scale!r}")
         # each 64-column slab of a gated wgmma tile reads one half; other tiles must sit in one half
@@ -360,8 +365,8 @@ class GemmSpec(SpecKey):
 
     @property
     def n_tail(self) -> bool:
-        """The last N tile is part past N (N = 64 mod 128, runtime/weights.py): its weight and scale copies
-        there are zero-filled and its outputs there not stored."""
+        """The last N tile is part past N (N = 64 mod 128, runtime/weights.py; the modelopt layout's stored N):
+        its weight and scale copies there are zero-filled and its outputs there not stored."""
         return self.n % self.tile_n != 0
 
     @property
