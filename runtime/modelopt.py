@@ -10,7 +10,7 @@ mma.sync loop each lane takes 4 consecutive bytes of a weight row (k = 8t .. 8t+
 and the activations are read with the same k permutation; in the warpgroup-MMA loop (large M) each
 lane takes the bytes of its fragment's k pairs in the stored order.  No byte needs moving.  The
 price is a costlier decode than the packed layout's (per 8 weights 10 integer-ALU instructions
-against 7 in the mma.sync loop, 20 in the wgmma loop): measured on the H200, 1.14-1.55x the packed
+against 7 in the mma.sync loop, 20 in the wgmma loop): measured on the H200, 1.11-1.81x the packed
 layer's time (docs/benchmarks.md).
 
 W13 may be stored gate rows first ("w13", `WeightFormat.MODELOPT`) or up rows first ("w31",

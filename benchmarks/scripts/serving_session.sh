@@ -7,9 +7,9 @@
 #   bash benchmarks/scripts/serving_session.sh nf3          # NF3 vs NVFP4 (bench-nf3), memcheck of the NF3
 #                                                           # layer, host cost of a layer call (moe-models)
 #   bash benchmarks/scripts/serving_session.sh modelopt     # NVFP4 read as stored: its GPU tests and probes
-#                                                           # (tiny-modelopt, probes), racecheck and memcheck of
-#                                                           # three layer tests (two with masked N tiles), then
-#                                                           # modelopt vs packed (bench-modelopt)
+#                                                           # (tiny-modelopt, probes), memcheck of three layer
+#                                                           # tests (two with masked N tiles), modelopt vs packed
+#                                                           # (bench-modelopt), racecheck of a masked one
 # Carry generated/ (tiny, probes, tiny-gemm, tiny-fused, tiny-modelopt, moe-models, bench-*). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -50,20 +50,22 @@ nf3)
   ;;
 modelopt)
   export CUTEAOT_RESULTS="$OUT/gpu_results.jsonl"
-  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 tests/gpu/test_modelopt_gpu.py \
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 tests/gpu/test_modelopt_gpu.py \
     tests/gpu/test_intrinsics_gpu.py -k "modelopt or e2m1_codes or e4m3_pair" > "$OUT/modelopt_tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed" "$OUT/modelopt_tests.log" | tail -2
   grep -E "^(FAILED|ERROR)|probe e|mismatch" "$OUT/modelopt_tests.log" | head -20
   sed -n '/worst relative error/,/^=/p' "$OUT/modelopt_tests.log" | head -20
-  # one layer test on whole tiles (silu-fp16) and the two whose sizes are 64 mod 128 (a last N tile masked)
-  for tool in racecheck memcheck; do
-    timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
-      -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and (silu-fp16 or tail)" \
-      > "$OUT/${tool}_modelopt.log" 2>&1
-    echo "$tool modelopt rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}_modelopt.log" | tail -3
-  done
-  [ -d generated/bench-modelopt ] && { timeout 240 python3 -m benchmarks.modelopt --bundle generated/bench-modelopt \
-    --json "$OUT/modelopt.json" > "$OUT/modelopt.txt" 2>&1; echo "modelopt bench rc=$?"; tail -16 "$OUT/modelopt.txt"; }
+  # memcheck of the layer tests whose sizes are 64 mod 128 (a last N tile masked) and one on whole tiles
+  timeout 170 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and (silu-fp16 or tail)" \
+    > "$OUT/memcheck_modelopt.log" 2>&1
+  echo "memcheck modelopt rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_modelopt.log" | tail -3
+  [ -d generated/bench-modelopt ] && { timeout 200 python3 -m benchmarks.modelopt --bundle generated/bench-modelopt \
+    --rounds 3 --json "$OUT/modelopt.json" > "$OUT/modelopt.txt" 2>&1; echo "modelopt bench rc=$?"; tail -22 "$OUT/modelopt.txt"; }
+  timeout 100 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and relu2-tail" \
+    > "$OUT/racecheck_modelopt.log" 2>&1
+  echo "racecheck modelopt rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_modelopt.log" | tail -3
   ;;
 peers)
   shift
