@@ -148,6 +148,7 @@ def test_planner_runs_modelopt_layers_where_packed_ones_run():
     """The fused kernel stays on the mma.sync loop; from the M where packed NVFP4 splits into two
     wgmma GEMMs, the stored layout splits at the same M, on 128-wide tiles."""
     from cuteaot.codegen.kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
+    from cuteaot.codegen.kernels.w4a16.planning import MODELOPT_WGMMA_SHORT_BLOCKS, select_route_block_size
     from cuteaot.runtime.devices import PROFILES
 
     h200 = PROFILES["h200"]
@@ -162,8 +163,12 @@ def test_planner_runs_modelopt_layers_where_packed_ones_run():
             assert spec.mainloop.value == "mma_sync" and spec.fc1_gemm.modelopt and spec.fc2_gemm.modelopt
             assert 1408 % spec.fc1_tile_n == 0, (m, spec.fc1_tile_n)
             split, packed = split_layer(m, facts, h200), split_layer(m, nvfp4, h200)
-            # as packed NVFP4 from 64-row blocks up; its short wgmma blocks (16-48 rows) read packed words only
-            assert (split is None) == (packed is None or packed[0].plan.moe_block_size < 64), m
+            # as packed NVFP4, except for the short blocks MODELOPT_WGMMA_SHORT_BLOCKS leaves out (and where a packed
+            # 8-row block was promoted to 16 rows, measured for packed layers only)
+            block = None if packed is None else packed[0].plan.moe_block_size
+            promoted = packed is not None and select_route_block_size(m, 8, 128) == 8
+            short_out = block is not None and block < 64 and block not in MODELOPT_WGMMA_SHORT_BLOCKS
+            assert (split is None) == (packed is None or promoted or short_out), m
             if split is None:
                 continue
             splits += 1
@@ -219,16 +224,24 @@ def test_layer_launches_read_the_checkpoint_tensors(monkeypatch):
     w13 = prepare_w13_modelopt(*w13_t, torch.stack((gate[2], up[2]), 1), "bf16", order="up_gate")
     layer = MoeLayer(bundle, w13, prepare_w2_modelopt(*w2_t, "bf16"), top_k=4, activation="silu")
     assert layer.facts.weights is WeightFormat.MODELOPT_W31
-    x = torch.zeros(37, 512, dtype=torch.bfloat16)
-    ids = (torch.arange(37 * 4, dtype=torch.int32).view(37, 4) % 16)
-    layer(x, torch.full((37, 4), 0.25), ids)
+    x = torch.zeros(7, 512, dtype=torch.bfloat16)
+    ids = (torch.arange(7 * 4, dtype=torch.int32).view(7, 4) % 16)
+    layer(x, torch.full((7, 4), 0.25), ids)
     fused = [c for c in calls if c[0] == "fused"]
     assert len(fused) == 1
     values = fused[0][2]
     assert values["w13"] == w13_t[0].data_ptr() and values["w13_scales"] == w13_t[1].data_ptr()
     assert values["w2"] == w2_t[0].data_ptr() and values["w13_global_scale"] == w13.global_scale.data_ptr()
-    spec = bundle.specs[layer.resolve(37).launch.kernels["fused"]]
+    spec = bundle.specs[layer.resolve(7).launch.kernels["fused"]]
     assert spec.weights is WeightFormat.MODELOPT_W31 and spec.fc1_gemm.n_rotation == 384
+    # from 32-row blocks (M = 64 here) two wgmma GEMMs, reading the same tensors
+    calls.clear()
+    layer(torch.zeros(64, 512, dtype=torch.bfloat16), torch.full((64, 4), 0.25),
+          torch.arange(64 * 4, dtype=torch.int32).view(64, 4) % 16)
+    fc1, fc2 = (c[2] for c in calls if c[0] == "fused")
+    assert (fc1["qweight"], fc1["scales"], fc2["qweight"]) == (w13_t[0].data_ptr(), w13_t[1].data_ptr(),
+                                                              w2_t[0].data_ptr())
+    assert bundle.specs[layer.resolve(64).launch.kernels["fc1"]].n_rotation == 384
     assert moe_module and StubLaunch
 
 
@@ -270,7 +283,7 @@ def test_modelopt_kernels_compile_without_spills():
         assert record["dynamic_smem_bytes"] == spec.shared_bytes
     # the wgmma loop's tiles for every block size, at the CTAs per SM the planner derives from the
     # register table: no spills, and no more registers than the table says (a gated FC1, w31)
-    for block, bps in ((64, 2), (128, 2), (256, 1)):
+    for block, bps in ((16, 4), (32, 4), (48, 3), (64, 2), (128, 2), (256, 1)):
         spec = GemmSpec(dtype="bf16", n=1024, k=1024, top_k=2, tile_n=128, tile_k=64, moe_block_size=block,
                         blocks_per_sm=bps, mainloop="wgmma", epilogue="silu", fast_math=True, layout="modelopt",
                         n_rotation=512, split_global_scale=True, scale_exponent=modelopt_scale_exponent("bf16"))

@@ -153,8 +153,11 @@ WGMMA_ARCHS = ("sm_90a",)
 WGMMA_REGISTERS_SM90 = {(16, 256): 178, (16, 128): 111, (32, 256): 188, (32, 128): 116, (48, 256): 223,
                         (48, 128): 132, (64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
 # The same for NVFP4 read as stored (layout "modelopt"): its decode holds six words per 16-row block
-# (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).
-WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 226}
+# (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).  The short
+# blocks' counts are ptxas's at 4 / 4 / 3 CTAs an SM, the gated FC1 epilogue's or the plain one's, whichever is
+# more (the 48-row block spills 32-40 B at 4).
+WGMMA_REGISTERS_SM90_MODELOPT = {(16, 128): 113, (32, 128): 128, (48, 128): 151, (64, 128): 173, (128, 128): 248,
+                                 (256, 128): 226}
 # 16-, 32- and 48-row route blocks (WGMMA_SHORT_BLOCKS, wgmma N = the block) take the wgmma loop on
 # sm_90a too, on 128-wide tiles.  A/B on the H200 against the mma.sync loop (benchmarks/compare_layer.py,
 # identical operands, docs/benchmarks.md "Short route blocks on the warpgroup-MMA loop"): 0.76-0.92x the
@@ -163,6 +166,12 @@ WGMMA_REGISTERS_SM90_MODELOPT = {(64, 128): 173, (128, 128): 248, (256, 128): 22
 # 128-wide one's 111-132) gained less (0.69-1.06x).
 WGMMA_SHORT = True
 WGMMA_SHORT_MAX_TILE_N = 128
+# The short blocks that take the wgmma loop for NVFP4 read as stored (layout "modelopt"): its layers then split
+# into two wgmma GEMMs instead of running the fused mma.sync kernel.  A/B on the H200 (compare_layer --weights
+# modelopt, identical operands, docs/results/ab-modelopt-short-blocks-2026-12-02.json): 48-row blocks 0.82-0.90x
+# the layer's time (Qwen3-30B, GLM-4.5-Air, Qwen3-235B tp4, Nemotron-3-Nano), 32-row blocks 0.87-0.98x (Nemotron
+# 1.004-1.006), 16-row blocks 1.10-1.19x: those stay on the mma.sync loop.
+MODELOPT_WGMMA_SHORT_BLOCKS = (32, 48)
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
@@ -280,8 +289,9 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
     limit = profile.max_shared_memory_per_block_optin - _FIT_SHARED_MEMORY_MARGIN
     tiles = wgmma_tiles(moe_block_size)
     if moe_block_size in WGMMA_SHORT_BLOCKS:
-        if layout == "modelopt":
-            return None, "the short wgmma blocks read packed NVFP4 only"
+        if layout == "modelopt" and moe_block_size not in MODELOPT_WGMMA_SHORT_BLOCKS:
+            return None, (f"NVFP4 read as stored takes the wgmma loop for {MODELOPT_WGMMA_SHORT_BLOCKS}-row short blocks "
+                          f"only (measured: MODELOPT_WGMMA_SHORT_BLOCKS)")
         tiles = tuple(t for t in tiles if t.tile_n <= WGMMA_SHORT_MAX_TILE_N)
     if layout == "modelopt":
         tiles = tuple(t for t in tiles if t.tile_n <= 128)
