@@ -10,8 +10,8 @@ mma.sync loop each lane takes 4 consecutive bytes of a weight row (k = 8t .. 8t+
 and the activations are read with the same k permutation; in the warpgroup-MMA loop (large M) each
 lane takes the bytes of its fragment's k pairs in the stored order.  No byte needs moving.  The
 price is a costlier decode than the packed layout's (per 8 weights 10 integer-ALU instructions
-against 7 in the mma.sync loop, 20 in the wgmma loop): measured on the H200, 1.11-1.81x the packed
-layer's time (docs/benchmarks.md).
+against 7 in the mma.sync loop, 20 in the wgmma loop): measured on the H200, 1.12-1.75x the packed
+layer's time at M <= 256, 1.14-1.44x above (docs/benchmarks.md).
 
 W13 may be stored gate rows first ("w13", `WeightFormat.MODELOPT`) or up rows first ("w31",
 `MODELOPT_W31`): the kernels read the halves where they are.  The two projections keep their own
