@@ -112,7 +112,9 @@ MODELOPT_HALF_TILE_N = 128
 # modelopt layers: at most this many CTAs per SM for 16- and 32-row blocks, below the packed caps (4, 3).
 # Its first decode needed 144 and 195 registers there on sm_90a (the packed caps' 128 and 168 spilled);
 # with the (j, j + 4) pairing 32-row blocks still spill 8 B at 168 while 16-row ones fit 128 in the
-# shape checked (H 512, I 384).  Whether 4 CTAs beat 3 for 16-row blocks is a measurement not made yet.
+# shape checked (H 512, I 384).  4 CTAs for 16-row blocks (128 registers, no spills) measured 0.99-1.03x the
+# time of 3 on the H200 (compare_layer --weights modelopt, four shapes at M = 128-256,
+# docs/results/ab-modelopt-b16-4ctas-2026-12-02.json): not taken.
 MODELOPT_BLOCKS_PER_SM = {16: 3, 32: 2}
 # modelopt layers split into wgmma GEMMs: 128-row blocks from this many routes per expert on average
 # (packed: WGMMA_TALL_MIN_ROUTES or the measured choice), and 256-row blocks wherever the average
