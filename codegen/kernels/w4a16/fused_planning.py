@@ -191,8 +191,9 @@ def plan_fused(
     `onewave`: a decode grid sized to the larger GEMM's whole tiles (None: to FC1's, `_decode_grid`).
     `topk_sum`: packed plans whose FC2 adds the routes' rows into the output (bf16 red.add, no fixed
     order: not with `deterministic`; not with expert_map or calibration) instead of a top-k sum kernel.
-    `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only,
-    and FC1 tiles that do not straddle the gate | up boundary (each half has its own global scale).
+    `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only (its
+    wgmma plans are `split_layer`'s), no promotion, and FC1 tiles that do not straddle the gate | up boundary
+    (each half has its own global scale).
     """
     scale = ScaleFormat(scale_format)
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
