@@ -761,13 +761,18 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> Non
          "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", effects=True, loc=loc, ip=ip)
 
 
+def _cp_async_zfill(cache: str, nbytes: int, smem_addr, gmem_addr, pred, loc, ip) -> None:
+    """`cp.async.<cache>` of nbytes when pred != 0, else nbytes zero bytes written and nothing read (src-size 0)."""
+    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(pred)], loc, ip),
+         "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n"
+         f" selp.b32 n, {nbytes}, 0, p;\n cp.async.{cache}.shared.global [$0], [$1], {nbytes}, n;\n}}",
+         "r,l,r", effects=True, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def cp_async_16_zfill(smem_addr: Int32, gmem_addr: Int64, pred: Int32, *, loc=None, ip=None) -> None:
     """16-byte copy when pred != 0, else writes 16 zero bytes and reads nothing (src-size 0)."""
-    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(pred)], loc, ip),
-         "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n selp.b32 n, 16, 0, p;\n"
-         " cp.async.cg.shared.global [$0], [$1], 16, n;\n}",
-         "r,l,r", effects=True, loc=loc, ip=ip)
+    _cp_async_zfill("cg", 16, smem_addr, gmem_addr, pred, loc, ip)
 
 
 @dsl_user_op
@@ -782,10 +787,7 @@ def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, loc=None, ip
 def cp_async_ca_zfill(smem_addr: Int32, gmem_addr: Int64, nbytes: int, pred: Int32, *, loc=None, ip=None) -> None:
     """`cp_async_ca` when pred != 0, else writes `nbytes` zero bytes and reads nothing (src-size 0)."""
     assert nbytes in (4, 8, 16), nbytes
-    _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(pred)], loc, ip),
-         "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n"
-         f" selp.b32 n, {nbytes}, 0, p;\n cp.async.ca.shared.global [$0], [$1], {nbytes}, n;\n}}",
-         "r,l,r", effects=True, loc=loc, ip=ip)
+    _cp_async_zfill("ca", nbytes, smem_addr, gmem_addr, pred, loc, ip)
 
 
 # ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)

@@ -33,7 +33,7 @@ import torch
 from .errors import BadInputError
 from .types import DType, WeightFormat
 from .weights import (
-    FP4_DECODE_EXPONENT, MODELOPT_SCALE_EXPONENT, PackedNvfp4, W13Order,
+    FP4_DECODE_EXPONENT, MODELOPT_SCALE_EXPONENT, STORED_K_MULTIPLE, STORED_N_MULTIPLE, PackedNvfp4, W13Order,
     _check_bias, _check_dtype, _check_global_2, _check_modelopt, _global_scale, _w13_order,
 )
 
@@ -42,10 +42,6 @@ MODELOPT_COMPENSATION = {
     dt: 2.0 ** -(exponent + MODELOPT_SCALE_EXPONENT[dt]) for dt, exponent in FP4_DECODE_EXPONENT.items()
 }  # bf16: 2**111, fp16: 2**14
 
-
-# Read as stored, nothing is zero-padded: both sizes must be whole 64-column slabs and 64-deep k-tiles (each
-# of a layer's two sizes is some GEMM's N and the other's K; a last 128-wide N tile may be masked).
-MODELOPT_MULTIPLE = 64
 
 @dataclass(frozen=True)
 class ModelOptNvfp4(PackedNvfp4):
@@ -85,10 +81,10 @@ class ModelOptNvfp4(PackedNvfp4):
 
     def __post_init__(self):
         cls = type(self).__name__
-        if self.n % MODELOPT_MULTIPLE or self.k % MODELOPT_MULTIPLE:
+        if self.n % STORED_N_MULTIPLE or self.k % STORED_K_MULTIPLE:
             raise BadInputError(
                 f"{cls} is read as stored, without zero padding: N and K must be multiples of "
-                f"{MODELOPT_MULTIPLE}, got N={self.n}, K={self.k} (prepare_w13 / prepare_w2 pack other sizes)")
+                f"{STORED_N_MULTIPLE}, got N={self.n}, K={self.k} (prepare_w13 / prepare_w2 pack other sizes)")
         super().__post_init__()  # dtypes and shapes (_expected_tensors), dtype, bias, one device
         if self.up_first and self.global_scale.dim() != 2:
             raise BadInputError(f"{cls}: a W13 stored up rows first carries (gate, up) global scales, (E, 2)")

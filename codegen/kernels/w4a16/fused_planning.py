@@ -192,8 +192,8 @@ def plan_fused(
     `topk_sum`: packed plans whose FC2 adds the routes' rows into the output (bf16 red.add, no fixed
     order: not with `deterministic`; not with expert_map or calibration) instead of a top-k sum kernel.
     `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only (its
-    wgmma plans are `split_layer`'s), no promotion, and FC1 tiles that do not straddle the gate | up boundary
-    (each half has its own global scale).
+    wgmma plans are `split_layer`'s), and FC1 tiles that do not straddle the gate | up boundary (each half has
+    its own global scale).
     """
     scale = ScaleFormat(scale_format)
     for name, v in (("m", m), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -208,7 +208,7 @@ def plan_fused(
     decode = direct and not expert_map and not collect_amax and not deterministic
     layout = "modelopt" if stored_as_is else "packed"
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
-    if not decode and not stored_as_is:  # (promotion is measured for packed layers only)
+    if not decode:
         block = promoted_block(block, dims, scale, profile, layout, promote, short)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
@@ -462,7 +462,6 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     promote = layer_choice("promote", m, facts, profile)
     producer = layer_choice("producer", m, facts, profile)
     if facts.weights.layout == "modelopt":
-        promote = None  # measured for packed layers only
         if tall is None and m * facts.top_k >= MODELOPT_TALL_MIN_ROUTES * facts.num_experts:
             tall = True
         if wide is None and MODELOPT_WIDE_ANY_K:

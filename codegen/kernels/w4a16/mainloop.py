@@ -194,30 +194,27 @@ class MainloopMixin:
         t.s_dst = smem + Int32(s.sh_s_off * 16) + tid * Int32(s.tile_k // 16)
 
     @cute.jit
-    def _copy_inside(self, dst: Int32, src: Int64, in_n=None, row=None, rows: cutlass.Constexpr[int] = 0):
-        """A 16-byte weight-side copy.  In a tile that runs past N or K it is zero-filled (nothing read) unless
-        its column is inside N (`in_n`, None: always) and its row is one of the first `rows` (`row`, None:
-        always); with neither it is a plain copy."""
+    def _copy_inside(self, dst: Int32, src: Int64, in_n=None, row=None, rows: cutlass.Constexpr[int] = 0,
+                     nbytes: cutlass.Constexpr[int] = 16):
+        """A weight-side copy of `nbytes` (16: `cp.async.cg`; 4 or 8, the stored layout's scale bytes:
+        `cp.async.ca`).  In a tile that runs past N or K it is zero-filled (nothing read) unless its column
+        is inside N (`in_n`, None: always) and its row is one of the first `rows` (`row`, None: always);
+        with neither it is a plain copy."""
         if cutlass.const_expr(in_n is None and row is None):
-            I.cp_async_16(dst, src)
+            if cutlass.const_expr(nbytes == 16):
+                I.cp_async_16(dst, src)
+            else:
+                I.cp_async_ca(dst, src, nbytes)
         else:
             inside = Int32(1)
             if cutlass.const_expr(in_n is not None):
                 inside = in_n.to(Int32)
             if cutlass.const_expr(row is not None):
                 inside = inside & (row < Int32(rows)).to(Int32)
-            I.cp_async_16_zfill(dst, src, inside)
-
-    @cute.jit
-    def _modelopt_scale_copy(self, t, pipe: cutlass.Constexpr[int], k64: Int64):
-        """modelopt: this thread's row's tile_k / 16 scale bytes of a k-tile (zeros, nothing read, past N)."""
-        s = self.s
-        dst = t.s_dst + Int32(pipe * s.s_sh_stage * 16)
-        src = t.s_src + k64 * Int64(s.tile_k // 16)
-        if cutlass.const_expr(s.n_tail):
-            I.cp_async_ca_zfill(dst, src, s.tile_k // 16, t.s_in_n.to(Int32))
-        else:
-            I.cp_async_ca(dst, src, s.tile_k // 16)
+            if cutlass.const_expr(nbytes == 16):
+                I.cp_async_16_zfill(dst, src, inside)
+            else:
+                I.cp_async_ca_zfill(dst, src, nbytes, inside)
 
     @cute.jit
     def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
@@ -259,8 +256,9 @@ class MainloopMixin:
                                   s.k // 16)
         scale_rows = s.tile_k // self.scale_group  # scale rows a k-tile holds
         if cutlass.const_expr(s.modelopt):
-            if t.s_ok:
-                self._modelopt_scale_copy(t, pipe, k64)
+            if t.s_ok:  # this thread's row's tile_k / 16 scale bytes
+                self._copy_inside(t.s_dst + Int32(pipe * s.s_sh_stage * 16), t.s_src + k64 * Int64(s.tile_k // 16),
+                                  t.s_in_n if s.n_tail else None, nbytes=s.tile_k // 16)
         elif t.s_ok:  # and their scales (zero bytes: finite, times zero codes)
             self._copy_inside(t.s_dst + Int32(pipe * s.s_sh_stage * 16),
                               t.s_src + k64 * Int64(scale_rows * (s.n // 16) * 16), t.s_in_n if s.n_tail else None,

@@ -309,7 +309,8 @@ def on_wgmma(block: int, short: bool | None = None) -> bool:
 def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None,
                    short: bool | None = None) -> int:
     """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
-    every (n, k) of `dims`, else `block`."""
+    every (n, k) of `dims`, else `block`.  (Stored-layout layers are never promoted: no wgmma tile runs their
+    16-row blocks, MODELOPT_WGMMA_SHORT_BLOCKS.)"""
     if block != 8 or not promote or not on_wgmma(16, short):
         return block
     if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):

@@ -251,9 +251,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                                   t.w_in_n[i] if s.n_tail else None)
             for i in cutlass.range_constexpr(len(t.s_src)):
                 if cutlass.const_expr(s.tile_n >= s.threads):
-                    self._wg_scale_copy(t, i, pipe, k64)
+                    self._copy_inside(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16),
+                                      t.s_in_n[i] if s.n_tail else None, nbytes=4)
                 elif t.s_ok:
-                    self._wg_scale_copy(t, i, pipe, k64)
+                    self._copy_inside(t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes), t.s_src[i] + k64 * Int64(s.tile_k // 16),
+                                      t.s_in_n[i] if s.n_tail else None, nbytes=4)
         else:
             rows_per_pass = s.threads // (s.tile_n // 2)
             for i in cutlass.range_constexpr(s.k_blocks // rows_per_pass):  # columns past N: zeros, nothing read
@@ -264,17 +266,6 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 self._copy_inside(t.s_dst + Int32(pipe * s.wg_s_stage_bytes),
                                   t.s_src + k64 * Int64(s.k_blocks * (s.n // 16) * 16), t.s_in_n if s.n_tail else None)
         cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def _wg_scale_copy(self, t, i: cutlass.Constexpr[int], pipe: cutlass.Constexpr[int], k64: Int64):
-        """modelopt: the 4 scale bytes of tile row i's k-tile (zeros, nothing read, for a row past N)."""
-        s = self.s
-        dst = t.s_dst[i] + Int32(pipe * s.wg_s_stage_bytes)
-        src = t.s_src[i] + k64 * Int64(s.tile_k // 16)
-        if cutlass.const_expr(s.n_tail):
-            I.cp_async_ca_zfill(dst, src, 4, t.s_in_n[i].to(Int32))
-        else:
-            I.cp_async_ca(dst, src, 4)
 
     @cute.jit
     def _wg_publish(self, pending: cutlass.Constexpr[int]):

@@ -35,9 +35,9 @@ from typing import Optional
 from ...abi import Pointee, Signature, i32, ptr
 from ...errors import BadInputError
 from ...keys import SpecKey
-from ...modelopt import MODELOPT_MULTIPLE
 from ...types import Activation, DType, WeightFormat
 from .geometry import BARRIER_WORDS, TileConfig, fused_gemm_dims
+from ...weights import STORED_N_MULTIPLE as STORED_MULTIPLE
 from ..activation import ActivationSpec
 from .gemm_spec import Epilogue, GemmSpec, Mainloop, Routes, check_modelopt_scale_exponent, stored_w13_facts
 
@@ -149,11 +149,13 @@ class FusedSpec(SpecKey):
             if self.weight_format.up_first and not self.gated:
                 raise BadInputError(f"{self.weight_format.value} (W13 stored up rows first) needs a gated activation "
                                     f"(gate and up halves), got {self.activation.value}")
-            if self.hidden_size % MODELOPT_MULTIPLE or self.intermediate_size % MODELOPT_MULTIPLE:
+            dims = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+            logical = ((self.fc1_width, self.hidden_size), (self.hidden_size, self.intermediate_size))
+            if dims != logical:
                 raise BadInputError(
                     f"{self.weight_format.value} weights are read as stored, without the zero padding other layouts "
                     f"get: hidden_size={self.hidden_size} and intermediate_size={self.intermediate_size} must be "
-                    f"multiples of {MODELOPT_MULTIPLE}")
+                    f"multiples of {STORED_MULTIPLE}")
         self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
 
     # --------------------------------------------------------------- parts
