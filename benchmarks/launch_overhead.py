@@ -20,6 +20,7 @@ from cuda.bindings import driver
 
 from benchmarks.common import device_us, hbm_copy_bandwidth, host_us_per_call
 from cuteaot.runtime import load_bundle, moe_activation, moe_topk_sum
+from cuteaot.runtime.bundle import _programmatic_config
 from cuteaot.runtime.kernels import ActivationSpec
 
 
@@ -49,6 +50,13 @@ def main() -> None:
         slots[0].value, slots[1].value, slots[2].value = x.data_ptr(), out.data_ptr(), K
         driver.cuLaunchKernel(fn, grid[0], 1, 1, *block, 0, stream, addr, 0)
 
+    config = _programmatic_config(kernel)  # what the runtime launches a kernel that waits for its predecessors with
+    config.gridDimX, config.hStream = grid[0], stream
+
+    def bare_programmatic():
+        slots[0].value, slots[1].value, slots[2].value = x.data_ptr(), out.data_ptr(), K
+        driver.cuLaunchKernelEx(config, fn, addr, 0)
+
     def bare_tuple():
         driver.cuLaunchKernel(
             fn, grid[0], 1, 1, *block, 0, stream,
@@ -68,6 +76,7 @@ def main() -> None:
     host = host_us_per_call({
         "bare cuLaunchKernel (pre-packed void**)": bare_prepacked,
         "bare cuLaunchKernel (args tuple)": bare_tuple,
+        "bare cuLaunchKernelEx (pre-packed, programmatic launch)": bare_programmatic,
         "cuteaot moe_activation": runtime_call,
         "torch.ops.cuteaot.moe_activation (custom op)": custom_op,
         "torch silu(gate) * up (2 kernels)": torch_op,

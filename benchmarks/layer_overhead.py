@@ -1,8 +1,10 @@
 """Host cost of one MoE layer call (issue 14): eager `MoeLayer.__call__`, a bound call
 (`MoeLayer.bind`), and the same kernel launches issued bare with cuda-python.
 
-The bare reference is exactly the launches the layer issues (recorded by `bind`), each a
-`cuLaunchKernel` with its pre-packed `void**`: what any caller has to pay.  Host time per call,
+The bare reference is exactly the launches the layer issues (recorded by `bind`), each with its
+pre-packed `void**` through the driver call the runtime uses for it: `cuLaunchKernelEx` with a prebuilt
+programmatic-launch configuration for kernels that wait for their predecessors (PDL on), else
+`cuLaunchKernel`: what any caller has to pay.  Host time per call,
 median of interleaved rounds (benchmarks/common.host_us_per_call); small M, where the GPU keeps
 up and the host is the bottleneck.
 
@@ -21,6 +23,7 @@ from cuda.bindings import driver
 from benchmarks.common import host_us_per_call
 from benchmarks.gemm import random_packed
 from cuteaot.runtime import load_bundle
+from cuteaot.runtime.bundle import _LaunchSettings, _programmatic_config
 from cuteaot.runtime.moe import MoeLayer
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
@@ -44,19 +47,27 @@ def main() -> None:
         out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
         bound = layer.bind(x, w, ids, out)
         stream = bound.stream
-        recorded = [(r.kernel.function, r.grid_x, r.kernel.block, r.kernel.smem, r.buffer.address)
-                    for r in bound.launches]
+        recorded = []
+        for r in bound.launches:
+            config = None
+            if r.kernel.programmatic and _LaunchSettings.programmatic:
+                config = _programmatic_config(r.kernel)
+                config.gridDimX, config.hStream = r.grid_x, stream
+            recorded.append((r.kernel.function, r.grid_x, r.kernel.block, r.kernel.smem, r.buffer.address, config))
 
         def bare():
-            for fn, grid, (bx, by, bz), smem, address in recorded:
-                driver.cuLaunchKernel(fn, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
+            for fn, grid, (bx, by, bz), smem, address, config in recorded:
+                if config is not None:
+                    driver.cuLaunchKernelEx(config, fn, address, 0)
+                else:
+                    driver.cuLaunchKernel(fn, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
 
         host = host_us_per_call({
             "eager MoeLayer.__call__": lambda: layer(x, w, ids, out=out),
             "bound call (MoeLayer.bind)": bound,
-            "bare cuLaunchKernel of the same launches": bare,
+            "bare launches, the same driver calls": bare,
         }, calls=1000, reps=11)
-        base = host["bare cuLaunchKernel of the same launches"]
+        base = host["bare launches, the same driver calls"]
         row = {"M": m, "launches": len(recorded), **host,
                "eager_vs_bare": host["eager MoeLayer.__call__"] / base,
                "bound_vs_bare": host["bound call (MoeLayer.bind)"] / base}

@@ -98,6 +98,8 @@ def compile_kernel(key: KernelKey, arch: str) -> CompiledKernel:
             "local_bytes": res.local_bytes,
             "min_blocks_per_sm": entry.minnctapersm,
             "compiler": _compiler_version(ptx),
+            # its PTX waits for the grids before it: the runtime may launch it programmatically (PDL)
+            "waits_for_prior_grids": "griddepcontrol.wait" in ptx,
             "compile_seconds": round(seconds, 3),
         },
     )

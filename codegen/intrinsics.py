@@ -856,6 +856,28 @@ def cp_async_wait_all(*, loc=None, ip=None) -> None:
     _asm(0, None, [], "cp.async.wait_all;", "", effects=True, loc=loc, ip=ip)
 
 
+# ----------------------------------------------------------------------------- programmatic dependent launch (sm_90+)
+# A kernel launched with programmatic stream serialization (runtime/bundle.py) may start while the
+# kernel before it on the stream still runs; every production kernel therefore begins with
+# `wait_for_prior_grids` before it touches memory, then lets its own dependents launch.
+
+
+@dsl_user_op
+def wait_for_prior_grids(*, loc=None, ip=None) -> None:
+    """`griddepcontrol.wait`: block until every grid this one depends on has completed and its memory
+    is visible (a no-op for a kernel launched without the programmatic attribute).  The memory clobber
+    keeps the compiler from hoisting any load above it."""
+    _asm(0, None, [], "griddepcontrol.wait;", "~{memory}", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def launch_dependents(*, loc=None, ip=None) -> None:
+    """`griddepcontrol.launch_dependents`: the next kernel on the stream may launch once every CTA of
+    this grid has said so (or exited); it still waits for this grid's completion in its own
+    `wait_for_prior_grids`, so where this is called only moves when its CTAs become resident."""
+    _asm(0, None, [], "griddepcontrol.launch_dependents;", "~{memory}", effects=True, loc=loc, ip=ip)
+
+
 # ----------------------------------------------------------------------------- global memory
 
 

@@ -7,6 +7,7 @@ resolves by dictionary lookup on its specialization key.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -46,6 +47,53 @@ def check_cu(result: tuple, what: str):
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+class _LaunchSettings:
+    # Programmatic dependent launch (PDL): a kernel whose PTX waits for the grids before it
+    # (KernelRecord.waits_for_prior_grids) is launched with programmatic stream serialization, so its
+    # CTAs launch while the kernel before it on the stream drains instead of after; on by default,
+    # CUTEAOT_PDL=0 turns it off (benchmarks/pdl_ab.py compares the two).
+    programmatic = os.environ.get("CUTEAOT_PDL", "1") != "0"
+
+
+def set_programmatic_launch(enabled: bool) -> bool:
+    """Launch kernels that wait for their predecessors with programmatic stream serialization (True,
+    the default unless CUTEAOT_PDL=0) or plainly; returns the previous setting.  A CUDA graph keeps
+    what was set while it was captured."""
+    previous, _LaunchSettings.programmatic = _LaunchSettings.programmatic, bool(enabled)
+    return previous
+
+
+def _programmatic_config(kernel: "LoadedKernel") -> driver.CUlaunchConfig:
+    """A launch configuration with kernel's block, shared memory and the programmatic attribute."""
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.blockDimX, config.blockDimY, config.blockDimZ = kernel.block
+    config.gridDimY = config.gridDimZ = 1
+    config.sharedMemBytes = kernel.smem
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
+
+
+def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) -> None:
+    """One launch of `kernel` with the packed parameter array at `params`."""
+    if kernel.programmatic and _LaunchSettings.programmatic:
+        try:
+            config = kernel._tls.config
+        except AttributeError:  # (this thread's first programmatic launch of the kernel)
+            config = kernel._tls.config = _programmatic_config(kernel)
+        config.gridDimX = grid_x
+        config.hStream = stream
+        (err,) = driver.cuLaunchKernelEx(config, kernel.function, params, 0)
+    else:
+        bx, by, bz = kernel.block
+        (err,) = driver.cuLaunchKernel(kernel.function, grid_x, 1, 1, bx, by, bz, kernel.smem, stream, params, 0)
+    if err:  # CUresult is an int; CUDA_SUCCESS == 0
+        check_cu((err,), f"launching {kernel.record.symbol} (grid=({grid_x}, 1, 1))")
+
+
 def current_stream_handle(device_index: int) -> int:
     """The raw `cudaStream_t` of torch's current stream on the device."""
     if _raw_stream is not None:
@@ -62,6 +110,7 @@ class LoadedKernel:
         self.context = context  # the device's primary context the function belongs to
         self.block = record.block
         self.smem = record.dynamic_smem_bytes
+        self.programmatic = record.waits_for_prior_grids
         self._tls = threading.local()
 
     def bind(self, signature: Signature) -> None:
@@ -113,10 +162,7 @@ class LoadedKernel:
         except AttributeError:
             buf = self._first_launch_on_thread()
         buf.pack(*ordered)
-        bx, by, bz = self.block
-        (err,) = driver.cuLaunchKernel(self.function, grid_x, 1, 1, bx, by, bz, self.smem, stream, buf.address, 0)
-        if err:  # CUresult is an int; CUDA_SUCCESS == 0
-            check_cu((err,), f"cuLaunchKernel({self.record.symbol}, grid=({grid_x}, 1, 1))")
+        _cu_launch(self, grid_x, stream, buf.address)
 
 
 _RECORDING = threading.local()  # .launches: a list while a call is being bound on this thread
@@ -166,12 +212,7 @@ class RecordedLaunch:
         self.buffer.pack(*ordered)
 
     def launch(self, stream: int) -> None:
-        k = self.kernel
-        bx, by, bz = k.block
-        (err,) = driver.cuLaunchKernel(k.function, self.grid_x, 1, 1, bx, by, bz, k.smem, stream,
-                                       self.buffer.address, 0)
-        if err:
-            check_cu((err,), f"cuLaunchKernel({k.record.symbol}, grid=({self.grid_x}, 1, 1))")
+        _cu_launch(self.kernel, self.grid_x, stream, self.buffer.address)
 
 
 class ZeroFill:

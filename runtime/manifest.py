@@ -69,6 +69,9 @@ class KernelRecord:
     dynamic_smem_bytes: int
     registers: int
     raw: dict  # the whole record, for display
+    # its PTX begins with griddepcontrol.wait, so it may be launched with programmatic stream
+    # serialization (bundles built before the field existed: False, launched plainly)
+    waits_for_prior_grids: bool = False
 
     @property
     def digest(self) -> str:
@@ -155,6 +158,7 @@ def kernel_records(manifest: dict) -> list[KernelRecord]:
             dynamic_smem_bytes=k["dynamic_smem_bytes"],
             registers=k["registers"],
             raw=k,
+            waits_for_prior_grids=k.get("waits_for_prior_grids", False),
         )
         for k in manifest["kernels"]
     ]

@@ -44,6 +44,8 @@ def test_manifest_matches_json_schema(built):
         cubin = (root / "tiny" / k["file"]).read_bytes()
         assert k["symbol"].encode() in cubin  # the symbol was read from the object, not guessed
         assert k["block"] == [256, 1, 1] and 0 < k["registers"] <= 64 and k["stack_bytes"] == 0
+        # every production kernel starts with griddepcontrol.wait: the runtime launches it with PDL
+        assert k["waits_for_prior_grids"] is True, k["family"]
 
 
 def test_unchanged_rebuild_compiles_nothing(built):

@@ -188,7 +188,8 @@ def test_launch_packs_arguments_into_their_declared_slots_by_name(monkeypatch):
     sig = GemmSpec.SIGNATURE
     stub = _StubDriver(sig)
     monkeypatch.setattr(bundle_module, "driver", stub)
-    record = SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=sig.to_json(), symbol="k", key=None)
+    record = SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=sig.to_json(), symbol="k", key=None,
+                             waits_for_prior_grids=False)
     kernel = bundle_module.LoadedKernel(record, function=object(), context=1)
     kernel.bind(sig)
     values = {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1 for i, p in enumerate(sig.params)}
@@ -212,7 +213,7 @@ def test_a_bound_call_records_launches_and_replays_them_with_the_same_arguments(
 
     signature = Signature((ptr("src", "elem", "(rows, w)"), ptr("out", "elem", "(rows, w)"), i32("rows", "rows")))
     record = types.SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=signature.to_json(),
-                                   symbol="k", key=None)
+                                   symbol="k", key=None, waits_for_prior_grids=False)
     kernel = LoadedKernel(record, function="fn", context=None)
     kernel.bind(signature)
     issued = []
@@ -233,6 +234,54 @@ def test_a_bound_call_records_launches_and_replays_them_with_the_same_arguments(
     assert issued[0][:3] == issued[1][:3] == ("fn", 7, 99)
     replay, plain = launches[0].buffer, kernel._tls.buf
     assert ctypes.string_at(ctypes.addressof(replay._buffer), 20) == ctypes.string_at(ctypes.addressof(plain._buffer), 20)
+
+
+def test_kernels_that_wait_for_prior_grids_launch_programmatically(monkeypatch):
+    """A kernel whose record says its PTX waits for the grids before it is launched with programmatic
+    stream serialization (cuLaunchKernelEx), plainly once that is switched off; a kernel of an older
+    bundle (no such record field) always plainly.  A bound call replays the same way."""
+    import types
+
+    from cuteaot.runtime import bundle as bundle_mod
+    from cuteaot.runtime.abi import Signature, i32, ptr
+    from cuteaot.runtime.bundle import LoadedKernel, recording_launches, set_programmatic_launch
+
+    signature = Signature((ptr("src", "elem", "(rows, w)"), i32("rows", "rows")))
+    issued = []
+    monkeypatch.setattr(bundle_mod.driver, "cuLaunchKernel",
+                        lambda fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra:
+                        issued.append(("plain", fn, gx, bx, smem, stream)) or (0,))
+
+    def launch_ex(config, fn, args, extra):
+        (attribute,) = config.attrs[: config.numAttrs]
+        assert attribute.id == bundle_mod.driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        assert attribute.value.programmaticStreamSerializationAllowed == 1
+        issued.append(("pdl", fn, config.gridDimX, config.blockDimX, config.sharedMemBytes, int(config.hStream)))
+        return (0,)
+
+    monkeypatch.setattr(bundle_mod.driver, "cuLaunchKernelEx", launch_ex)
+    kernels = {}
+    for waits in (True, False):
+        record = types.SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=4096, params=signature.to_json(),
+                                       symbol="k", key=None, waits_for_prior_grids=waits)
+        kernels[waits] = LoadedKernel(record, function=f"fn{waits}", context=None)
+        kernels[waits].bind(signature)
+        kernels[waits]._tls.buf = bundle_mod.ArgBuffer(signature)
+    previous = set_programmatic_launch(True)
+    try:
+        kernels[True].launch(7, 99, src=0x1000, rows=5)
+        kernels[False].launch(7, 99, src=0x1000, rows=5)
+        with recording_launches() as launches:
+            kernels[True].launch(3, 99, src=0x1000, rows=5)
+        launches[0].launch(42)
+        assert issued == [("pdl", "fnTrue", 7, 128, 4096, 99), ("plain", "fnFalse", 7, 128, 4096, 99),
+                          ("pdl", "fnTrue", 3, 128, 4096, 42)]
+        assert set_programmatic_launch(False) is True
+        kernels[True].launch(5, 99, src=0x1000, rows=5)
+        launches[0].launch(42)
+        assert issued[3:] == [("plain", "fnTrue", 5, 128, 4096, 99), ("plain", "fnTrue", 3, 128, 4096, 42)]
+    finally:
+        set_programmatic_launch(previous)
 
 
 def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):

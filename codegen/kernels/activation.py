@@ -20,7 +20,7 @@ from cuteaot.runtime.kernels.activation import VECTOR, ActivationSpec
 from cuteaot.runtime.types import Activation
 
 from .. import intrinsics as I
-from .common import cutlass_dtype, fake_arguments
+from .common import after_prior_grids, cutlass_dtype, fake_arguments
 
 THREADS = 256
 
@@ -64,6 +64,7 @@ class ActivationKernel:
 
     @cute.kernel
     def kernel(self, fc1: cute.Pointer, out: cute.Pointer, rows: Int32):
+        after_prior_grids()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         v = Int64(bidx) * THREADS + Int64(tidx)

@@ -11,6 +11,8 @@ from cuteaot.runtime.abi import ParamKind, Pointee
 from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.types import DType
 
+from .. import intrinsics as I
+
 _FIXED_POINTEES = {Pointee.I32: Int32, Pointee.U32: Uint32, Pointee.U8: Uint8, Pointee.F32: Float32}
 _SCALARS = {ParamKind.I32: Int32, ParamKind.F32: Float32}
 _FAKE_ADDRESS = 16  # any aligned non-null value: cute.compile only reads the pointer's type
@@ -45,3 +47,18 @@ def fake_arguments(spec) -> tuple:
         else:
             args.append(_SCALARS[p.kind](1))
     return (*args, make_fake_stream())
+
+
+def after_prior_grids(*, persistent: bool = False) -> None:
+    """A production kernel's first step: wait until the kernels before it on the stream have finished
+    (they may still run: the runtime launches kernels whose PTX waits with programmatic stream
+    serialization).  Nothing may read or write global memory before it.
+
+    A small grid (route packing, the top-k sum, the activation) then lets the next kernel launch at
+    once, so that its CTAs are resident on the idle SMs when this one finishes.  A `persistent` grid
+    (the GEMM, the fused layer) fills every SM: the next grid's CTAs could only take the slots its own
+    tail frees, and letting them in early measured 1-2 % slower at M >= 1024 (H200; docs/benchmarks.md,
+    "Programmatic dependent launch"), so it lets them launch as it exits."""
+    I.wait_for_prior_grids()
+    if not persistent:
+        I.launch_dependents()

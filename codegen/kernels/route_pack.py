@@ -62,7 +62,7 @@ from cuteaot.runtime.kernels.route_pack import (
     RouteStage,
 )
 
-from .common import fake_arguments
+from .common import after_prior_grids, fake_arguments
 
 __all__ = ["RoutePackKernel", "build", "SMEM_BYTES"]  # SMEM_BYTES: the build records it per kernel
 
@@ -373,6 +373,7 @@ class RoutePackKernel:
         chunk_routes: Int32,
         num_chunks: Int32,
     ):
+        after_prior_grids()
         tid, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         cta = Int32(bidx)

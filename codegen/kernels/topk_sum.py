@@ -23,7 +23,7 @@ from cutlass.cutlass_dsl import Int32, Int64
 from cuteaot.runtime.kernels.route_pack import IdsDType
 from cuteaot.runtime.kernels.topk_sum import VECTOR, TopKSumSpec
 
-from .common import cutlass_dtype, fake_arguments
+from .common import after_prior_grids, cutlass_dtype, fake_arguments
 
 THREADS = 256
 
@@ -45,6 +45,7 @@ class TopKSumKernel:
 
     @cute.kernel
     def kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32):
+        after_prior_grids()
         self._sum(fc2, out, tokens, fc2, Int32(0))  # the ids are never read (not masked)
 
     @cute.jit
@@ -96,6 +97,7 @@ class MaskedTopKSumKernel(TopKSumKernel):
     @cute.kernel
     def kernel(self, fc2: cute.Pointer, out: cute.Pointer, tokens: Int32, topk_ids: cute.Pointer,
                num_experts: Int32):
+        after_prior_grids()
         self._sum(fc2, out, tokens, topk_ids, num_experts)
 
 

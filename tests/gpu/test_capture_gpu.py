@@ -307,3 +307,57 @@ def test_calls_do_not_allocate(bundle, m, ids_dtype):
     y = layer(*data)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before == y.untyped_storage().nbytes() == m * H * 2
+
+
+# ---- (f) programmatic dependent launch ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 37, 300, 1500])
+def test_programmatic_launches_match_plain_ones(bundle, m):
+    """Every kernel of the bundle waits for its predecessors, so the runtime launches it with
+    programmatic stream serialization (PDL): its CTAs may start while the kernel before it drains.  A
+    chain of four layers, each reading the previous one's output at once, eagerly and from a graph
+    replayed ten times, matches each layer run with plain launches on the same input (a kernel that
+    read before its wait would see a half-written input)."""
+    from cuteaot.runtime.bundle import set_programmatic_launch
+
+    assert bundle._kernels and all(k.programmatic for k in bundle._kernels.values())
+    experts = [Experts(20), Experts(21)]
+    layers = [e.layer(bundle) for e in experts] * 2
+    g = torch.Generator().manual_seed(22)
+    x, *routing = routed(m, g)
+    routings = [routing] + [routed(m, g)[1:] for _ in range(3)]
+
+    def chain():
+        ys = [x]
+        for layer, (w, ids) in zip(layers, routings):
+            ys.append(layer(ys[-1], w, ids))
+        return ys[1:]
+
+    def check_each(ys, what: str) -> None:
+        previous = set_programmatic_launch(False)
+        try:
+            inputs = [x, *ys[:-1]]
+            for i, (layer, (w, ids)) in enumerate(zip(layers, routings)):
+                check(ys[i], layer(inputs[i].clone(), w, ids), SAME, f"{what}: layer {i} M={m}")
+        finally:
+            set_programmatic_launch(previous)
+
+    previous = set_programmatic_launch(True)
+    try:
+        ys = chain()
+        check_each(ys, "eager, PDL")
+        check(ys[0], experts[0].reference(x, *routing), TOL, f"layer 0 M={m} vs reference")
+        stream = torch.cuda.Stream()
+        warm_up(stream, chain)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ys = chain()
+        for _ in range(10):
+            for y in ys:
+                y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check_each(ys, "graph, PDL")
+    finally:
+        set_programmatic_launch(previous)

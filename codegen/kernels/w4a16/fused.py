@@ -26,6 +26,7 @@ from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..activation import ActivationKernel
+from ..common import after_prior_grids
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
@@ -60,6 +61,7 @@ class W4A16FusedMoeKernel:
                block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
                w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
                amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32):
+        after_prior_grids(persistent=True)
         s = self.s
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()

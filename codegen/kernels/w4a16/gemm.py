@@ -31,6 +31,7 @@ from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..activation import ActivationKernel
+from ..common import after_prior_grids
 from .epilogue import EpilogueMixin
 from .mainloop import MainloopMixin
 
@@ -82,6 +83,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                global_scale: cute.Pointer, route_indices: cute.Pointer, block_experts: cute.Pointer,
                route_count: cute.Pointer, topk_weights: cute.Pointer, bias: cute.Pointer, c_tmp: cute.Pointer,
                locks: cute.Pointer, tokens: Int32, num_experts: Int32):
+        after_prior_grids(persistent=True)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
