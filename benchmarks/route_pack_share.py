@@ -14,8 +14,7 @@ import torch
 
 from benchmarks.common import FlushedTimer, comma_list, uniform_routing
 from benchmarks.compare_layer import _layer, _prepared, _problems, random_layer_weights
-from cuteaot.runtime.kernels.route_pack import (RouteChunking, max_packed_route_slots, pack_routes,
-                                                route_pack_workspace_elements)
+from cuteaot.runtime.kernels.route_pack import RouteChunking, max_packed_route_slots, pack_routes, route_pack_workspace
 
 
 def main(argv=None) -> int:
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
     bundle = load_bundle(args.bundle)
     problems = _problems(bundle)
     timer = FlushedTimer()
-    print("| model | M | routes | route-pack launches | layer µs | route packing µs | share | plan |")
+    print("| model | M | routes | route-pack stage (CTAs) | layer µs | route packing µs | share | plan |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in args.models:
         f = problems[name]
@@ -47,13 +46,13 @@ def main(argv=None) -> int:
             bufs = dict(packed_route_indices=torch.empty(slots, dtype=torch.int32, device="cuda"),
                         block_expert_ids=torch.empty(slots // block, dtype=torch.int32, device="cuda"),
                         packed_route_count=torch.empty(1, dtype=torch.int32, device="cuda"),
-                        workspace=torch.empty(max(route_pack_workspace_elements(routes, e), 1), dtype=torch.int32,
-                                              device="cuda"))
+                        workspace=route_pack_workspace(routes, e, "cuda"))
             out = torch.empty_like(x)
             us = timer.us({"layer": lambda: layer(x, w, ids, out=out),
                            "pack": lambda: pack_routes(bundle, ids, e, block, **bufs)}, args.rounds)
-            launches = 1 if RouteChunking.for_routes(routes).single else 3
-            print(f"| {name} | {m} | {routes} | {launches} | {us['layer']:.1f} | {us['pack']:.1f} | "
+            chunking = RouteChunking.for_routes(routes)
+            stage = "single" if chunking.single else f"multi x{chunking.num_chunks}"
+            print(f"| {name} | {m} | {routes} | {stage} | {us['layer']:.1f} | {us['pack']:.1f} | "
                   f"{us['pack'] / us['layer']:.1%} | {r.describe()} |", flush=True)
         del layer
         torch.cuda.empty_cache()

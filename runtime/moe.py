@@ -38,7 +38,8 @@ from .kernels.w4a16.gemm import PersistentLaunch, check_stored_sizes, persistent
 from .kernels.w4a16.gemm_spec import Epilogue
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
-    MAX_EXPERTS, IdsDType, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements,
+    MAX_EXPERTS, IdsDType, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace,
+    route_pack_workspace_elements,
 )
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
@@ -80,7 +81,7 @@ class MoeWorkspace:
             route_indices=torch.empty(shape.route_slots, **i32),
             block_experts=torch.empty(shape.route_blocks, **i32),
             route_count=torch.zeros(1, **i32),
-            route_pack=torch.empty(route_pack_workspace_elements(routes, shape.route_experts), **i32),
+            route_pack=route_pack_workspace(routes, shape.route_experts, device),  # zeroed: a grid barrier's count
             ids64=torch.empty(routes, dtype=torch.int64, device=device),
             ids32=torch.empty(routes, **i32),
         )

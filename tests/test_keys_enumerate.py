@@ -47,8 +47,8 @@ _PINNED = [
     (lambda: FusedSpec("fp16", 512, 256, 4, "swigluoai", 128, 128, 128, 128, 16, 1, swiglu_alpha=1.702,
                        swiglu_beta=1.0, swiglu_limit=7.0),
      "869593f7c913126477c7f4aa306d56aab273a54f23919d256cd3d4923db118a7"),
-    (lambda: RoutePackSpec("scan", None), "e9599b2e5913778506875c8fba2f98b9a3514b40adde38773f21754fd23e8c9d"),
-    (lambda: RoutePackSpec("single", "int32"), "beacfaa4c6640ddbfbe537921319b726310eed789ac0754d246ac4f5cec44fa9"),
+    (lambda: RoutePackSpec("multi", "int64"), "31b9a7ea877740aa8cc53de0049a96e6d5867a1d37955b808d7689256b3ad832"),
+    (lambda: RoutePackSpec("single", "int32"), "342c6131c2b93ee091724fe9377150973fe36f7b4e46674c6b6c5e9f76e23d50"),
     (lambda: ProbeSpec("e2m1_bf16"), "b219618b14f4302da05d4aa2e6f7d8d666d9d6213807c215417af11bd753118e"),
 ]
 
@@ -66,12 +66,12 @@ def test_key_facts_are_the_fields_plus_the_family_constants():
         omitted = {n for n in type(spec).KEY_OMITS_NONE if getattr(spec, n) is None}
         assert set(spec.key().facts) == (names - omitted) | set(type(spec).CONSTANT_FACTS), type(spec).__name__
     assert "ids_dtype" not in TopKSumSpec("bf16", 4, 512).key().facts  # the plain sum's keys predate the field
-    assert RoutePackSpec("scan", None).key().facts["ids_dtype"] is None  # route packing always carried it
+    assert RoutePackSpec("multi", "int64").key().facts["ids_dtype"] == "int64"
 
 
 def test_from_facts_restores_enums_and_names_bad_facts():
-    spec = RoutePackSpec.from_facts({"stage": "count", "ids_dtype": "int64", "threads": 512, "max_experts": 512})
-    assert spec.stage is RouteStage.COUNT and spec.ids_dtype is IdsDType.INT64
+    spec = RoutePackSpec.from_facts({"stage": "multi", "ids_dtype": "int64", "threads": 512, "max_experts": 512})
+    assert spec.stage is RouteStage.MULTI and spec.ids_dtype is IdsDType.INT64
     facts = dict(GemmSpec("bf16", 1024, 512, 2, 128, 128, 16, 1).key().facts)
     with pytest.raises(BadInputError, match=r"unknown \['tile_m'\], missing \[\]"):
         GemmSpec.from_facts({**facts, "tile_m": 64})

@@ -13,6 +13,7 @@ from cuteaot.runtime import BadInputError, pack_routes
 from cuteaot.runtime.kernels import FAMILIES
 from cuteaot.runtime.kernels.route_pack import (
     ALLOWED_BLOCK_SIZES,
+    BARRIER_WORDS,
     MAX_EXPERTS,
     MULTI_MAX_CHUNKS,
     SINGLE_CTA_MAX_ROUTES,
@@ -140,7 +141,7 @@ def test_chunking_covers_the_routes(routes):
     else:
         assert c.chunk_routes % 512 == 0 and 1 <= c.num_chunks <= MULTI_MAX_CHUNKS
         assert (c.num_chunks - 1) * c.chunk_routes < routes <= c.num_chunks * c.chunk_routes
-        assert route_pack_workspace_elements(routes, 64) == (c.num_chunks + 2) * 64
+        assert route_pack_workspace_elements(routes, 64) == BARRIER_WORDS + c.num_chunks * 64
 
 
 # -- validation (raised before any launch: a CPU stand-in for the bundle suffices) ---------
@@ -210,20 +211,17 @@ def test_fake_op_checks_shapes():
 # -- keys ---------------------------------------------------------------------------------
 
 STABLE_KEYS = {
-    ("scan", None): "e9599b2e59137785",
-    ("single", "int32"): "beacfaa4c6640ddb",
-    ("count", "int32"): "9404d2986a95728b",
-    ("scatter", "int32"): "b363d642e551859b",
-    ("single", "int64"): "07fc59ebd96735a8",
-    ("count", "int64"): "35e867cc883fb626",
-    ("scatter", "int64"): "b9652d657738a607",
+    ("single", "int32"): "342c6131c2b93ee0",
+    ("multi", "int32"): "3fa876094bd2913d",
+    ("single", "int64"): "eb853c8f4bc9aa31",
+    ("multi", "int64"): "31b9a7ea877740aa",
 }
 
 
 def test_spec_keys_are_stable_and_round_trip():
     specs = route_pack_specs()
     assert FAMILIES["moe_route_pack"] is RoutePackSpec
-    got = {(s.stage.value, s.ids_dtype and s.ids_dtype.value): s.key().digest[:16] for s in specs}
+    got = {(s.stage.value, s.ids_dtype.value): s.key().digest[:16] for s in specs}
     assert got == STABLE_KEYS, "a key changed: bump RoutePackSpec.VERSION and update STABLE_KEYS deliberately"
     for s in specs:
         assert RoutePackSpec.from_facts(dict(s.key().facts)) == s
@@ -231,10 +229,10 @@ def test_spec_keys_are_stable_and_round_trip():
 
 
 def test_spec_validity():
-    with pytest.raises(BadInputError, match="ids_dtype must be None"):
-        RoutePackSpec(RouteStage.SCAN, "int32")
     with pytest.raises(BadInputError, match="needs ids_dtype"):
-        RoutePackSpec(RouteStage.COUNT, None)
+        RoutePackSpec(RouteStage.MULTI, None)
+    with pytest.raises(ValueError):
+        RoutePackSpec("scan", "int32")  # the three-launch stages are gone (version 2)
 
 
 # -- build --------------------------------------------------------------------------------
@@ -299,7 +297,8 @@ def test_prepared_route_pack_launches_what_pack_routes_launches(monkeypatch, tok
     assert outputs == (buffers["packed"], buffers["block_ids"], buffers["count"])
     names = RoutePackSpec.SIGNATURE.names
     single = RouteChunking.for_routes(routes).single
-    assert [(s, g) for s, g, _ in issued] == [(s, g) for s, g, _ in by_name] and len(issued) == (1 if single else 3)
+    assert [(s, g) for s, g, _ in issued] == [(s, g) for s, g, _ in by_name] == [
+        ("single" if single else "multi", RouteChunking.for_routes(routes).num_chunks)]
     for (_, _, got), (_, _, want) in zip(issued, by_name):
         for name, a, b in zip(names, got, want):
             unread = (name == "workspace" and single) or (name == "expert_map" and not expert_map)

@@ -62,3 +62,31 @@ def after_prior_grids(*, persistent: bool = False) -> None:
     I.wait_for_prior_grids()
     if not persistent:
         I.launch_dependents()
+
+
+@cute.jit
+def grid_barrier(barrier: Int64, tid: Int32, grid_x: Int32):
+    """Every CTA of the (co-resident) grid meets here; each sees the writes the others made before it.
+
+    Sense reversal on two words at `barrier`, the arrival count (zero between barriers) and the
+    generation: after the CTA's own writes (bar.sync), thread 0 fences, reads the generation and adds
+    one to the count.  The last arriver resets the count and bumps the generation with a release; the
+    others spin on an acquire load until it changes.  The count is back at zero after every barrier,
+    so the words stay usable across launches (they must start at zero).
+    """
+    cute.arch.sync_threads()
+    if tid == Int32(0):
+        count = barrier
+        sense_addr = barrier + Int64(4)
+        I.membar_gpu()  # this CTA's writes (ordered before thread 0 by bar.sync) become visible first
+        old_sense = I.ld_global_acquire_i32(sense_addr)
+        arrived = I.atom_add_i32(count, Int32(1))
+        if arrived == grid_x - Int32(1):
+            I.st_global_i32(count, Int32(0))
+            I.membar_gpu()
+            I.red_add_release_i32(sense_addr, Int32(1))
+        else:
+            sense = old_sense
+            while sense == old_sense:
+                sense = I.ld_global_acquire_i32(sense_addr)
+    cute.arch.sync_threads()

@@ -26,8 +26,11 @@ Slot assignment.  A scan turns the counts into cursors: the first slot of
 
     start[e] + sum_{c' < c} count[c', e] + sum_{w' < w} count_c[w', e]
 
-with start[e] the exclusive prefix of the experts' padded sizes.  Scattering then
-repeats the walk: a lane's slot is its cursor plus the number of equal lanes
+with start[e] the exclusive prefix of the experts' padded sizes.  The multi stage
+publishes each chunk's counts, meets every CTA at a grid barrier (`common.grid_barrier`,
+on the workspace's first two words), and then every CTA reads all chunks' counts of
+its experts (one round of loads) to form its own cursors and the starts.  Scattering
+then repeats the walk: a lane's slot is its cursor plus the number of equal lanes
 below it, and the lowest lane advances the cursor.  So routes of one expert land
 in increasing route index however the hardware schedules warps or CTAs.
 
@@ -52,7 +55,9 @@ from cutlass.cutlass_dsl import Int32, Int64, T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from cuteaot.runtime.kernels.route_pack import (
+    BARRIER_WORDS,
     MAX_EXPERTS,
+    MULTI_MAX_CHUNKS,
     SINGLE_CTA_MAX_ROUTES,
     SMEM_BYTES,
     THREADS,
@@ -62,27 +67,30 @@ from cuteaot.runtime.kernels.route_pack import (
     RouteStage,
 )
 
-from .common import after_prior_grids, fake_arguments
+from .. import intrinsics as I
+from .common import after_prior_grids, fake_arguments, grid_barrier
 
 __all__ = ["RoutePackKernel", "build", "SMEM_BYTES"]  # SMEM_BYTES: the build records it per kernel
 
-BATCH = SINGLE_CTA_MAX_ROUTES // THREADS  # steps per load batch; the single stage needs exactly one
-SCAN_UNROLL = 16  # chunk counts the scan loads per round (loads in flight per thread)
+BATCH = 8  # steps (32 routes) a warp loads per batch; the single stage's routes fit in one
 SEARCH_STEPS = MAX_EXPERTS.bit_length() - 1  # binary search over the expert ends
 assert THREADS == MAX_EXPERTS, "the scan gives each thread one expert"
 assert MAX_EXPERTS == 1 << SEARCH_STEPS, "the binary search halves a power of two"
-assert BATCH * THREADS == SINGLE_CTA_MAX_ROUTES, "the single stage holds all its routes in one batch"
+assert SINGLE_CTA_MAX_ROUTES <= BATCH * THREADS, "the single stage holds all its routes in one batch"
 
 
 @dsl_user_op
-def ld_global_if_i32(address: Int64, pred: Int32, fallback: Int32, *, loc=None, ip=None) -> Int32:
-    """`@p ld.global.b32`: the value at `address` where pred != 0, else `fallback`.
+def ld_global_if_i32(address: Int64, pred: Int32, fallback: Int32, *, l2_only: bool = False, loc=None,
+                     ip=None) -> Int32:
+    """`@p ld.global.b32`: the value at `address` where pred != 0, else `fallback`; with `l2_only`,
+    `ld.global.cg` (data other CTAs of this launch wrote: never from this SM's L1).
 
     Predicated instead of branched so that a batch of loads is issued back to back;
     emitted with side effects because LLVM otherwise sinks a load into the branch
     of its only use, which serialises the latencies again.
     """
-    ptx = "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, $3;\n@p ld.global.b32 $0, [$1];\n}"
+    op = "ld.global.cg" if l2_only else "ld.global"
+    ptx = "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, $3;\n@p " + op + ".b32 $0, [$1];\n}"
     args = [Int64(address).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip),
             Int32(fallback).ir_value(loc=loc, ip=ip)]
     return Int32(llvm.inline_asm(T.i32(), args, ptx, "=r,l,r,r", has_side_effects=True, is_align_stack=False,
@@ -109,9 +117,8 @@ class _Operands:
         self.routes, self.num_experts, self.has_map, self.block_size = routes, num_experts, has_map, block_size
         self.cap_slots, self.cap_blocks, self.chunk_routes, self.num_chunks = cap_slots, cap_blocks, chunk_routes, num_chunks
 
-    @property
-    def ends_at(self):  # workspace offset of the expert ends (fills follow them)
-        return self.num_chunks * self.num_experts
+    def counts_at(self, chunk):  # workspace offset of a chunk's counts, after the barrier words
+        return Int32(BARRIER_WORDS) + chunk * self.num_experts
 
 
 class _Shared:
@@ -300,28 +307,23 @@ class RoutePackKernel:
         return start
 
     @cute.jit
-    def _scan_chunks(self, op: _Operands, sh: _Shared, e: Int32):
-        """Pass 2: ws[c, e] := sum_{c' < c} ws[c', e]; the expert ends / fills; the packed count."""
+    def _chunk_counts(self, op: _Operands, e: Int32, cta: Int32):
+        """(routes of expert e in the chunks before `cta`, in all chunks), from the published counts:
+        every chunk's count of e loaded at once (predicated loads: one memory latency)."""
+        before = Int32(0)
         total = Int32(0)
-        ws, count = op.ws, op.count
-        ws_address = ws.iterator.toint()
-        if e < op.num_experts:
-            vals = cute.make_rmem_tensor(SCAN_UNROLL, Int32)
-            for base in range(0, op.num_chunks, SCAN_UNROLL):
-                for i in cutlass.range_constexpr(SCAN_UNROLL):  # predicated loads: they overlap
-                    c = base + Int32(i)
-                    address = ws_address + Int64(c * op.num_experts + e) * Int64(4)
-                    vals[i] = ld_global_if_i32(address, Int32(c < op.num_chunks), Int32(0))
-                for i in cutlass.range_constexpr(SCAN_UNROLL):
-                    if base + i < op.num_chunks:
-                        ws[(base + i) * op.num_experts + e] = total
-                        total = total + vals[i]
-        self._publish_expert(op, sh, e, total)
-        if e < op.num_experts:
-            ws[op.ends_at + e] = sh.ends[e]
-            ws[op.ends_at + op.num_experts + e] = sh.fills[e]
-        if e == op.num_experts - Int32(1):
-            count[0] = sh.ends[e]
+        experts, chunks = op.num_experts, op.num_chunks
+        first = op.ws.iterator.toint() + Int64(op.counts_at(Int32(0)) + e) * Int64(4)  # chunk 0's count of e
+        if e < experts:
+            vals = cute.make_rmem_tensor(MULTI_MAX_CHUNKS, Int32)
+            for c in cutlass.range_constexpr(MULTI_MAX_CHUNKS):
+                address = first + Int64(c) * Int64(experts) * Int64(4)
+                vals[c] = ld_global_if_i32(address, Int32(Int32(c) < chunks), Int32(0), l2_only=True)
+            for c in cutlass.range_constexpr(MULTI_MAX_CHUNKS):
+                if Int32(c) < cta:
+                    before = before + vals[c]
+                total = total + vals[c]
+        return before, total
 
     # -- blocks and padding -------------------------------------------------------------
 
@@ -389,19 +391,8 @@ class RoutePackKernel:
 
         if cutlass.const_expr(self.stage is RouteStage.SINGLE):
             self._single(op, sh, e)
-        if cutlass.const_expr(self.stage is RouteStage.COUNT):
-            self._zero_hist(sh.hist)
-            cute.arch.sync_threads()
-            self._walk(op, sh.hist, cta, False)
-            cute.arch.sync_threads()
-            total = self._warp_counts_to_cursors(sh.hist, e, Int32(0))
-            ws = op.ws
-            if e < num_experts:
-                ws[cta * num_experts + e] = total
-        if cutlass.const_expr(self.stage is RouteStage.SCAN):
-            self._scan_chunks(op, sh, e)
-        if cutlass.const_expr(self.stage is RouteStage.SCATTER):
-            self._scatter(op, sh, e, cta)
+        else:
+            self._multi(op, sh, e, cta, I.gmem_address(workspace), Int32(tid))
 
     @cute.jit
     def _single(self, op: _Operands, sh: _Shared, e: Int32):
@@ -426,20 +417,27 @@ class RoutePackKernel:
         self._process_batch(op, sh.hist, experts, lo, Int32(0), True)
 
     @cute.jit
-    def _scatter(self, op: _Operands, sh: _Shared, e: Int32, cta: Int32):
-        """Pass 3: recount this chunk per warp, add the chunk's first slots, fill, scatter."""
+    def _multi(self, op: _Operands, sh: _Shared, e: Int32, cta: Int32, barrier, tid: Int32):
+        """One CTA per chunk: count the chunk per warp and publish its counts; after the grid barrier,
+        this chunk's first slots from every chunk's counts, the starts, fill its share, scatter."""
         self._zero_hist(sh.hist)
         cute.arch.sync_threads()
         self._walk(op, sh.hist, cta, False)
         cute.arch.sync_threads()
-        ends, fills = sh.ends, sh.fills
-        if e < op.num_experts:
-            first = Int32(0)  # the expert's first slot
-            if e > Int32(0):
-                first = op.ws[op.ends_at + e - Int32(1)]
-            self._warp_counts_to_cursors(sh.hist, e, first + op.ws[cta * op.num_experts + e])
-            ends[e] = op.ws[op.ends_at + e]
-            fills[e] = op.ws[op.ends_at + op.num_experts + e]
+        chunk_total = self._warp_counts_to_cursors(sh.hist, e, Int32(0))  # per-warp cursors within the chunk
+        ws, experts, chunk_at = op.ws, op.num_experts, op.counts_at(cta) + e
+        if e < experts:
+            ws[chunk_at] = chunk_total
+        grid_barrier(barrier, tid, op.num_chunks)
+        before, total = self._chunk_counts(op, e, cta)
+        start = self._publish_expert(op, sh, e, total)
+        hist, count, ends = sh.hist, op.count, sh.ends
+        first = start + before  # this chunk's first slot of expert e
+        if e < experts:
+            for w in cutlass.range_constexpr(WARPS):
+                hist[w * MAX_EXPERTS + e] = hist[w * MAX_EXPERTS + e] + first
+        if cta == Int32(0) and e == experts - Int32(1):
+            count[0] = ends[e]
         cute.arch.sync_threads()
         self._fill(op, sh, cta, op.num_chunks)
         self._walk(op, sh.hist, cta, True)

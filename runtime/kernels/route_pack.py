@@ -34,13 +34,17 @@ first, so the output is bitwise reproducible (CUDA-graph replay equals eager).
 
 Kernels (all 512 threads; `threads` and `max_experts` are part of the key):
     single    one CTA does everything (routes <= SINGLE_CTA_MAX_ROUTES; decode).
-    count     multi-CTA pass 1: CTA c counts the routes of chunk c per expert into
-              workspace[c, e].
-    scan      pass 2, one CTA: turns the counts into each chunk's first slot per
-              expert, writes the expert ends and the packed count.
-    scatter   pass 3: CTA c writes chunk c's routes from its first slots, in order,
-              and fills block_expert_ids / the sentinels for its share of blocks.
+    multi     one launch of one CTA per chunk: CTA c counts the routes of chunk c per
+              expert into workspace counts[c, e]; every CTA meets at a grid barrier
+              (barrier words at the start of the workspace); then each CTA reads every
+              chunk's counts for its own first slot per expert, writes chunk c's routes
+              in order and fills its share of block_expert_ids / the sentinels.  (Until
+              2026-12-02 these were three launches, count / scan / scatter: ~11 us of
+              latency from 8192 routes up, docs/benchmarks.md.)
 The grids depend only on M * top_k: capture once per token count, replay freely.
+
+The multi-CTA workspace must be zero before its first launch (allocate it with
+`route_pack_workspace`); every launch leaves its barrier word at zero, so it stays usable.
 """
 
 from __future__ import annotations
@@ -64,19 +68,22 @@ MAX_EXPERTS = 512  # per-warp counts live in shared memory: WARPS x MAX_EXPERTS 
 # Shared memory of every route-pack kernel (one storage layout for all stages):
 # per-warp counts, expert ends, expert fill marks, per-warp scan sums.
 SMEM_BYTES = 4 * (WARPS * MAX_EXPERTS + 2 * MAX_EXPERTS + WARPS)
-# Above this many routes, the three-pass multi-CTA path.  The single stage holds all its
-# routes in registers (8 per thread); on the H200 it packs 4096 routes in ~9 us where
-# the three launches take ~10 us, and it is ~3.4 us for decode (8 routes).
-SINGLE_CTA_MAX_ROUTES = 4096
-MULTI_MIN_CHUNK = 2048  # routes per CTA on the multi-CTA path, at least ...
-MULTI_MAX_CHUNKS = 64  # ... and at most this many CTAs (the scan walks chunks serially)
+# Above this many routes, the multi-CTA stage.  The single stage holds up to 4096 routes in
+# registers (8 per thread).  Measured alone on the H200 (benchmarks/route_pack_stages.py, E = 128,
+# top-8, docs/benchmarks.md): single 6.3 / 7.3 / 8.3 / 10.9 us at 512 / 1024 / 2048 / 4096 routes,
+# multi with 512-route chunks 8.9 / 8.7 / 8.3 / 8.3 (2048-route chunks: 9.2-10.7).
+SINGLE_CTA_MAX_ROUTES = 2048
+MULTI_MIN_CHUNK = 512  # routes per CTA on the multi-CTA path (one step a warp), at least ...
+# ... and at most this many CTAs: all of them must be co-resident (they meet at a grid barrier;
+# one 512-thread CTA of SMEM_BYTES fits on every SM of every profile, the smallest has 48 SMs
+# and room for two each), and each reads every chunk's count of its expert in one round of loads.
+MULTI_MAX_CHUNKS = 64
+BARRIER_WORDS = 2  # the multi stage's grid barrier (arrival count, generation) opens its workspace
 
 
 class RouteStage(str, Enum):
     SINGLE = "single"
-    COUNT = "count"
-    SCAN = "scan"
-    SCATTER = "scatter"
+    MULTI = "multi"
 
 
 class IdsDType(str, Enum):
@@ -106,7 +113,7 @@ class RoutePackSpec(SpecKey):
     """
 
     FAMILY = "moe_route_pack"
-    VERSION = 1
+    VERSION = 2  # 2: one multi-CTA stage with a grid barrier instead of count / scan / scatter
     SIGNATURE = Signature(
         (
             ptr("topk_ids", Pointee.IDS, "(routes,) int32|int64 expert per route (flattened (M, top_k))", align=None),
@@ -115,8 +122,8 @@ class RoutePackSpec(SpecKey):
             ptr("packed_route_indices", Pointee.I32, "(capacity_slots,) int32 out", align=None),
             ptr("block_expert_ids", Pointee.I32, "(capacity_blocks,) int32 out", align=None),
             ptr("packed_route_count", Pointee.I32, "(1,) int32 out", align=None),
-            ptr("workspace", Pointee.I32, "(num_chunks + 2, num_experts) int32 scratch (multi-CTA stages)",
-                align=None),
+            ptr("workspace", Pointee.I32, "(2 + num_chunks * num_experts,) int32 scratch of the multi stage, "
+                "zero before its first launch", align=None),
             i32("routes", "M * top_k; also the sentinel"),
             i32("num_experts", "1 <= num_experts <= max_experts"),
             i32("has_expert_map", "0 or 1"),
@@ -124,31 +131,24 @@ class RoutePackSpec(SpecKey):
             i32("capacity_slots", "length of packed_route_indices"),
             i32("capacity_blocks", "length of block_expert_ids"),
             i32("chunk_routes", "routes per CTA (the single stage: routes)"),
-            i32("num_chunks", "CTAs of the count / scatter grids (1 for single)"),
+            i32("num_chunks", "CTAs of the multi stage's grid (1 for single)"),
         )
     )
     CONSTANT_FACTS = {"threads": THREADS, "max_experts": MAX_EXPERTS}
 
     stage: RouteStage
-    ids_dtype: Optional[IdsDType]  # None for the scan, which never reads topk_ids
+    ids_dtype: IdsDType
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage", RouteStage(self.stage))
-        if self.stage is RouteStage.SCAN:
-            if self.ids_dtype is not None:
-                raise BadInputError("the scan stage does not read topk_ids: ids_dtype must be None")
-        else:
-            if self.ids_dtype is None:
-                raise BadInputError(f"the {self.stage.value} stage needs ids_dtype (int32 or int64)")
-            object.__setattr__(self, "ids_dtype", IdsDType(self.ids_dtype))
+        if self.ids_dtype is None:
+            raise BadInputError(f"the {self.stage.value} stage needs ids_dtype (int32 or int64)")
+        object.__setattr__(self, "ids_dtype", IdsDType(self.ids_dtype))
 
 
 def route_pack_specs() -> list[RoutePackSpec]:
-    """Every route-pack kernel a bundle needs to serve any problem (7 kernels per arch)."""
-    specs = [RoutePackSpec(RouteStage.SCAN, None)]
-    for ids in IdsDType:
-        specs += [RoutePackSpec(stage, ids) for stage in (RouteStage.SINGLE, RouteStage.COUNT, RouteStage.SCATTER)]
-    return specs
+    """Every route-pack kernel a bundle needs to serve any problem (4 kernels per arch)."""
+    return [RoutePackSpec(stage, ids) for ids in IdsDType for stage in RouteStage]
 
 
 # -- planning (host arithmetic only) --------------------------------------------------
@@ -208,11 +208,17 @@ class RouteChunking:
 def route_pack_workspace_elements(routes: int, num_experts: int) -> int:
     """int32 elements of workspace `pack_routes` needs; 0 on the single-CTA path.
 
-    Layout: counts / first slots [num_chunks, num_experts], expert ends [num_experts],
-    expert fill marks (first padding slot) [num_experts].
+    Layout: the grid barrier's BARRIER_WORDS (arrival count, zero between launches; generation),
+    then each chunk's counts [num_chunks, num_experts].  The barrier words come first, so a
+    workspace sized for many routes serves fewer from its start.
     """
     chunking = RouteChunking.for_routes(routes)
-    return 0 if chunking.single else (chunking.num_chunks + 2) * num_experts
+    return 0 if chunking.single else BARRIER_WORDS + chunking.num_chunks * num_experts
+
+
+def route_pack_workspace(routes: int, num_experts: int, device) -> torch.Tensor:
+    """A zeroed workspace for up to `routes` routes (its barrier word must start at zero)."""
+    return torch.zeros(route_pack_workspace_elements(routes, num_experts), dtype=torch.int32, device=device)
 
 
 # -- argument checks -------------------------------------------------------------------
@@ -313,7 +319,7 @@ class _RoutePackPlan:
     def kernel(self, stage: RouteStage) -> LoadedKernel:
         found = self._kernels.get(stage)
         if found is None:
-            spec = RoutePackSpec(stage, None if stage is RouteStage.SCAN else self.ids_dtype)
+            spec = RoutePackSpec(stage, self.ids_dtype)
             found = self.bundle.kernel(spec.key())
             found.bind(RoutePackSpec.SIGNATURE)
             if tuple(found.block) != (THREADS, 1, 1):
@@ -344,12 +350,8 @@ class _RoutePackPlan:
             num_chunks=chunking.num_chunks,
         )
         stream = current_stream_handle(self.bundle.device_index)
-        if chunking.single:
-            self.kernel(RouteStage.SINGLE).launch(1, stream, **args)
-            return
-        self.kernel(RouteStage.COUNT).launch(chunking.num_chunks, stream, **args)
-        self.kernel(RouteStage.SCAN).launch(1, stream, **args)
-        self.kernel(RouteStage.SCATTER).launch(chunking.num_chunks, stream, **args)
+        stage = RouteStage.SINGLE if chunking.single else RouteStage.MULTI
+        self.kernel(stage).launch(chunking.num_chunks, stream, **args)
 
 
 class PreparedRoutePack:
@@ -378,15 +380,13 @@ class PreparedRoutePack:
             block_size=p.block_size, capacity_slots=packed.shape[0], capacity_blocks=block_ids.shape[0],
             chunk_routes=chunking.chunk_routes, num_chunks=chunking.num_chunks,
         )
-        stages = ((RouteStage.SINGLE, 1),) if chunking.single else (
-            (RouteStage.COUNT, chunking.num_chunks), (RouteStage.SCAN, 1), (RouteStage.SCATTER, chunking.num_chunks))
-        self._launches = tuple((plan.kernel(stage).prepare(("topk_ids",), **constants), grid) for stage, grid in stages)
+        stage = RouteStage.SINGLE if chunking.single else RouteStage.MULTI
+        self._launch = plan.kernel(stage).prepare(("topk_ids",), **constants)
+        self._grid = chunking.num_chunks
         self.outputs = (packed, block_ids, count)
 
     def __call__(self, topk_ids: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids = topk_ids.data_ptr()
-        for launch, grid in self._launches:
-            launch.launch(grid, stream, ids)
+        self._launch.launch(self._grid, stream, topk_ids.data_ptr())
         return self.outputs
 
 
@@ -396,7 +396,7 @@ def _new_outputs(p: _Problem, device: torch.device, packed, block_ids, count, wo
         new(p.capacity_slots) if packed is None else packed,
         new(p.capacity_blocks) if block_ids is None else block_ids,
         new(1) if count is None else count,
-        new(p.workspace) if workspace is None else workspace,
+        torch.zeros(p.workspace, dtype=torch.int32, device=device) if workspace is None else workspace,
     )
 
 
@@ -417,7 +417,8 @@ def pack_routes(
     Returns (packed_route_indices, block_expert_ids, packed_route_count), allocating the
     ones not given.  Output lengths: at least `max_packed_route_slots(M * top_k,
     block_size, num_experts)` slots and that / block_size blocks; `workspace` (int32) at
-    least `route_pack_workspace_elements(M * top_k, num_experts)`.  Launches on torch's
+    least `route_pack_workspace_elements(M * top_k, num_experts)`, zero before its first use
+    (`route_pack_workspace`; launches leave it reusable).  Launches on torch's
     current stream without any host sync; CUDA-graph capturable when every buffer is given.
     """
     p = _check_problem(topk_ids, num_experts, block_size, expert_map)

@@ -12,6 +12,7 @@ import torch
 from cuteaot.runtime import BadInputError, load_bundle, pack_routes
 from cuteaot.runtime.kernels.route_pack import (
     ALLOWED_BLOCK_SIZES,
+    BARRIER_WORDS,
     SINGLE_CTA_MAX_ROUTES,
     RouteChunking,
     route_pack_workspace_elements,
@@ -33,13 +34,20 @@ def _poisoned(n: int) -> torch.Tensor:
     return torch.full((n,), POISON, dtype=torch.int32, device="cuda")
 
 
+def _workspace(routes: int, num_experts: int) -> torch.Tensor:
+    """A poisoned multi-stage workspace but for its grid-barrier count, which starts at zero (its contract)."""
+    ws = _poisoned(route_pack_workspace_elements(routes, num_experts))
+    ws[:1] = 0
+    return ws
+
+
 def _buffers(routes: int, num_experts: int, b: int, extra_blocks: int = 0):
     slots = capacity_slots_reference(routes, b, num_experts) + extra_blocks * b
     return dict(
         packed_route_indices=_poisoned(slots),
         block_expert_ids=_poisoned(slots // b),
         packed_route_count=_poisoned(1),
-        workspace=_poisoned(route_pack_workspace_elements(routes, num_experts)),
+        workspace=_workspace(routes, num_experts),
     )
 
 
@@ -48,6 +56,8 @@ def _check(bundle, ids, num_experts, b, expert_map=None, extra_blocks=0, what=""
     outs = pack_routes(bundle, ids, num_experts, b, expert_map=expert_map, **bufs)
     assert outs[0] is bufs["packed_route_indices"] and outs[2] is bufs["packed_route_count"]
     torch.cuda.synchronize()
+    if bufs["workspace"].numel():  # the multi stage leaves its barrier count at zero: the next launch may reuse it
+        assert bufs["workspace"][0].item() == 0, "the grid barrier's count is not back at zero"
     ref = pack_routes_reference(
         ids.cpu(), num_experts, b, outs[0].numel(), outs[1].numel(), None if expert_map is None else expert_map.cpu()
     )
@@ -135,7 +145,7 @@ def test_spare_capacity_is_filled_and_nothing_outside_is_written(bundle):
         slots = capacity_slots_reference(routes, b, 128)
         guard = 64
         big_p, big_b = _poisoned(slots + 2 * guard), _poisoned(slots // b + 2 * guard)
-        big_c, ws = _poisoned(1 + 2 * guard), _poisoned(route_pack_workspace_elements(routes, 128))
+        big_c, ws = _poisoned(1 + 2 * guard), _workspace(routes, 128)
         pack_routes(bundle, ids, 128, b, packed_route_indices=big_p[guard:-guard],
                     block_expert_ids=big_b[guard:-guard], packed_route_count=big_c[guard:-guard], workspace=ws)
         torch.cuda.synchronize()
@@ -167,8 +177,8 @@ def test_cuda_graph_replay_equals_eager(bundle, tokens):
         pack_routes(bundle, ids, num_experts, b, expert_map=expert_map, **bufs)
     for trial in range(3):
         ids.copy_(_random_ids(tokens, 8, num_experts, gen, skew=trial == 1))
-        for t in bufs.values():
-            t.fill_(POISON)
+        for name, t in bufs.items():  # (the workspace's barrier count stays zero: its contract)
+            (t[1:] if name == "workspace" else t).fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
         eager = _buffers(ids.numel(), num_experts, b)

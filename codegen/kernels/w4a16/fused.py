@@ -7,11 +7,7 @@ dynamic shared-memory arena and the split-K scratch); between phases every CTA
 meets at a grid barrier, so each phase sees all of the previous one's writes.
 Phases, shapes and buffers: runtime/kernels/w4a16/fused_spec.py.
 
-Grid barrier (sense reversal on two words at the start of `locks`): after the
-CTA's own writes (bar.sync), thread 0 fences, reads the current sense, and adds
-one to the arrival count.  The last arriver resets the count and bumps the sense
-with a release; the others spin on an acquire load until the sense changes.
-The count is back at zero after every barrier, so the workspace stays clean.
+Grid barrier: `common.grid_barrier` on the two words at the start of `locks`.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..activation import ActivationKernel
-from ..common import after_prior_grids
+from ..common import after_prior_grids, grid_barrier
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
@@ -92,43 +88,24 @@ class W4A16FusedMoeKernel:
             self._zero(I.gmem_address(fc2_out), tokens * Int32(s.hidden_size // 8), first, stride)
 
         self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens)
-        self._grid_barrier(barrier, tid, grid_x)
+        grid_barrier(barrier, tid, grid_x)
         if cutlass.const_expr(not activates):
             v = Int64(first)
             total = Int64(routes) * Int64(s.intermediate_size // VECTOR)
             while v < total:
                 self.act.apply_vector(fc1_out, activated, v)
                 v += Int64(stride)
-            self._grid_barrier(barrier, tid, grid_x)
+            grid_barrier(barrier, tid, grid_x)
         if cutlass.const_expr(s.expert_map):
             # rows of remote experts' routes are never written by FC2: zero them all first
             # (fc2_out may alias fc1_out, so only after the activation pass has read it)
             self._zero(I.gmem_address(fc2_out), routes * Int32(s.hidden_size // 8), first, stride)
-            self._grid_barrier(barrier, tid, grid_x)
+            grid_barrier(barrier, tid, grid_x)
         if cutlass.const_expr(s.collect_amax):
             self._collect_amax(a, activated, routing, I.gmem_address(amax), layer, smem, tid, cta, grid_x, routes)
         self.fc2._persistent(fc2_ops, smem, tid, cta, grid_x, routes)
 
     # ------------------------------------------------------------------ grid-wide passes
-
-    @cute.jit
-    def _grid_barrier(self, barrier: Int64, tid: Int32, grid_x: Int32):
-        cute.arch.sync_threads()
-        if tid == Int32(0):
-            count = barrier
-            sense_addr = barrier + Int64(4)
-            I.membar_gpu()  # this CTA's writes (ordered before thread 0 by bar.sync) become visible first
-            old_sense = I.ld_global_acquire_i32(sense_addr)
-            arrived = I.atom_add_i32(count, Int32(1))
-            if arrived == grid_x - Int32(1):
-                I.st_global_i32(count, Int32(0))
-                I.membar_gpu()
-                I.red_add_release_i32(sense_addr, Int32(1))
-            else:
-                sense = old_sense
-                while sense == old_sense:
-                    sense = I.ld_global_acquire_i32(sense_addr)
-        cute.arch.sync_threads()
 
     @cute.jit
     def _zero(self, base: Int64, chunks: Int32, first: Int32, stride: Int32):

@@ -64,7 +64,7 @@ class GemmWorkspace:
             route_indices=torch.empty(size(sizes["route_slots"], "route_indices"), **i32),
             block_experts=torch.empty(size(sizes["route_blocks"], "block_experts"), **i32),
             route_count=torch.zeros(1, **i32),
-            route_pack=torch.empty(size(route_pack_workspace_elements(routes, num_experts), "route_pack"), **i32),
+            route_pack=torch.zeros(size(route_pack_workspace_elements(routes, num_experts), "route_pack"), **i32),
         )
 
     @classmethod
