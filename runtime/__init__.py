@@ -3,7 +3,7 @@
 Zero JIT: nothing in this package imports CuTeDSL, Triton, NVRTC or nvcc.
 """
 
-from .bundle import Bundle, load_bundle
+from .bundle import Bundle, load_bundle, set_programmatic_launch
 from .checkpoint import CheckpointError, CheckpointFiles, CheckpointLayout, load_moe_layer, load_moe_layers
 from .devices import PROFILES, DeviceProfile
 from .errors import (
@@ -41,6 +41,7 @@ from .weights import (
 __all__ = [
     "Bundle",
     "load_bundle",
+    "set_programmatic_launch",
     "verify_bundle",
     "moe_activation",
     "moe_topk_sum",

@@ -43,8 +43,9 @@ Kernels (all 512 threads; `threads` and `max_experts` are part of the key):
               latency from 8192 routes up, docs/benchmarks.md.)
 The grids depend only on M * top_k: capture once per token count, replay freely.
 
-The multi-CTA workspace must be zero before its first launch (allocate it with
-`route_pack_workspace`); every launch leaves its barrier word at zero, so it stays usable.
+The multi stage's barrier count (the workspace's first word) must be zero at launch: every launch
+leaves it so, `route_pack_workspace` and the layer's workspaces allocate it zeroed, and `pack_routes`
+zeroes it in a workspace the caller passes.
 """
 
 from __future__ import annotations
@@ -417,8 +418,8 @@ def pack_routes(
     Returns (packed_route_indices, block_expert_ids, packed_route_count), allocating the
     ones not given.  Output lengths: at least `max_packed_route_slots(M * top_k,
     block_size, num_experts)` slots and that / block_size blocks; `workspace` (int32) at
-    least `route_pack_workspace_elements(M * top_k, num_experts)`, zero before its first use
-    (`route_pack_workspace`; launches leave it reusable).  Launches on torch's
+    least `route_pack_workspace_elements(M * top_k, num_experts)` (its barrier count is zeroed here
+    before the multi stage runs).  Launches on torch's
     current stream without any host sync; CUDA-graph capturable when every buffer is given.
     """
     p = _check_problem(topk_ids, num_experts, block_size, expert_map)
@@ -434,6 +435,10 @@ def pack_routes(
                                       bundle.id)
         return packed, block_ids, count
     _check_outputs(p, packed, block_ids, count, ws)
+    if workspace is not None and p.workspace:
+        # a caller's workspace: whatever it holds, the multi stage's barrier count must start at zero (one
+        # small fill; MoeLayer's PreparedRoutePack runs on its own workspace, zeroed when it was allocated)
+        workspace[:1].zero_()
     cache_key = ("moe_route_pack", topk_ids.dtype)
     plan = bundle.plans.route_pack.get(cache_key, lambda: _RoutePackPlan(bundle, IdsDType.from_torch(topk_ids.dtype)))
     plan(p, topk_ids, expert_map, packed, block_ids, count, ws)

@@ -12,7 +12,6 @@ import torch
 from cuteaot.runtime import BadInputError, load_bundle, pack_routes
 from cuteaot.runtime.kernels.route_pack import (
     ALLOWED_BLOCK_SIZES,
-    BARRIER_WORDS,
     SINGLE_CTA_MAX_ROUTES,
     RouteChunking,
     route_pack_workspace_elements,
@@ -35,10 +34,8 @@ def _poisoned(n: int) -> torch.Tensor:
 
 
 def _workspace(routes: int, num_experts: int) -> torch.Tensor:
-    """A poisoned multi-stage workspace but for its grid-barrier count, which starts at zero (its contract)."""
-    ws = _poisoned(route_pack_workspace_elements(routes, num_experts))
-    ws[:1] = 0
-    return ws
+    """A poisoned workspace, barrier count included: pack_routes zeroes that itself."""
+    return _poisoned(route_pack_workspace_elements(routes, num_experts))
 
 
 def _buffers(routes: int, num_experts: int, b: int, extra_blocks: int = 0):
@@ -177,8 +174,8 @@ def test_cuda_graph_replay_equals_eager(bundle, tokens):
         pack_routes(bundle, ids, num_experts, b, expert_map=expert_map, **bufs)
     for trial in range(3):
         ids.copy_(_random_ids(tokens, 8, num_experts, gen, skew=trial == 1))
-        for name, t in bufs.items():  # (the workspace's barrier count stays zero: its contract)
-            (t[1:] if name == "workspace" else t).fill_(POISON)
+        for name, t in bufs.items():  # the workspace too: the captured pack_routes zeroes its barrier count
+            t.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
         eager = _buffers(ids.numel(), num_experts, b)
