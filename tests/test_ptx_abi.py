@@ -155,7 +155,7 @@ def test_declaration_swapped_against_a_real_kernel_fails_the_build(monkeypatch):
 def _one_spec_per_compile_target():
     return [
         ActivationSpec.create("silu", "bf16", 128), TopKSumSpec("bf16", 4, 512), TopKSumSpec("fp16", 4, 512, "int32"),
-        RoutePackSpec("scan", None), RoutePackSpec("count", "int64"), ProbeSpec("mma_bf16"),
+        RoutePackSpec("single", "int32"), RoutePackSpec("multi", "int64"), ProbeSpec("mma_bf16"),
         GemmSpec("fp16", 512, 256, 1, 128, 128, 16, 2), GemmSpec("bf16", 512, 512, 4, 256, 64, 64, 1, mainloop="wgmma"),
         FusedSpec("bf16", 512, 256, 4, "silu", 128, 128, 128, 128, 8, 1, decode=True),
     ]
