@@ -16,6 +16,7 @@ from cuteaot.runtime.kernels.route_pack import (
     BARRIER_WORDS,
     MAX_EXPERTS,
     MULTI_MAX_CHUNKS,
+    MULTI_MAX_CTAS,
     SINGLE_CTA_MAX_ROUTES,
     SMEM_BYTES,
     RouteChunking,
@@ -139,9 +140,19 @@ def test_chunking_covers_the_routes(routes):
     if c.single:
         assert c.num_chunks == 1 and route_pack_workspace_elements(routes, 64) == 0
     else:
-        assert c.chunk_routes % 512 == 0 and 1 <= c.num_chunks <= MULTI_MAX_CHUNKS
+        assert c.chunk_routes % 512 == 0 and 1 <= c.num_chunks <= MULTI_MAX_CTAS <= MULTI_MAX_CHUNKS
         assert (c.num_chunks - 1) * c.chunk_routes < routes <= c.num_chunks * c.chunk_routes
         assert route_pack_workspace_elements(routes, 64) == BARRIER_WORDS + c.num_chunks * 64
+
+
+def test_the_multi_stage_grid_fits_one_cta_per_sm_on_every_profile():
+    """The multi stage's CTAs meet at a grid barrier: all must be resident at once.  Its 512-thread CTA
+    holds one SM's registers (86 a thread on sm_90a), so the planner's cap must not exceed any profile's
+    SM count, or packing would hang there (GB10: 48 SMs)."""
+    from cuteaot.runtime.devices import PROFILES
+
+    assert MULTI_MAX_CTAS <= min(p.sm_count for p in PROFILES.values())
+    assert RouteChunking.for_routes(2**24).num_chunks == MULTI_MAX_CTAS
 
 
 # -- validation (raised before any launch: a CPU stand-in for the bundle suffices) ---------

@@ -75,10 +75,14 @@ SMEM_BYTES = 4 * (WARPS * MAX_EXPERTS + 2 * MAX_EXPERTS + WARPS)
 # multi with 512-route chunks 8.9 / 8.7 / 8.3 / 8.3 (2048-route chunks: 9.2-10.7).
 SINGLE_CTA_MAX_ROUTES = 2048
 MULTI_MIN_CHUNK = 512  # routes per CTA on the multi-CTA path (one step a warp), at least ...
-# ... and at most this many CTAs: all of them must be co-resident (they meet at a grid barrier;
-# one 512-thread CTA of SMEM_BYTES fits on every SM of every profile, the smallest has 48 SMs
-# and room for two each), and each reads every chunk's count of its expert in one round of loads.
+# ... and at most this many CTAs.  They meet at a grid barrier, so all must be co-resident: at 86
+# registers a 512-thread CTA takes most of an SM's register file (one CTA an SM), and the smallest
+# profile (GB10) has 48 SMs (tests/test_route_pack.py checks the cap against every profile).
+MULTI_MAX_CTAS = 32
+# The most chunks the multi stage's kernel reads the counts of (one round of predicated loads); the
+# planner never exceeds MULTI_MAX_CTAS.
 MULTI_MAX_CHUNKS = 64
+assert MULTI_MAX_CTAS <= MULTI_MAX_CHUNKS
 BARRIER_WORDS = 2  # the multi stage's grid barrier (arrival count, generation) opens its workspace
 
 
@@ -201,7 +205,7 @@ class RouteChunking:
     def for_routes(cls, routes: int) -> "RouteChunking":
         if routes <= SINGLE_CTA_MAX_ROUTES:
             return cls(True, routes, 1)
-        chunk = max(MULTI_MIN_CHUNK, -(-routes // MULTI_MAX_CHUNKS))
+        chunk = max(MULTI_MIN_CHUNK, -(-routes // MULTI_MAX_CTAS))
         chunk = -(-chunk // THREADS) * THREADS  # whole warp iterations
         return cls(False, chunk, -(-routes // chunk))
 
