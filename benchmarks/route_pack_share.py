@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                         packed_route_count=torch.empty(1, dtype=torch.int32, device="cuda"),
                         workspace=route_pack_workspace(routes, e, "cuda"))
             out = torch.empty_like(x)
-            us = timer.us({"layer": lambda: layer(x, w, ids, out=out),
+            us = timer.us({"layer": lambda layer=layer: layer(x, w, ids, out=out),
                            "pack": lambda: pack_routes(bundle, ids, e, block, **bufs)}, args.rounds)
             chunking = RouteChunking.for_routes(routes)
             stage = "single" if chunking.single else f"multi x{chunking.num_chunks}"

@@ -314,3 +314,29 @@ def test_prepared_route_pack_launches_what_pack_routes_launches(monkeypatch, tok
         for name, a, b in zip(names, got, want):
             unread = (name == "workspace" and single) or (name == "expert_map" and not expert_map)
             assert a == b or unread, name
+
+
+def test_a_callers_workspace_gets_its_barrier_count_zeroed_and_cuteaots_own_does_not(monkeypatch):
+    """The multi stage's grid barrier needs its count word at zero.  pack_routes zeroes it in a workspace the
+    caller passes (whatever it held); the GEMM's own GemmWorkspace, zeroed when allocated and left at zero by
+    every launch, is packed into without that extra fill; the single stage reads no workspace."""
+    import cuteaot.runtime.kernels.route_pack as rp
+    from tests.stub_bundle import RecordingKernel
+
+    issued: list = []
+    bundle = SimpleNamespace(device=torch.device("cpu"), device_index=None, plans=BundlePlans(),
+                             kernel=lambda key: RecordingKernel(issued, key.facts["stage"]))
+    monkeypatch.setattr(rp, "current_stream_handle", lambda index: 0)
+    e, block = 64, 16
+    for tokens, stage in ((1000, "multi"), (7, "single")):
+        ids = (torch.arange(tokens * 8, dtype=torch.int32) % e).view(tokens, 8)
+        slots = max_packed_route_slots(ids.numel(), block, e)
+        for own in (False, True):
+            ws = torch.full((max(route_pack_workspace_elements(ids.numel(), e), 1),), -7, dtype=torch.int32)
+            issued[:] = []
+            rp._pack_routes(bundle, ids, e, block, None, torch.empty(slots, dtype=torch.int32),
+                            torch.empty(slots // block, dtype=torch.int32), torch.empty(1, dtype=torch.int32), ws,
+                            own_workspace=own)
+            assert [s for s, _, _ in issued] == [stage]
+            zeroed = stage == "multi" and not own
+            assert ws[0].item() == (0 if zeroed else -7) and (ws[1:] == -7).all(), (stage, own)

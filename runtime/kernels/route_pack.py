@@ -426,6 +426,14 @@ def pack_routes(
     before the multi stage runs).  Launches on torch's
     current stream without any host sync; CUDA-graph capturable when every buffer is given.
     """
+    return _pack_routes(bundle, topk_ids, num_experts, block_size, expert_map, packed_route_indices,
+                        block_expert_ids, packed_route_count, workspace, own_workspace=False)
+
+
+def _pack_routes(bundle: Bundle, topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map,
+                 packed_route_indices, block_expert_ids, packed_route_count, workspace, *, own_workspace: bool):
+    """pack_routes; `own_workspace`: `workspace` is one of cuteaot's (GemmWorkspace.route_pack), zeroed when
+    allocated and only ever written by route packing, so its barrier count is already zero."""
     p = _check_problem(topk_ids, num_experts, block_size, expert_map)
     device = bundle.device
     _check_devices(device, {"topk_ids": topk_ids, "expert_map": expert_map, "packed_route_indices":
@@ -439,9 +447,9 @@ def pack_routes(
                                       bundle.id)
         return packed, block_ids, count
     _check_outputs(p, packed, block_ids, count, ws)
-    if workspace is not None and p.workspace:
+    if workspace is not None and p.workspace and not own_workspace:
         # a caller's workspace: whatever it holds, the multi stage's barrier count must start at zero (one
-        # small fill; MoeLayer's PreparedRoutePack runs on its own workspace, zeroed when it was allocated)
+        # small fill; cuteaot's own workspaces were zeroed when allocated and every launch leaves it so)
         workspace[:1].zero_()
     cache_key = ("moe_route_pack", topk_ids.dtype)
     plan = bundle.plans.route_pack.get(cache_key, lambda: _RoutePackPlan(bundle, IdsDType.from_torch(topk_ids.dtype)))

@@ -32,14 +32,15 @@ from ...errors import BadInputError, BundleError, LaunchError
 from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
 from ...tensors import INT32_MAX, check_rank, check_tensor
 from ...weights import PackedNvfp4
-from ..route_pack import direct_route_ids, max_packed_route_slots, pack_routes, route_pack_workspace_elements
+from ..route_pack import _pack_routes, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements
 
 
 @dataclass
 class GemmWorkspace:
     """Buffers one GEMM launch needs; allocate once (e.g. for the largest M) to capture CUDA graphs.
 
-    `locks` must be zero before the first launch; every launch leaves it zero.
+    `locks` and the first word of `route_pack` (the multi-CTA route packing's grid-barrier count) must be zero
+    before the first launch (`allocate` zeroes them); every launch leaves them zero.
     """
 
     c_tmp: torch.Tensor  # float32 split-K partials
@@ -145,10 +146,9 @@ def _routes(bundle: Bundle, launch: Launch, topk_ids: torch.Tensor, num_experts:
     else:
         block = launch.route_block
         slots = max_packed_route_slots(topk_ids.numel(), block, num_experts)  # what this M can fill
-        indices, block_experts, count = pack_routes(
-            bundle, topk_ids, num_experts, block,
-            packed_route_indices=workspace.route_indices[:slots], block_expert_ids=workspace.block_experts[: slots // block],
-            packed_route_count=workspace.route_count, workspace=workspace.route_pack,
+        indices, block_experts, count = _pack_routes(  # the GemmWorkspace's own route-pack scratch: no zeroing
+            bundle, topk_ids, num_experts, block, None, workspace.route_indices[:slots],
+            workspace.block_experts[: slots // block], workspace.route_count, workspace.route_pack, own_workspace=True,
         )
     return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, launch.route_block, indices,
                       block_experts, count)
