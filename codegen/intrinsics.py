@@ -159,39 +159,41 @@ def dequant_e2m1x8_f16(x: Uint32, *, loc=None, ip=None):
     return _dequant_e2m1x8(DType.FP16, x, loc, ip)
 
 
-def _s0e5m3_pair_ptx(byte: int, dtype: DType) -> str:
-    # prmt selector nibbles (pos 0..3): byte `byte` of $1 into position 0, byte 0 of the zero
-    # register (index 4) elsewhere; then one multiply-add copies it onto both halves (a multiplier
-    # that is not a power of two keeps ptxas on IMAD, off the integer ALU pipe the weight decode fills)
-    spread, offset = (0x00100010, 0x40004000) if dtype is DType.BF16 else (0x00800080, 0)
-    return ("{\n .reg .b32 t, z, c;\n mov.b32 z, 0;\n"
-            f" prmt.b32 t, $1, z, {0x4440 | byte:#06x};\n mov.b32 c, {offset:#010x};\n"
-            f" mad.lo.u32 $0, t, {spread:#010x}, c;\n}}")
+def _s0e5m3_halves_ptx(byte: int, dtype: DType) -> str:
+    # prmt selector nibbles (pos 0..3): bytes `byte` and `byte + 2` of $1 into positions 0 and 2,
+    # bytes 1 and 3 of the constant c (index 5, 7) into positions 1 and 3; c holds the exponent bit
+    # that the shift then carries to bit 14 / 30 (bf16) or nothing (fp16).  The shift is a plain left
+    # shift, which ptxas issues as IMAD.SHL, off the integer ALU pipe the weight decode fills.
+    shift, high = (4, 0x04000400) if dtype is DType.BF16 else (7, 0)
+    return ("{\n .reg .b32 t, c;\n"
+            f" mov.b32 c, {high:#010x};\n prmt.b32 t, $1, c, {0x7250 | byte * 0x0101:#06x};\n"
+            f" shl.b32 $0, t, {shift};\n}}")
 
 
 @dsl_user_op
-def scale_pair_s0e5m3_bf16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
-    """S0E5M3 scale byte `byte` (0..3) of q -> (s, s) as bf16x2 holding s * 2**23, exact for every byte
-    a prepared e4m3 scale produces (exponent field >= 1).
+def scale_halves_s0e5m3_bf16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
+    """S0E5M3 scale bytes `byte` and `byte + 2` (byte 0 or 1) of q -> (s_byte, s_byte+2) as bf16x2, each
+    holding s * 2**23, exact for every byte a prepared e4m3 scale produces (exponent field >= 1).
 
     A prepared byte is v = s * 2**7 with 5 exponent bits e (bias 15) and 3 mantissa bits and no
     sign.  Putting it on bf16 bits 11..4 and setting bit 14 gives bf16 exponent e + 128, mantissa
-    m: 2**(e + 1) * (1 + m / 8) = v * 2**16.  One prmt (isolate the byte) and one multiply-add
-    (onto both halves, plus the exponent bit), the latter off the integer ALU pipe:
-        t = prmt(q, 0, 0x4440 | byte)                  # 0x000000bb
-        pair = t * 0x00100010 + 0x40004000
+    m: 2**(e + 1) * (1 + m / 8) = v * 2**16.  Two scales for one prmt and one left shift:
+        t = prmt(q, 0x04000400, 0x7250 | byte * 0x0101)  # 0x04bb04aa
+        halves = t << 4
+    A weight word's two column blocks take one half each (`bf16x2_mul_half`: ptxas reads the half
+    through the multiply's operand selector, .H0_H0 / .H1_H1, so the broadcast costs nothing).
     An exponent-0 byte (v < 2**-14, never produced: e4m3 scales are >= 2**-9) reads as the normal
     2**1 * (1 + m / 8) instead of its subnormal value.
     """
-    return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_pair_ptx(int(byte), DType.BF16), "=r,r",
+    return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_halves_ptx(int(byte), DType.BF16), "=r,r",
                      effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op
-def scale_pair_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
-    """S0E5M3 scale byte `byte` (0..3) of q -> (s, s) as half2 holding s * 2**7 (exact for every byte:
-    S0E5M3 is fp16 without the sign and the low 7 mantissa bits): prmt, then t * 0x00800080."""
-    return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_pair_ptx(int(byte), DType.FP16), "=r,r",
+def scale_halves_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint32:
+    """As `scale_halves_s0e5m3_bf16` for half2: each half holds s * 2**7 (exact for every byte: S0E5M3 is
+    fp16 without the sign and the low 7 mantissa bits): prmt with zeros, then t << 7."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(q)], loc, ip), _s0e5m3_halves_ptx(int(byte), DType.FP16), "=r,r",
                      effects=False, loc=loc, ip=ip))
 
 
@@ -436,6 +438,27 @@ def f16x2_mul(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Element-wise half2 product (round to nearest)."""
     return _u32(_asm(1, T.i32, _ir([Uint32(a), Uint32(b)], loc, ip), "mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
                      effects=False, loc=loc, ip=ip))
+
+
+def _mul_half_ptx(kind: str, half: int) -> str:
+    h = "{l, l}" if half == 0 else "{h, h}"
+    return ("{\n .reg .b16 l, h;\n .reg .b32 b;\n mov.b32 {l, h}, $2;\n"
+            f" mov.b32 b, {h};\n mul.rn.{kind} $0, $1, b;\n}}")
+
+
+@dsl_user_op
+def bf16x2_mul_half(a: Uint32, s: Uint32, half: int, *, loc=None, ip=None) -> Uint32:
+    """a * (s.lo, s.lo) for half 0, a * (s.hi, s.hi) for half 1, bf16x2, round to nearest: one HMUL2
+    (ptxas folds the broadcast into the operand selector .H0_H0 / .H1_H1)."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(a), Uint32(s)], loc, ip), _mul_half_ptx("bf16x2", int(half)),
+                     "=r,r,r", effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f16x2_mul_half(a: Uint32, s: Uint32, half: int, *, loc=None, ip=None) -> Uint32:
+    """As `bf16x2_mul_half` for half2."""
+    return _u32(_asm(1, T.i32, _ir([Uint32(a), Uint32(s)], loc, ip), _mul_half_ptx("f16x2", int(half)),
+                     "=r,r,r", effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

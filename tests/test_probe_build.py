@@ -18,8 +18,8 @@ PROBES_SPEC = ROOT / "specs" / "probes.yaml"
 
 # The instruction each probe exists to test (PTX mnemonic prefix).
 INSTRUCTION = {
-    Probe.E2M1_BF16: "shr.b32", Probe.E2M1_F16: "shl.b32", Probe.S0E5M3_BF16: "mad.lo.u32",
-    Probe.S0E5M3_F16: "mad.lo.u32", Probe.E8M0_BF16: "min.u16x2", Probe.E8M0_F16: "max.u16x2",
+    Probe.E2M1_BF16: "shr.b32", Probe.E2M1_F16: "shl.b32", Probe.S0E5M3_BF16: "mul.rn.bf16x2",
+    Probe.S0E5M3_F16: "mul.rn.f16x2", Probe.E8M0_BF16: "min.u16x2", Probe.E8M0_F16: "max.u16x2",
     Probe.NF3_BF16: "prmt.b32", Probe.E2M1_CODES_BF16: "shl.b32", Probe.E2M1_CODES_F16: "shr.b32",
     Probe.E4M3_PAIR_BF16: "mul.rn.bf16x2", Probe.E4M3_PAIR_F16: "cvt.rn.f16x2.e4m3x2",
     Probe.MMA_BF16: "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",

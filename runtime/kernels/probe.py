@@ -101,8 +101,12 @@ _T, _W = ProbeUnit.THREAD, ProbeUnit.WARP
 LAYOUTS: dict[Probe, ProbeLayout] = {
     Probe.E2M1_BF16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs R0..R3 of dequant_e2m1x8_bf16"),
     Probe.E2M1_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = the four pairs R0..R3 of dequant_e2m1x8_f16"),
-    Probe.S0E5M3_BF16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = scale_pair_s0e5m3_bf16(x, byte), byte = 0..3"),
-    Probe.S0E5M3_F16: ProbeLayout(_T, 1, 4, "src[i] = x (u32); dst = scale_pair_s0e5m3_f16(x, byte), byte = 0..3"),
+    Probe.S0E5M3_BF16: ProbeLayout(_T, 1, 4, (
+        "src[i] = x (u32); dst = (s, s) of byte 0..3: bf16x2_mul_half(1.0, scale_halves_s0e5m3_bf16(x, byte % 2), "
+        "byte // 2)")),
+    Probe.S0E5M3_F16: ProbeLayout(_T, 1, 4, (
+        "src[i] = x (u32); dst = (s, s) of byte 0..3: f16x2_mul_half(1.0, scale_halves_s0e5m3_f16(x, byte % 2), "
+        "byte // 2)")),
     Probe.E8M0_BF16: ProbeLayout(_T, 1, 2, _DECODE + " (dequant_e8m0x4_bf16)"),
     Probe.E8M0_F16: ProbeLayout(_T, 1, 2, _DECODE + " (dequant_e8m0x4_f16)"),
     Probe.NF3_BF16: ProbeLayout(

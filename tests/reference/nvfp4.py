@@ -95,7 +95,7 @@ def _e2m1x8(x: torch.Tensor, dtype: str):
 
 
 def _scale_byte(q: torch.Tensor, byte: int, dtype: str) -> torch.Tensor:
-    """The kernel's scale decode (scale_pair_s0e5m3_*) of byte `byte` of q, as float32: the byte
+    """The kernel's scale decode (scale_halves_s0e5m3_*) of byte `byte` of q, as float32: the byte
     on bits 11..4 with bit 14 set (bf16, s * 2**23) or on bits 14..7 (fp16, s * 2**7)."""
     code = (q >> (8 * byte)) & 0xFF
     bits = (code << 4) | 0x4000 if dtype == "bf16" else code << 7

@@ -39,11 +39,12 @@ class MainloopMixin:
         return I.dequant_e2m1x8_bf16(x)
 
     @cute.jit
-    def _scale_pair(self, p: Uint32, byte: cutlass.Constexpr[int]) -> Uint32:
-        """(s, s) of scale byte `byte` of the raw scale word p (docs/layouts.md, "scales")."""
+    def _scale_halves(self, p: Uint32, byte: cutlass.Constexpr[int]) -> Uint32:
+        """(s_byte, s_byte+2) of the raw scale word p, byte 0 or 1: the scales of one weight word's two
+        column blocks (docs/layouts.md, "scales")."""
         if cutlass.const_expr(self.is_fp16):
-            return I.scale_pair_s0e5m3_f16(p, byte)
-        return I.scale_pair_s0e5m3_bf16(p, byte)
+            return I.scale_halves_s0e5m3_f16(p, byte)
+        return I.scale_halves_s0e5m3_bf16(p, byte)
 
     @cute.jit
     def _dequant_codes(self, x: Uint32):
@@ -72,6 +73,13 @@ class MainloopMixin:
         if cutlass.const_expr(self.is_fp16):
             return I.f16x2_mul(a, b)
         return I.bf16x2_mul(a, b)
+
+    @cute.jit
+    def _half_mul(self, a: Uint32, s: Uint32, half: cutlass.Constexpr[int]) -> Uint32:
+        """a times (s.lo, s.lo) (half 0) or (s.hi, s.hi) (half 1)."""
+        if cutlass.const_expr(self.is_fp16):
+            return I.f16x2_mul_half(a, s, half)
+        return I.bf16x2_mul_half(a, s, half)
 
     @cute.jit
     def _mma(self, d0, d1, d2, d3, a0, a1, a2, a3, b0, b1):
@@ -383,24 +391,25 @@ class MainloopMixin:
                 self._load_a_regs(a_next, t, (pipe + 1) % self.s.stages, 0)
 
     @cute.jit
-    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, s_c0: Uint32, s_c1: Uint32):
-        """One packed word -> b0/b1 fragments of two 8-column blocks, times their scale pairs.
+    def _scaled_weight_fragment(self, frag: cute.Tensor, q: Uint32, scales: Uint32):
+        """One packed word -> b0/b1 fragments of two 8-column blocks, times their scales (the low /
+        high half of `scales`, from `_scale_halves`).
 
         frag[0, *] is column block c0, frag[1, *] block c1 = c0 + 8.  frag[x, 0] holds
         k = 2t, 2t+1 and frag[x, 1] k = 2t+8, 2t+9 (docs/layouts.md).
         """
         c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(q)
-        frag[0, 0] = self._pair_mul(c0_b0, s_c0)
-        frag[0, 1] = self._pair_mul(c0_b1, s_c0)
-        frag[1, 0] = self._pair_mul(c1_b0, s_c1)
-        frag[1, 1] = self._pair_mul(c1_b1, s_c1)
+        frag[0, 0] = self._half_mul(c0_b0, scales, 0)
+        frag[0, 1] = self._half_mul(c0_b1, scales, 0)
+        frag[1, 0] = self._half_mul(c1_b0, scales, 1)
+        frag[1, 1] = self._half_mul(c1_b1, scales, 1)
 
     @cute.jit
     def _mma_row(self, t, acc: cute.Tensor, a_regs: cute.Tensor, bs: cute.Tensor, frag: cute.Tensor,
                  pairs: cute.Tensor, kk: cutlass.Constexpr[int]):
         """The MMAs of 16-k row kk: word jj's weights scaled by bytes jj % 2 (column block c0) and
         jj % 2 + 2 (c1) of raw scale word jj // 2 (SCALE_BYTE_ORDER).  NF3: the two rows of a 32-k
-        row share one scale row, so row 0 decodes the eight scale pairs into `pairs` and row 1
+        row share one scale row, so row 0 decodes its four scale-half words into `pairs` and row 1
         reuses them; the fourth decode word is gathered from the other three."""
         if cutlass.const_expr(self.s.modelopt):
             self._mma_row_modelopt(t, acc, a_regs, bs, frag, kk)
@@ -410,14 +419,12 @@ class MainloopMixin:
             words[3] = I.nf3_gather(bs[0], bs[1], bs[2])
         for jj in cutlass.range_constexpr(4):
             if cutlass.const_expr(self.nf3 and kk == 1):
-                s_c0, s_c1 = pairs[2 * jj], pairs[2 * jj + 1]
+                scales = pairs[jj]
             else:
-                s_c0 = self._scale_pair(bs[4 + jj // 2], jj % 2)
-                s_c1 = self._scale_pair(bs[4 + jj // 2], jj % 2 + 2)
+                scales = self._scale_halves(bs[4 + jj // 2], jj % 2)
                 if cutlass.const_expr(self.nf3):
-                    pairs[2 * jj] = s_c0
-                    pairs[2 * jj + 1] = s_c1
-            self._scaled_weight_fragment(frag, words[jj], s_c0, s_c1)
+                    pairs[jj] = scales
+            self._scaled_weight_fragment(frag, words[jj], scales)
             if cutlass.const_expr(self.m8):
                 # Weights as the 16-row A operand (16 output columns), activations as B (8 tokens).
                 d0, d1, d2, d3 = self._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
@@ -500,7 +507,7 @@ class MainloopMixin:
         a_regs = [cute.make_rmem_tensor(a_shape, Uint32), cute.make_rmem_tensor(a_shape, Uint32)]
         bs_regs = [cute.make_rmem_tensor((bs_words,), Uint32), cute.make_rmem_tensor((bs_words,), Uint32)]
         frag = cute.make_rmem_tensor((2, 2), Uint32)
-        pairs = cute.make_rmem_tensor((8 if self.nf3 else 1,), Uint32)  # NF3: a 32-k row's scale pairs
+        pairs = cute.make_rmem_tensor((4 if self.nf3 else 1,), Uint32)  # NF3: a 32-k row's scale halves
         self._load_bs_regs(bs_regs[0], t, 0, 0)
         self._load_a_regs(a_regs[0], t, 0, 0)
 

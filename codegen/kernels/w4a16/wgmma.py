@@ -345,14 +345,12 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         """Packed: each word's 8 codes are a 16-row block's A fragment (docs/layouts.md)."""
         for j in cutlass.range_constexpr(self.nw):
             c0_b0, c0_b1, c1_b0, c1_b1 = self._dequant_weights(words[j])
-            scales = words[self.nw + j // 2]
-            s_c0 = self._scale_pair(scales, j % 2)  # (scale pairs: rows g, g + 8)
-            s_c1 = self._scale_pair(scales, j % 2 + 2)
+            scales = self._scale_halves(words[self.nw + j // 2], j % 2)  # (rows g, g + 8)
             # m16n8k16 A order: (row g, k lo), (row g + 8, k lo), (row g, k hi), (row g + 8, k hi)
-            frag[j, 0] = self._pair_mul(c0_b0, s_c0)
-            frag[j, 1] = self._pair_mul(c1_b0, s_c1)
-            frag[j, 2] = self._pair_mul(c0_b1, s_c0)
-            frag[j, 3] = self._pair_mul(c1_b1, s_c1)
+            frag[j, 0] = self._half_mul(c0_b0, scales, 0)
+            frag[j, 1] = self._half_mul(c1_b0, scales, 1)
+            frag[j, 2] = self._half_mul(c0_b1, scales, 0)
+            frag[j, 3] = self._half_mul(c1_b1, scales, 1)
 
     @cute.jit
     def _wg_tile_start(self, frag: cute.Tensor, words: cute.Tensor, t, pipe: cutlass.Constexpr[int]):
