@@ -4,6 +4,8 @@
 #   bash benchmarks/scripts/serving_session.sh bench        # layer benchmarks: moe, large-M study, decoder example
 #   bash benchmarks/scripts/serving_session.sh peers        # benchmarks/scripts/peers.sh (carry .whl)
 #   bash benchmarks/scripts/serving_session.sh tails        # memcheck of the masked N / K tiles (tiny-gemm, tiny-fused)
+#   bash benchmarks/scripts/serving_session.sh race         # racecheck of two fused-layer tests (decode, packed, wgmma
+#                                                           # plans; tiny-fused) and of every GEMM path (tiny-gemm)
 #   bash benchmarks/scripts/serving_session.sh nf3          # NF3 vs NVFP4 (bench-nf3), memcheck of the NF3
 #                                                           # layer, host cost of a layer call (moe-models)
 #   bash benchmarks/scripts/serving_session.sh modelopt     # NVFP4 read as stored: its GPU tests and probes
@@ -81,5 +83,14 @@ tails)
     -p no:cacheprovider -m gpu tests/gpu/test_moe_fused_gpu.py -k "matches_reference and relu2" \
     > "$OUT/memcheck_tails_fused.log" 2>&1
   echo "memcheck tails fused rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_tails_fused.log" | tail -3
+  ;;
+race)
+  timeout 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_moe_fused_gpu.py -k "fused_layer_matches_reference and (silu-bf16 or relu2)" \
+    > "$OUT/racecheck_fused.log" 2>&1
+  echo "racecheck fused rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_fused.log" | tail -3
+  timeout 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m benchmarks.sanitize_gemm \
+    > "$OUT/racecheck_gemm.log" 2>&1
+  echo "racecheck gemm rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/racecheck_gemm.log" | tail -2
   ;;
 esac
