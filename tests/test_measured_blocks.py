@@ -151,16 +151,16 @@ def test_wide_blocks_by_the_k_rule_and_where_measured(table):
         assert fc1.spec.threads == fc2.spec.threads == (256 if fc1.plan.moe_block_size == 256 else 128)
         return fc1.plan.moe_block_size
 
-    # no table: 256-row blocks from 256 routes per expert where both K reach WGMMA_WIDE_MIN_K
-    # (GLM-4.5-Air: 4096 and 1408), not for Qwen3-30B (FC2's K = 768)
-    assert [block(m, GLM) for m in (4095, 4096, 16384)] == [128, 256, 256]
+    # no table: 256-row blocks from WGMMA_WIDE_MIN_ROUTES (160) routes per expert where both K reach
+    # WGMMA_WIDE_MIN_K (GLM-4.5-Air: 4096 and 1408), not for Qwen3-30B (FC2's K = 768)
+    assert [block(m, GLM) for m in (2559, 2560, 16384)] == [128, 256, 256]
     assert [block(m, QWEN3) for m in (4096, 16384)] == [128, 128]
     # measured: where the table says so, whatever K
     _write(table, "wide", "h200", [[11586, 16384]])
     assert [block(m, QWEN3) for m in (4096, 11585, 11586, 16384)] == [128, 128, 256, 256]
-    # ... never below 256 routes per expert, and only where the wgmma loop runs
+    # ... never below 160 routes per expert, and only where the wgmma loop runs
     _write(table, "wide", "h200", [[2048, 16384]])
-    assert block(4095, QWEN3) == 128
+    assert block(2559, QWEN3) == 128
     assert plan_layer(16384, QWEN3, PROFILES["b200"]).moe_block_size != 256
 
 

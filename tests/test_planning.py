@@ -250,7 +250,7 @@ QWEN_EXPECTED = {
     # GB10: (64,128) min(2, 101376//47360=2)=2; (128,64) min(2, 101376//71936=1)=1
     ("gb10", 512): (48, False, (64, 128), 2, 96),
     # m=4096: block 64 by the Marlin rule; H200 (sm_90a) runs the wgmma loop, and 32768 routes
-    # >= 256 * 128 experts fill 256-row blocks: 128x64 tile, two warpgroups (256 threads),
+    # >= 160 * 128 experts (WGMMA_WIDE_MIN_ROUTES) take 256-row blocks: 128x64 tile, two warpgroups (256 threads),
     # min(65536//(232*256)=1, 233472//(154640+1536)=1, 2048//256=8) = 1
     ("h200", 4096): (256, False, (64, 128), 1, 132),
     # m=2048: 16384 routes >= 128 * 128 fill 128-row blocks: one warpgroup,
@@ -331,10 +331,11 @@ def test_wgmma_is_planned_only_where_it_runs():
     # 128-row blocks once the average expert fills them (routes >= 128 * experts), else 64
     assert plan_gemm(2047, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 64
     assert plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
-    # 256-row blocks (two warpgroups) once the average expert fills those (routes >= 256 * experts)
+    # 256-row blocks (two warpgroups) once the average expert has 160 routes (WGMMA_WIDE_MIN_ROUTES,
+    # measured): an expert's 129-256 routes then share one decode of its weights
     assert wgmma_tile(1536, 2048, 256, K16, H200) == (narrow, None)
-    assert plan_gemm(4095, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
-    wide_plan = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16)
+    assert plan_gemm(2559, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
+    wide_plan = plan_gemm(2560, 1536, 2048, 8, 128, H200, scale_format=K16)
     assert (wide_plan.moe_block_size, wide_plan.mainloop, wide_plan.blocks_per_sm) == (256, "wgmma", 1)
     # ... in the standalone GEMM only: the fused kernel keeps one warpgroup and 128-row blocks
     from cuteaot.codegen.kernels.w4a16.fused_planning import plan_fused

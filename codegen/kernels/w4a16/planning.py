@@ -176,8 +176,13 @@ MODELOPT_WGMMA_SHORT_BLOCKS = (32, 48)
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
 # Average routes per expert from which the standalone GEMM packs 256-row blocks (two warpgroups over
-# one staged activation tile, wgmma N = 256); the fused kernel keeps one warpgroup and 128 rows.
-WGMMA_WIDE_MIN_ROUTES = 256
+# one staged activation tile, wgmma N = 256); the fused kernel keeps one warpgroup and 128 rows.  Measured
+# on the H200 against 256 (compare_layer --check, identical operands, 3 rounds,
+# docs/results/ab-wide-min-routes-2026-12-03.json): at 160-224 routes per expert the 256-row blocks took
+# 0.83-0.97x the layer's time on all six K >= 1024 shapes (gpt-oss-120b/-20b, GLM-4.5-Air, Qwen3-235B,
+# Nemotron-3-Nano, Mixtral): an expert with 129-256 routes decodes its weights once, not twice.  At 128
+# they lost on gpt-oss-120b (1.022x) and won on Nemotron at 144 (0.976x).
+WGMMA_WIDE_MIN_ROUTES = 160
 # ... for layers without a measured choice, only where every GEMM's K is at least this: a 256-row CTA
 # holds a whole SM (one per SM), so nothing hides its tiles' pipeline fill and epilogue, which a short K
 # does not amortise (H200, 256-row blocks vs 128: Qwen3-30B, FC2 K = 768, 1.06x / 1.01x / 0.97x at
