@@ -253,6 +253,14 @@ def test_wgmma_spec_is_validated():
                     mainloop="wgmma", producer_warp=True) | bad
         with pytest.raises(BadInputError, match="producer_warp must be None or True"):
             GemmSpec(**args)
+    # 128-row blocks of a 256-row packing (a layer's FC2 after FC1 on 256-row blocks): its own key fact
+    args = dict(dtype="bf16", n=512, k=512, top_k=1, tile_n=128, tile_k=64, moe_block_size=128, blocks_per_sm=2,
+                mainloop="wgmma")
+    viewed = GemmSpec(**args, packing_block=256)
+    assert viewed.key() != GemmSpec(**args).key() and "packing_block" not in GemmSpec(**args).key().facts
+    for bad in (128, 384, 64, True, "256"):
+        with pytest.raises(BadInputError, match="packing_block must be None"):
+            GemmSpec(**args, packing_block=bad)
 
 
 def test_bias_epilogue_compiles_without_spills():

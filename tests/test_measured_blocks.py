@@ -164,6 +164,25 @@ def test_wide_blocks_by_the_k_rule_and_where_measured(table):
     assert plan_layer(16384, QWEN3, PROFILES["b200"]).moe_block_size != 256
 
 
+def test_fc1_alone_on_wide_blocks_where_only_fc2_k_forbids_them(table):
+    """Qwen3-30B (FC2 K = 768): from 160 to below 256 routes per expert FC1 packs 256-row blocks and FC2
+    reads that packing as 128-row blocks (GemmSpec.packing_block); elsewhere both share one block size."""
+    def blocks(m, facts=QWEN3):
+        fc1, fc2 = split_layer(m, facts, H200)
+        return fc1.plan.moe_block_size, fc2.plan.moe_block_size, fc2.spec.packing_block, fc1.spec.packing_block
+
+    assert blocks(2559) == (128, 128, None, None)
+    assert blocks(2560) == blocks(4095) == (256, 128, 256, None)  # 160 .. 255.9 routes per expert
+    assert blocks(4096) == (128, 128, None, None)  # exactly 256: FC1 alone measured 1.159x on 256-row blocks
+    fc1, fc2 = split_layer(3072, QWEN3, H200)
+    assert (fc1.spec.threads, fc2.spec.threads) == (256, 128) and fc2.spec.key() != split_layer(2048, QWEN3, H200)[1].spec.key()
+    # both K >= 1024 (GLM-4.5-Air): one block size for both, nothing mixed
+    assert blocks(2560, GLM) == (256, 256, None, None)
+    # where the measured "wide" table gives both GEMMs 256-row blocks, it decides; elsewhere the rule above
+    _write(table, "wide", "h200", [[3000, 16384]])
+    assert blocks(3000) == (256, 256, None, None) and blocks(2560) == (256, 128, 256, None)
+
+
 def test_the_shipped_wide_entries():
     # measured on the H200 (docs/results/tune-wide-2026-12-01.json): Qwen3-30B only from 11586 tokens
     qwen3 = split_layer(16384, QWEN3, H200)

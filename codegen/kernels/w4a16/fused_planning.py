@@ -59,7 +59,9 @@ from .planning import (
     PACKED_M8_TILE,
     SMALL_BATCH_TILE_CONFIGS,
     WGMMA_ARCHS,
+    WGMMA_MIXED_MAX_ROUTES,
     WGMMA_REGISTERS_SM90,
+    WGMMA_WIDE_MIN_ROUTES,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
     blocks_per_sm,
@@ -445,7 +447,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     GEMMs run the warpgroup-MMA loop, the two launches (intermediate through HBM, no grid
     barrier, each GEMM on its own best grid) take 0.92-0.99x the fused kernel's time on
     Qwen3-30B, gpt-oss-120b and GLM-4.5-Air; on the mma.sync loop they do not win reliably.
-    Both GEMMs must read one packing of the routes (the same block).  Expert maps and
+    Both GEMMs read one packing of the routes: the same block, or FC2 128-row blocks of FC1's
+    256-row packing (WGMMA_MIXED_MAX_ROUTES).  Expert maps and
     calibration keep the fused kernel (it zeroes remote experts' rows and collects amax).
     NVFP4 read as stored (modelopt) splits where packed NVFP4 does: the wgmma loop reads it too.
     """
@@ -466,14 +469,24 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
             tall = True
         if wide is None and MODELOPT_WIDE_ANY_K:
             wide = True
+    # FC1 alone on 256-row blocks, FC2 reading them as 128-row ones (WGMMA_MIXED_MAX_ROUTES), where only
+    # FC2's K keeps the layer off them and nothing was measured
+    mixed = (wide is None and not wide_by_k(k1_stored, k2_stored) and wide_by_k(k1_stored)
+             and WGMMA_WIDE_MIN_ROUTES * facts.num_experts <= m * facts.top_k
+             < WGMMA_MIXED_MAX_ROUTES * facts.num_experts)
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
-    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide,
+    p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide or mixed,
                   facts.weights.layout, promote, producer)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide,
                   facts.weights.layout, promote, producer)
-    if not (p1.mainloop == p2.mainloop == Mainloop.WGMMA.value and p1.moe_block_size == p2.moe_block_size):
+    if not p1.mainloop == p2.mainloop == Mainloop.WGMMA.value:
         return None
+    packing_block = None
+    if p1.moe_block_size != p2.moe_block_size:
+        if not (mixed and (p1.moe_block_size, p2.moe_block_size) == (2 * WGMMA_TALL_BLOCK, WGMMA_TALL_BLOCK)):
+            return None
+        packing_block = p1.moe_block_size  # FC2 reads FC1's packing
     on_input = facts.router_weight_on_input
     if not facts.gated:
         fc1_epilogue, activation = "relu2", {}
@@ -492,5 +505,5 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     summed = bool(layer_choice("splitsum", m, facts, profile)) and not facts.deterministic
     s2 = gemm_spec_for(p2, facts.dtype, facts.hidden_size, facts.intermediate_size, facts.top_k, a_per_route=True,
                        mul_topk_weights=not on_input, epilogue="none", bias=facts.bias,
-                       sum_topk=facts.top_k if summed else 0, **layout)
+                       sum_topk=facts.top_k if summed else 0, packing_block=packing_block, **layout)
     return GemmPhase(p1, s1), GemmPhase(p2, s2)

@@ -198,6 +198,14 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 expert = Int32(0)
                 if cutlass.const_expr(self.direct):
                     expert = I.ld_global_nc_i32(ops.route_indices + Int64(route_block) * Int64(4))
+                elif cutlass.const_expr(s.packing_block is not None):
+                    # a block of a taller packing (GemmSpec.packing_block): its packing block's expert, and
+                    # -1 for a block of padding only (routes fill a packing block from its start)
+                    ratio = s.packing_block // s.moe_block_size
+                    expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block // Int32(ratio)) * Int64(4))
+                    first = I.ld_global_nc_i32(ops.route_indices + Int64(route_block * Int32(s.moe_block_size)) * Int64(4))
+                    if first >= tokens * Int32(s.top_k):
+                        expert = Int32(-1)
                 else:
                     expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block) * Int64(4))
                 # Direct routes carry raw router ids (-1 for masked routes, anything from a buggy

@@ -183,6 +183,12 @@ WGMMA_TALL_MIN_ROUTES = 128
 # Nemotron-3-Nano, Mixtral): an expert with 129-256 routes decodes its weights once, not twice.  At 128
 # they lost on gpt-oss-120b (1.022x) and won on Nemotron at 144 (0.976x).
 WGMMA_WIDE_MIN_ROUTES = 160
+# Below this many routes per expert a layer whose FC1 may take 256-row blocks (K >= WGMMA_WIDE_MIN_K) but
+# whose FC2 may not (Qwen3-30B: K = 768) runs FC1 on them anyway, and FC2 reads that packing as 128-row
+# blocks (GemmSpec.packing_block).  Measured on Qwen3-30B's FC1 alone (compare_gemm, docs/results/
+# ab-qwen3-fc1-wide-2026-12-03.json): 0.800x at 160 routes per expert, 1.159x at exactly 256 (half the
+# experts then get a second, nearly empty 256-row block), 0.999x at 512.
+WGMMA_MIXED_MAX_ROUTES = 256
 # ... for layers without a measured choice, only where every GEMM's K is at least this: a 256-row CTA
 # holds a whole SM (one per SM), so nothing hides its tiles' pipeline fill and epilogue, which a short K
 # does not amortise (H200, 256-row blocks vs 128: Qwen3-30B, FC2 K = 768, 1.06x / 1.01x / 0.97x at
@@ -679,12 +685,13 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
                   mul_topk_weights: bool, epilogue: Epilogue | str, layout: str = "packed",
                   scale_format: str = "e4m3_k16", bias: bool = False, n_rotation: int | None = None,
                   split_global_scale: bool | None = None, scale_exponent: int | None = None, sum_topk: int = 0,
-                  **activation) -> GemmSpec:
+                  packing_block: int | None = None, **activation) -> GemmSpec:
     """The kernel specialization a plan selects for logical sizes n x k (shared with the enumeration).
 
     The plan must have been made for the stored sizes, `plan_for(m, n, k, ...)`.  `activation`:
     a gated epilogue's fast_math and swiglu_* (GemmSpec); `n_rotation`, `split_global_scale`,
-    `scale_exponent`: the modelopt layout's (GemmSpec); `sum_topk`: FC2 adds route rows into token rows.
+    `scale_exponent`: the modelopt layout's (GemmSpec); `sum_topk`: FC2 adds route rows into token rows;
+    `packing_block`: the taller route packing the GEMM reads (GemmSpec).
     """
     n_stored, k_stored = stored_dims(n, k)
     return GemmSpec(
@@ -712,5 +719,6 @@ def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a
         split_global_scale=split_global_scale,
         scale_exponent=scale_exponent,
         sum_topk=sum_topk,
+        packing_block=packing_block,
         **activation,
     )

@@ -186,10 +186,14 @@ class GemmSpec(SpecKey):
     # The wgmma loop with a producer warpgroup (codegen/kernels/w4a16/wgmma_ws.py): True, or None for the
     # loop whose warpgroups copy their own stages.
     producer_warp: bool | None = None
+    # The block size of the route packing this GEMM reads, when it is a multiple of its own (a layer's FC2
+    # on 128-row blocks after an FC1 on 256-row ones): route block b's expert is block_experts[b // ratio],
+    # and blocks that hold only padding are skipped.  None: the packing's blocks are this GEMM's.
+    packing_block: int | None = None
 
     # added after keys existed: left out of the key while None, so those keys keep their digests
     KEY_OMITS_NONE = frozenset({"fast_math", "swiglu_alpha", "swiglu_beta", "swiglu_limit", "n_rotation",
-                                "split_global_scale", "scale_exponent", "producer_warp"})
+                                "split_global_scale", "scale_exponent", "producer_warp", "packing_block"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -233,6 +237,13 @@ class GemmSpec(SpecKey):
                 raise BadInputError(f"{name} must be None or a multiple of 8 in (0, {stored}), got {v!r}")
         if self.routes is not Routes.PACKED and self.moe_block_size != 8:
             raise BadInputError(f"routes={self.routes.value} uses 8-row blocks, got moe_block_size {self.moe_block_size}")
+        if self.packing_block is not None and not (
+                isinstance(self.packing_block, int) and not isinstance(self.packing_block, bool)
+                and self.routes is Routes.PACKED and self.packing_block > self.moe_block_size
+                and self.packing_block % self.moe_block_size == 0
+                and (self.packing_block // self.moe_block_size) & (self.packing_block // self.moe_block_size - 1) == 0):
+            raise BadInputError(f"packing_block must be None or a power-of-two multiple (> 1) of moe_block_size "
+                                f"{self.moe_block_size} with packed routes, got {self.packing_block!r}")
         if not isinstance(self.stages, int) or not 3 <= self.stages <= 12:
             raise BadInputError(f"stages must be an int in [3, 12], got {self.stages!r}")
         if not isinstance(self.sum_topk, int) or self.sum_topk < 0:
