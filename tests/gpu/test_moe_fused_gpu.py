@@ -31,6 +31,10 @@ PROBLEMS = {
     "relu2-bias-fp16": (576, 320, 8, 3, "relu2", "fp16"),  # built with biases only; masked tiles as relu2
     "swigluoai-whole-bias": (576, 384, 8, 2, "swigluoai", "bf16"),  # whole gate | up slabs; biases only
 }
+# problems with tests of their own: name -> the same tuple
+OWN_PROBLEMS = {
+    "mixed": (1024, 256, 8, 2, "silu", "bf16"),  # FC1 on 256-row blocks, FC2 on 128-row ones, at 640-1023 tokens
+}
 # the NF3 problems (weights: nf3; swigluoai with biases and logical tails)
 NF3_PROBLEMS = {"silu": (512, 256, 16, 4), "swigluoai": (736, 352, 8, 2), "relu2": (512, 320, 8, 3)}
 NF3_TOKENS = (1, 2, 7, 37, 64, 129, 1000, 3000)
@@ -48,7 +52,7 @@ class Model:
     """Random NVFP4 weights of one problem: packed for the kernels, dequantised for the reference."""
 
     def __init__(self, name: str, seed: int, experts: int | None = None):
-        h, i, e, top_k, activation, dtype = PROBLEMS[name]
+        h, i, e, top_k, activation, dtype = PROBLEMS[name] if name in PROBLEMS else OWN_PROBLEMS[name]
         self.h, self.i, self.top_k, self.activation, self.dtype = h, i, top_k, activation, dtype
         self.e = e if experts is None else experts
         g = torch.Generator().manual_seed(seed)
@@ -350,6 +354,30 @@ def test_gated_fc1_epilogue(bundle, check, name):
             check(out, ref, f"{name} gated FC1 M={m} on_input={on_input} skewed={skewed} ({r.describe()})",
                   f"{name} gated FC1")
         assert_clean(layer.workspace())
+
+
+def test_fc2_reads_fc1_wide_packing_as_narrow_blocks(bundle, check):
+    """From 160 to 255 routes per expert a layer whose FC2 K is short runs FC1 on 256-row blocks and FC2 on
+    128-row blocks of the same packing (GemmSpec.packing_block), skipping the blocks of padding only: uniform
+    and skewed routing (most routes on two experts: many blocks each, the others one part-filled block),
+    graph replay, and the plan on either side of the range."""
+    model = Model("mixed", seed=41)
+    layer = model.layer(bundle)
+    for m, skewed in ((640, False), (700, True), (1000, False), (1023, True)):
+        r = layer.resolve(m)
+        assert r.launch.split and r.launch.route_block == 256, r.describe()
+        assert r.kernels["fc2"].spec.moe_block_size == 128 and r.kernels["fc2"].spec.packing_block == 256
+        x, w, ids = model.inputs(m)
+        if skewed:
+            ids = _skewed_ids(model, m)
+        out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+        ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation)
+        check(out, ref, f"mixed M={m} skewed={skewed} ({r.describe()})", "mixed blocks")
+    eager, replay = replayed(layer, x, w, ids)
+    assert torch.equal(eager, replay)
+    assert_clean(layer.workspace())
+    for m in (512, 2048):  # outside the range: one block size for both GEMMs
+        assert layer.resolve(m).kernels["fc2"].spec.packing_block is None
 
 
 @pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole-bias"])
