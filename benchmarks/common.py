@@ -120,6 +120,16 @@ def uniform_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Gene
     return x, weights, ids
 
 
+def skewed_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Generator):
+    """As uniform_routing, but most routes on five experts (0.6, 0.3 and 0.1 / 3 each of the first choice's
+    weight), the other top-k choices spread thin over the rest: a few experts with many route blocks, many
+    with one part-filled block."""
+    x, weights, _ = uniform_routing(m, hidden, experts, top_k, g)
+    probs = torch.tensor([0.6, 0.3] + [0.1 / 3] * 3 + [0.0] * (experts - 5), device=g.device)
+    logits = torch.log(probs + 1e-12) + 0.01 * torch.rand(m, experts, generator=g, device=g.device)
+    return x, weights, logits.topk(top_k, dim=1).indices.to(torch.int32)
+
+
 def run_layers(layers: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
                references: dict | None = None, eager: bool | None = None, timer: "FlushedTimer | None" = None,
                rounds: int = 3) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:

@@ -52,6 +52,16 @@ def _layer(bundle, facts, w13, w2):
                     swiglu_limit=facts.get("swiglu_limit"), fast_math=facts.get("fast_math", True))
 
 
+def reference_params(facts: dict) -> dict:
+    """moe_reference's swiglu alpha / beta / limit for a layer's facts: swigluoai's defaults where the facts
+    leave them unset, as the layer does."""
+    params = {key: facts.get(f"swiglu_{key}") for key in ("alpha", "beta", "limit")}
+    if facts["activation"] == "swigluoai":
+        defaults = (SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT)
+        params = {key: d if params[key] is None else params[key] for key, d in zip(params, defaults)}
+    return params
+
+
 def random_layer_weights(facts: dict, g: torch.Generator, weights: str = "nvfp4"):
     """Random ModelOpt NVFP4 (w13, w2) tensors for a layer problem's facts (`random_nvfp4`'s tuples), or
     NF3 ones (`random_nf3`'s) for nf3 layers."""
@@ -101,10 +111,7 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False, weights: 
             x, w, ids = uniform_routing(m, h, e, k, g)
             references = None
             if check:
-                params = {key: f.get(f"swiglu_{key}") for key in ("alpha", "beta", "limit")}
-                if f["activation"] == "swigluoai":  # the layer's defaults where the facts leave them unset
-                    defaults = (SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT)
-                    params = {key: d if params[key] is None else params[key] for key, d in zip(params, defaults)}
+                params = reference_params(f)
                 reference = functools.cache(
                     lambda w_ref=w_ref: moe_reference(x, *w_ref, w, ids, f["activation"], **params)[0])
                 references = {n: reference for n in layers}

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import run_layers
+from benchmarks.common import run_layers, skewed_routing, uniform_routing
+from benchmarks.compare_layer import reference_params
+from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
 
 
 def _scaled(factor):
@@ -67,3 +69,21 @@ def test_compare_formats_checks_every_layer_at_check_m(capsys):
     assert all(r["plan"] == "stand-in plan" and "us" not in r and "floor_us" not in r for r in rows)
     assert [r["rel_err"] == 0.0 for r in rows] == [True, False, True, False]
     assert "stand-in plan" in capsys.readouterr().out
+
+
+def test_skewed_routing_crowds_five_experts_and_keeps_the_conventions():
+    g = torch.Generator().manual_seed(3)
+    x, w, ids = skewed_routing(1000, 16, 64, 8, g)
+    ux, uw, uids = uniform_routing(1000, 16, 64, 8, torch.Generator().manual_seed(3))
+    assert (x.shape, w.shape, ids.shape, ids.dtype) == (ux.shape, uw.shape, uids.shape, uids.dtype)
+    assert all(len(set(row)) == 8 for row in ids.tolist())  # distinct experts per token
+    counts = torch.bincount(ids.flatten().long(), minlength=64)
+    assert (counts[:5] == 1000).all()  # every token picks the five crowded experts
+    assert counts[5:].sum() == 3000 and counts[5:].max() < 200  # the other three choices spread thin
+
+
+def test_reference_params_fill_swigluoai_defaults_only():
+    oai = reference_params({"activation": "swigluoai", "swiglu_limit": 5.0})
+    assert oai == {"alpha": SWIGLUOAI_DEFAULT_ALPHA, "beta": SWIGLUOAI_DEFAULT_BETA, "limit": 5.0}
+    assert SWIGLUOAI_DEFAULT_LIMIT != 5.0
+    assert reference_params({"activation": "silu"}) == {"alpha": None, "beta": None, "limit": None}
