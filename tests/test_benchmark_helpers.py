@@ -87,3 +87,24 @@ def test_reference_params_fill_swigluoai_defaults_only():
     assert oai == {"alpha": SWIGLUOAI_DEFAULT_ALPHA, "beta": SWIGLUOAI_DEFAULT_BETA, "limit": 5.0}
     assert SWIGLUOAI_DEFAULT_LIMIT != 5.0
     assert reference_params({"activation": "silu"}) == {"alpha": None, "beta": None, "limit": None}
+
+
+def test_build_variant_sets_planner_constants_before_the_build(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    from cuteaot.codegen.kernels.w4a16 import planning
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "build_variant.py"
+    spec = importlib.util.spec_from_file_location("build_variant", path)
+    build_variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_variant)
+    monkeypatch.setattr(planning, "WGMMA_WIDE_MIN_ROUTES", planning.WGMMA_WIDE_MIN_ROUTES)  # restored after
+    build_variant.apply(["planning.WGMMA_WIDE_MIN_ROUTES=999"])
+    assert planning.WGMMA_WIDE_MIN_ROUTES == 999
+    for bad, message in (("planning.NO_SUCH_CONSTANT=1", "has no constant"), ("planning.STAGES", "module.NAME=VALUE"),
+                         ("planning.WGMMA_WIDE_MIN_ROUTES=routes", "must be a Python literal")):
+        with pytest.raises(SystemExit, match=message):
+            build_variant.apply([bad])
