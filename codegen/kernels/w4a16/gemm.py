@@ -201,8 +201,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 elif cutlass.const_expr(s.packing_block is not None):
                     # a block of a taller packing (GemmSpec.packing_block): its packing block's expert, and
                     # -1 for a block of padding only (routes fill a packing block from its start)
-                    ratio = s.packing_block // s.moe_block_size
-                    expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block // Int32(ratio)) * Int64(4))
+                    expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block // Int32(s.packing_ratio)) * Int64(4))
                     first = I.ld_global_nc_i32(ops.route_indices + Int64(route_block * Int32(s.moe_block_size)) * Int64(4))
                     if first >= tokens * Int32(s.top_k):
                         expert = Int32(-1)

@@ -53,6 +53,10 @@ from ..activation import ActivationSpec
 WEIGHT_FORMATS = (("packed", "e4m3_k16"), ("nf3", "e4m3_k32"), ("modelopt", "e4m3_k16"))
 
 
+def _power_of_two(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
 class Routes(str, Enum):
     """How a CTA finds the rows of its M-block."""
 
@@ -238,10 +242,9 @@ class GemmSpec(SpecKey):
         if self.routes is not Routes.PACKED and self.moe_block_size != 8:
             raise BadInputError(f"routes={self.routes.value} uses 8-row blocks, got moe_block_size {self.moe_block_size}")
         if self.packing_block is not None and not (
-                isinstance(self.packing_block, int) and not isinstance(self.packing_block, bool)
-                and self.routes is Routes.PACKED and self.packing_block > self.moe_block_size
-                and self.packing_block % self.moe_block_size == 0
-                and (self.packing_block // self.moe_block_size) & (self.packing_block // self.moe_block_size - 1) == 0):
+                type(self.packing_block) is int and self.routes is Routes.PACKED
+                and self.packing_block % self.moe_block_size == 0 and _power_of_two(self.packing_ratio)
+                and self.packing_ratio > 1):
             raise BadInputError(f"packing_block must be None or a power-of-two multiple (> 1) of moe_block_size "
                                 f"{self.moe_block_size} with packed routes, got {self.packing_block!r}")
         if not isinstance(self.stages, int) or not 3 <= self.stages <= 12:
@@ -314,6 +317,11 @@ class GemmSpec(SpecKey):
                                 f"(tile_n={self.tile_n})")
 
     # --------------------------------------------------------------- geometry
+
+    @property
+    def packing_ratio(self) -> int:
+        """Route blocks of this GEMM per block of the packing it reads (packing_block; 1 without one)."""
+        return 1 if self.packing_block is None else self.packing_block // self.moe_block_size
 
     @property
     def activation_spec(self) -> ActivationSpec:
