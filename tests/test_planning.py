@@ -514,3 +514,36 @@ def test_producer_warp_is_planned_for_the_tall_blocks_on_full_grids(monkeypatch)
     assert not any(p.plan.producer_warp for p in split_layer(4096, facts, H200))  # nothing recorded
     monkeypatch.setitem(planning.POLICY, "producer", "always")
     assert all(p.plan.producer_warp and p.spec.producer_warp for p in split_layer(4096, facts, H200))
+
+
+def test_tall_blocks_take_the_256_wide_tile_on_two_warpgroups_where_asked(monkeypatch):
+    """The "tallwide" knob: a layer's two GEMMs put their 128-row blocks on the 256-wide tile where N fits it,
+    on two warpgroups (each thread's accumulators stay at 128 floats), one CTA an SM; the rule never does,
+    the fused kernel's CTA stays one warpgroup, and the producer form refuses that tile."""
+    from cuteaot.codegen.kernels.w4a16 import planning
+    from cuteaot.codegen.kernels.w4a16.fused_planning import plan_fused, split_layer
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
+    from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_TILES, wgmma_shared_memory_footprint, wgmma_threads
+    from cuteaot.runtime.resolution import MoeLayerFacts
+
+    wide, narrow = WGMMA_TILES
+    assert [wgmma_threads(b, t) for b, t in ((64, wide), (128, narrow), (128, wide), (256, narrow))] == [128, 128, 256, 256]
+    assert planning.wgmma_tile(1536, 2048, 128, K16, H200, two_warpgroups=True) == (wide, None)
+    assert planning.wgmma_tile(1536, 2048, 128, K16, H200) == (narrow, None)
+    assert planning.wgmma_tile(5760, 2944, 128, K16, H200, two_warpgroups=True) == (narrow, None)  # 5760 % 256 = 128
+    assert plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16).tile == narrow  # the rule
+    plan = plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16, tall_wide=True)
+    assert (plan.moe_block_size, plan.tile, plan.blocks_per_sm, plan.grid_x) == (128, wide, 1, H200.sm_count)
+    assert plan.shared_memory_bytes == wgmma_shared_memory_footprint(128, wide) == 2064 + 1024 + 4 * (16384 + 8192 + 1024)
+    spec = planning.gemm_spec_for(plan, "bf16", 1536, 2048, 8, a_per_route=False, mul_topk_weights=False,
+                                  epilogue="none")
+    assert (spec.threads, spec.shared_bytes) == (256, plan.shared_memory_bytes)
+    with pytest.raises(BadInputError, match="producer_warp"):
+        GemmSpec(**{**spec.__dict__, "producer_warp": True})
+    # a layer asks the knob for both GEMMs; the fused kernel never takes the tile
+    facts = MoeLayerFacts(dtype="bf16", hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
+                          activation="silu")
+    assert {p.plan.tile for p in split_layer(2048, facts, H200)} == {narrow}  # nothing recorded there
+    monkeypatch.setitem(planning.POLICY, "tallwide", "always")
+    assert [(p.plan.tile, p.spec.threads) for p in split_layer(2048, facts, H200)] == [(wide, 256)] * 2
+    assert plan_fused(2048, 2048, 768, 128, 8, True, H200, tall=True).fc1_tile.tile_n == 128

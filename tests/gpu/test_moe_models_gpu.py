@@ -97,3 +97,43 @@ def test_gpt_oss_mxfp4_with_biases_matches_reference(bundle, name):
     b13 = torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1)
     _assert_matches_reference(layer, f"{name} mxfp4+bias", g, h, e, top_k, act, w13_f,
                               dequantize_mxfp4(blocks2, scales2), b13=b13, b2=bias2)
+
+
+# token counts at which a layer may run 128-row blocks (the measured "tallwide" ranges lie among them)
+TALL_TOKENS = (512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+def _two_warpgroup_tall(resolved) -> bool:
+    return resolved.launch.split and any(k.spec.moe_block_size == 128 and k.spec.threads == 256
+                                         for k in resolved.kernels.values())
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_tall_blocks_on_two_warpgroups_match_reference(bundle, name):
+    """Where the measured "tallwide" choice (measured_blocks.json) runs a layer's 128-row blocks on the 256-wide
+    tile of two warpgroups: uniform routing and skewed routing (80 % of the tokens put experts 0 and 1 first:
+    many full blocks there, part-filled ones elsewhere), output poisoned, against the float32 reference."""
+    h, i, e, top_k, act = PROBLEMS[name]
+    g = torch.Generator(device="cuda").manual_seed(7 * len(name))
+    q13 = random_nvfp4(e, 2 * i if act != "relu2" else i, h, g)
+    q2 = random_nvfp4(e, h, i, g)
+    layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
+    ms = [m for m in TALL_TOKENS if _two_warpgroup_tall(layer.resolve(m))]
+    if not ms:
+        pytest.skip(f"{name}: no token count of {TALL_TOKENS} takes the two-warpgroup 128-row tile")
+    w13_f, w2_f = dequantize_modelopt(*q13), dequantize_modelopt(*q2)
+    for m in ms:
+        for skewed in (False, True):
+            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+            logits = torch.rand(m, e, generator=g, device="cuda")
+            if skewed:
+                logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=g, device="cuda") < 0.8)
+            ids = logits.topk(top_k, dim=1).indices.to(torch.int32)
+            weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+            out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
+            ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}))
+            err = float((out.float() - ref).norm() / ref.norm())
+            label = f"{name} M={m} skewed={skewed} ({layer.resolve(m).describe()})"
+            assert not out.isnan().any(), f"{label}: NaN in the output"
+            assert err <= 1e-2, f"{label}: rel err {err:.2e}"
+            print(f"\n{label}: rel err {err:.2e}")

@@ -464,6 +464,7 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     wide = layer_choice("wide", m, facts, profile)
     promote = layer_choice("promote", m, facts, profile)
     producer = layer_choice("producer", m, facts, profile)
+    tall_wide = layer_choice("tallwide", m, facts, profile)
     if facts.weights.layout == "modelopt":
         if tall is None and m * facts.top_k >= MODELOPT_TALL_MIN_ROUTES * facts.num_experts:
             tall = True
@@ -477,9 +478,9 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide or mixed,
-                  facts.weights.layout, promote, producer)
+                  facts.weights.layout, promote, producer, tall_wide)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide,
-                  facts.weights.layout, promote, producer)
+                  facts.weights.layout, promote, producer, tall_wide)
     if not p1.mainloop == p2.mainloop == Mainloop.WGMMA.value:
         return None
     packing_block = None

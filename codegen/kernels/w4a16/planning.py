@@ -151,7 +151,8 @@ WGMMA_ARCHS = ("sm_90a",)
 # Registers per thread of the built sm_90a cubins by (block, tile_n) (`cuteaot inspect`); the
 # runtime re-checks co-residency with the real count, this only sizes the planned grid.
 WGMMA_REGISTERS_SM90 = {(16, 256): 178, (16, 128): 111, (32, 256): 188, (32, 128): 116, (48, 256): 223,
-                        (48, 128): 132, (64, 256): 220, (64, 128): 136, (128, 128): 228, (256, 128): 221}
+                        (48, 128): 132, (64, 256): 220, (64, 128): 136, (128, 128): 228, (128, 256): 232,
+                        (256, 128): 221}
 # The same for NVFP4 read as stored (layout "modelopt"): its decode holds six words per 16-row block
 # (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).  The short
 # blocks' counts are ptxas's at 4 / 4 / 3 CTAs an SM, the gated FC1 epilogue's or the plain one's, whichever is
@@ -172,6 +173,15 @@ WGMMA_SHORT_MAX_TILE_N = 128
 # the layer's time (Qwen3-30B, GLM-4.5-Air, Qwen3-235B tp4, Nemotron-3-Nano), 32-row blocks 0.87-0.98x (Nemotron
 # 1.004-1.006), 16-row blocks 1.10-1.19x: those stay on the mma.sync loop.
 MODELOPT_WGMMA_SHORT_BLOCKS = (32, 48)
+# 128-row blocks of the standalone GEMM on the 256-wide tile (two warpgroups, each 128 weight rows x the
+# block's tokens; the knob "tallwide"): per 64-k stage a CTA stages 16 KiB of activations for 256 weight
+# rows instead of 128, so the gathered activations are read from L2 half as often, but one CTA holds the
+# SM (232 registers x 256 threads) and nothing hides its fill and epilogue.  A/B on the H200
+# (compare_layer, identical operands, docs/benchmarks.md "128-row blocks on the 256-wide tile"): 0.93-0.97x
+# the layer's time with long K or many tiles (Mixtral M = 512, GLM-4.5-Air 2048, Qwen3-30B and Qwen3-235B
+# tp4 8192), 1.003-1.03x elsewhere (six stages instead of four: no better), so it is measured per layer
+# shape, and the rule never takes it.
+WGMMA_TALL_WIDE_TILE = False
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
@@ -209,15 +219,16 @@ WGMMA_WIDE_MIN_K = 1024
 # sizes a decode launch's grid to the larger GEMM's whole tiles instead of FC1's, so that FC2 keeps its
 # narrower tiles and spreads over more SMs (fused_planning._decode_grid); a seventh, "topksum", has a
 # packed plan's FC2 add the routes' rows into the output itself (no top-k sum kernel), and an eighth,
-# "splitsum", the FC2 GEMM of a layer run as two GEMMs (measured slower from M = 512: recorded nowhere).
+# "splitsum", the FC2 GEMM of a layer run as two GEMMs (measured slower from M = 512: recorded nowhere); a
+# ninth, "tallwide", the standalone GEMMs' 128-row blocks on the 256-wide tile (WGMMA_TALL_WIDE_TILE).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum")
+MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
-          "onewave": "measured", "topksum": "measured", "splitsum": "measured"}
+          "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured"}
 
 
 @functools.cache
@@ -289,8 +300,12 @@ def estimated_registers(tile: TileConfig, moe_block_size: int) -> int:
 
 @functools.cache
 def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
-               profile: DeviceProfile, layout: str = "packed") -> tuple[TileConfig | None, str | None]:
-    """The widest wgmma tile that runs this GEMM on `profile`, or (None, why not)."""
+               profile: DeviceProfile, layout: str = "packed",
+               two_warpgroups: bool = False) -> tuple[TileConfig | None, str | None]:
+    """The widest wgmma tile that runs this GEMM on `profile`, or (None, why not).
+
+    two_warpgroups: 128-row blocks may take the 256-wide tile on two warpgroups (the standalone GEMM
+    where WGMMA_TALL_WIDE_TILE says so); otherwise their tile is one warpgroup's, 128 wide."""
     if profile.arch not in WGMMA_ARCHS:
         return None, f"{profile.name} ({profile.arch}) has no warpgroup MMA"
     if moe_block_size not in WGMMA_BLOCK_SIZES:
@@ -305,6 +320,8 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
                           f"only (measured: MODELOPT_WGMMA_SHORT_BLOCKS)")
         tiles = tuple(t for t in tiles if t.tile_n <= WGMMA_SHORT_MAX_TILE_N)
     if layout == "modelopt":
+        tiles = tuple(t for t in tiles if t.tile_n <= 128)
+    if moe_block_size == WGMMA_TALL_BLOCK and not two_warpgroups:
         tiles = tuple(t for t in tiles if t.tile_n <= 128)
     for tile in tiles:
         if (n_tiles_fit(n, tile.tile_n) and k % tile.tile_k == 0
@@ -332,7 +349,7 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
                         registers: int) -> int:
     """Co-resident wgmma CTAs per SM (registers, shared memory, threads), lowered for small problems."""
     unit = _REGISTER_UNIT_PER_THREAD
-    threads = wgmma_threads(moe_block_size)
+    threads = wgmma_threads(moe_block_size, tile)
     per_block = -(-registers // unit) * unit * threads
     smem = wgmma_shared_memory_footprint(moe_block_size, tile) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
     limit = max(min(profile.registers_per_sm // per_block, profile.shared_memory_per_sm // smem,
@@ -345,7 +362,7 @@ def wgmma_blocks_per_sm(m: int, n: int, top_k: int, moe_block_size: int, tile: T
 def wgmma_ws_blocks_per_sm(moe_block_size: int, tile: TileConfig, profile: DeviceProfile) -> int:
     """Co-resident producer-warpgroup CTAs per SM: shared memory and threads (registers are split by setmaxnreg
     from what that count leaves, geometry.wgmma_ws_compute_registers)."""
-    threads = wgmma_threads(moe_block_size) + PRODUCER_THREADS
+    threads = wgmma_threads(moe_block_size, tile) + PRODUCER_THREADS
     smem = (wgmma_ws_layout(moe_block_size, tile, WGMMA_WS_STAGES[moe_block_size]).footprint
             + _RESIDENT_SHARED_MEMORY_PER_BLOCK)
     return max(min(profile.shared_memory_per_sm // smem, profile.max_threads_per_sm // threads), 1)
@@ -556,6 +573,7 @@ def plan_gemm(
     short: bool | None = None,
     promote: bool | None = None,
     producer: bool | None = None,
+    tall_wide: bool | None = None,
 ) -> GemmPlan:
     """Plan the grouped GEMM of m tokens x top_k routes against (N, K) expert weights.
 
@@ -571,6 +589,8 @@ def plan_gemm(
     one packing).  layout: the weights' ("modelopt": 128-wide wgmma tiles and their register counts).
     short: 16-, 32- and 48-row blocks on the wgmma loop (True) or the mma.sync loop (None: WGMMA_SHORT).
     promote: 16-row wgmma blocks where the rule packs 8-row ones (`promoted_block`).
+    tall_wide: 128-row blocks on the 256-wide tile of two warpgroups where N fits it (None:
+    WGMMA_TALL_WIDE_TILE).
     producer: 128- and 256-row packed blocks on the wgmma loop with a producer warpgroup, where the grid
     keeps its full CTA count (its register split assumes it); None / False: the plain loop.
     """
@@ -593,7 +613,8 @@ def plan_gemm(
     producer_warp = False
     wg_tile = None
     if pinned_tile is None and on_wgmma(block, short):
-        wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout)[0]
+        two_warpgroups = WGMMA_TALL_WIDE_TILE if tall_wide is None else tall_wide
+        wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout, two_warpgroups)[0]
     if wg_tile is not None:
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
         registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
@@ -674,11 +695,11 @@ def _check_pinned(m, n, k, top_k, block, scale_format, profile, tile, registers,
 
 def plan_for(m: int, n: int, k: int, top_k: int, num_experts: int, profile, tall: bool | None = None,
              wide: bool | None = None, layout: str = "packed", promote: bool | None = None,
-             producer: bool | None = None) -> GemmPlan:
+             producer: bool | None = None, tall_wide: bool | None = None) -> GemmPlan:
     """The launch plan for logical sizes n x k: planned on the zero-padded stored sizes."""
     n_stored, k_stored = stored_dims(n, k)
     return plan_gemm(m, n_stored, k_stored, top_k, num_experts, profile, scale_format="e4m3_k16", tall=tall,
-                     wide=wide, layout=layout, promote=promote, producer=producer)
+                     wide=wide, layout=layout, promote=promote, producer=producer, tall_wide=tall_wide)
 
 
 def gemm_spec_for(plan: GemmPlan, dtype: DType, n: int, k: int, top_k: int, *, a_per_route: bool,

@@ -61,6 +61,13 @@ column group w // 4, part w % 4, so the addressing above holds as written; a thr
 one 16-row block takes the odd bytes of its scale word for odd parts.  Each decoded
 weight fragment then feeds 256 tokens instead of 128: half the decode per MAC again,
 with the same shared-memory traffic per MAC as the 128-row tile.  Row variants step by 64.
+
+128-row blocks on the 256-wide tile (`planning.WGMMA_TALL_WIDE_TILE`) run two warpgroups too:
+warpgroup g takes slabs 2g and 2g + 1 (nw = 2 wgmma m64n128k16 per 16-k row, 128 accumulator
+floats per thread), warp w of the CTA is column group w // 2, part w % 2, exactly the 128-wide
+tile's one-warpgroup addressing laid twice side by side.  A stage then holds 16 KiB of
+activations for 256 weight rows (the 128-wide tile: for 128), so the gathered activations are
+read from L2 half as often per MAC.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from .geometry import (
     PRODUCER_THREADS,
     WGMMA_BLOCK_SIZES,
     WGMMA_WS_BLOCKS,
+    WGMMA_WS_TILE,
     tile_count,
     wgmma_out_row_bytes,
     wgmma_threads,
@@ -266,13 +267,14 @@ class GemmSpec(SpecKey):
                 )
 
         if self.producer_warp is not None:
-            wanted = (True, Mainloop.WGMMA, "packed", True)
-            given = (self.producer_warp, self.mainloop, self.layout, self.moe_block_size in WGMMA_WS_BLOCKS)
+            wanted = (True, Mainloop.WGMMA, "packed", True, WGMMA_WS_TILE)
+            given = (self.producer_warp, self.mainloop, self.layout, self.moe_block_size in WGMMA_WS_BLOCKS, self.tile)
             if given != wanted:
                 raise BadInputError(
-                    f"producer_warp must be None or True, for the wgmma loop on packed weights and "
-                    f"{WGMMA_WS_BLOCKS}-row blocks; got {self.producer_warp!r}, mainloop {self.mainloop.value}, "
-                    f"layout {self.layout}, {self.moe_block_size}-row blocks")
+                    f"producer_warp must be None or True, for the wgmma loop on packed weights, "
+                    f"{WGMMA_WS_BLOCKS}-row blocks and the {WGMMA_WS_TILE.tile_n}-wide tile; got {self.producer_warp!r}, "
+                    f"mainloop {self.mainloop.value}, layout {self.layout}, {self.moe_block_size}-row blocks, "
+                    f"tile {self.tile_n}x{self.tile_k}")
 
         act_facts = (self.fast_math, self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit)
         if self.epilogue.is_gated:
@@ -348,7 +350,7 @@ class GemmSpec(SpecKey):
     @property
     def compute_threads(self) -> int:
         """Threads that decode, multiply and store (every thread but the producer warpgroup)."""
-        return wgmma_threads(self.moe_block_size) if self.mainloop is Mainloop.WGMMA else self.tile.threads
+        return wgmma_threads(self.moe_block_size, self.tile) if self.mainloop is Mainloop.WGMMA else self.tile.threads
 
     @property
     def m_blocks(self) -> int:

@@ -91,15 +91,20 @@ WGMMA_TALL_BLOCK = 128
 
 # 256-row blocks: two warpgroups per CTA share each staged activation tile, each computing 64 of
 # the tile's 128 weight rows for all 256 tokens (accumulators: 128 floats per thread, as the
-# 128-row block's one warpgroup over 128 weight rows).
+# 128-row block's one warpgroup over 128 weight rows).  128-row blocks on the 256-wide tile take two
+# warpgroups too, each computing 128 of its weight rows for the 128 tokens.
 WGMMA_WIDE_BLOCK = 256
 
 WGMMA_THREADS = 128  # one warpgroup
+# accumulator floats per thread a warpgroup holds at most (tile_n / 64 wgmma of N = B tokens: B / 2 each)
+WGMMA_ACC_FLOATS = 128
 
 
-def wgmma_threads(moe_block_size: int) -> int:
-    """Threads of a wgmma CTA: one warpgroup, two for the 256-row block."""
-    return 2 * WGMMA_THREADS if moe_block_size == WGMMA_WIDE_BLOCK else WGMMA_THREADS
+def wgmma_threads(moe_block_size: int, tile: TileConfig) -> int:
+    """Threads of a wgmma CTA: as many warpgroups as keep each thread's accumulators within
+    WGMMA_ACC_FLOATS (one; two for the 256-row block and for the 128-row block on the 256-wide tile)."""
+    acc = tile.tile_n // 64 * moe_block_size // 2
+    return WGMMA_THREADS * max(1, acc // WGMMA_ACC_FLOATS)
 
 WGMMA_SMEM_ALIGN = 1024  # a 128B-swizzle atom (8 rows x 128 bytes) starts 1024-aligned
 
@@ -197,18 +202,23 @@ class WgmmaWsLayout:
     footprint: int
 
 
+# the producer form runs the 128-wide tile only
+WGMMA_WS_TILE = TileConfig(64, 128)
+
+
 def wgmma_ws_launch_registers(moe_block_size: int, blocks_per_sm: int, registers_per_sm: int = 65536) -> int:
     """Registers per thread of the producer-warpgroup kernel at launch: what blocks_per_sm CTAs of its
     threads leave each, in multiples of 8 (ptxas compiles it to this count: min blocks per SM)."""
-    return registers_per_sm // (blocks_per_sm * (wgmma_threads(moe_block_size) + PRODUCER_THREADS)) // 8 * 8
+    threads = wgmma_threads(moe_block_size, WGMMA_WS_TILE) + PRODUCER_THREADS
+    return registers_per_sm // (blocks_per_sm * threads) // 8 * 8
 
 
 def wgmma_ws_compute_registers(moe_block_size: int, blocks_per_sm: int, registers_per_sm: int = 65536) -> int:
     """Registers per compute thread after setmaxnreg: what the CTA holds at launch less the producer's
     PRODUCER_REGISTERS."""
-    threads = wgmma_threads(moe_block_size) + PRODUCER_THREADS
+    compute = wgmma_threads(moe_block_size, WGMMA_WS_TILE)
     at_launch = wgmma_ws_launch_registers(moe_block_size, blocks_per_sm, registers_per_sm)
-    return min((threads * at_launch - PRODUCER_THREADS * PRODUCER_REGISTERS) // wgmma_threads(moe_block_size) // 8 * 8,
+    return min(((compute + PRODUCER_THREADS) * at_launch - PRODUCER_THREADS * PRODUCER_REGISTERS) // compute // 8 * 8,
                256)
 
 
@@ -228,11 +238,11 @@ def wgmma_ws_layout(moe_block_size: int, tile: TileConfig, stages: int) -> Wgmma
 def wgmma_tiles(moe_block_size: int) -> tuple[TileConfig, ...]:
     """The wgmma tiles a block size can use, widest first.
 
-    The accumulators are tile_n / 64 * B / 2 floats per warpgroup thread: 128-row blocks keep them
-    at 128 with the 128-wide tile (256 would need 256 registers for them alone), and so do 256-row
-    blocks, whose tile has one warpgroup per 64 weight rows.
+    The accumulators are tile_n / 64 * B / 2 floats per warpgroup thread, at most WGMMA_ACC_FLOATS:
+    128-row blocks take the 256-wide tile on two warpgroups (`wgmma_threads`), 256-row blocks the
+    128-wide one on two.
     """
-    if moe_block_size in (WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK):
+    if moe_block_size == WGMMA_WIDE_BLOCK:
         return WGMMA_TILES[1:]
     return WGMMA_TILES if moe_block_size in WGMMA_BLOCK_SIZES else ()
 
