@@ -203,29 +203,66 @@ def scale_halves_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint3
 # as stored").
 
 
+def _modelopt_word_plan(dtype: DType) -> tuple:
+    """The cheapest merge plan of `modelopt_word_ptx`: two groups of two pairs, each group with the shift t of
+    its magnitude fields (its sign fields take t + d, d = where the pair's sign bit sits above its magnitude
+    field, less 3), then per pair the shift s_j that brings its fields onto the split-nibble decode's bits.
+    Valid where, for both codes j, j + 4 of each pair of a group, no field leaves the word and no sign field
+    lands on a magnitude field.  Cost: shifts that are not 0, one select per group, one mask per pair."""
+    low = {DType.BF16: 6, DType.FP16: 9}[dtype]  # lowest magnitude bit of the element
+    d = 15 - low - 3
+    best = None
+    for first in ((0, 1), (0, 2), (0, 3)):
+        groups = (first, tuple(j for j in range(4) if j not in first))
+        plan, cost = [], 0
+        for group in groups:
+            options = []
+            for t in range(-31, 32):
+                mags = {4 * c + b + t for j in group for c in (j, j + 4) for b in range(3)}
+                signs = {4 * c + 3 + t + d for j in group for c in (j, j + 4)}
+                if all(0 <= p < 32 for p in mags | signs) and not mags & signs:
+                    shifts = {j: low - 4 * j - t for j in group}
+                    options.append(((t != 0) + (t + d != 0) + sum(v != 0 for v in shifts.values()), t, shifts))
+            if not options:
+                break
+            c, t, shifts = min(options, key=lambda o: (o[0], abs(o[1])))
+            plan.append((group, t, shifts))
+            cost += c
+        else:
+            if best is None or cost < best[0]:
+                best = (cost, tuple(plan))
+    return best[1]
+
+
 def modelopt_word_ptx(dtype: DType) -> str:
     """PTX of `dequant_e2m1_codes_*`: $4 = the word; $0..$3 = pairs (code j, code j + 4).
 
-    Codes j and j + 4 sit 16 bits apart, on the same bits of the two halves: one left or right
-    shift per field brings both signs onto the pair's sign bits (15, 31) and another both
-    magnitudes onto the split-nibble decode's bits (bf16 8..6 / 24..22, fp16 11..9 / 27..25),
-    each masked; no byte moves (left shifts may go to IMAD.SHL, off the integer ALU pipe)."""
+    Codes j and j + 4 sit 16 bits apart, on the same bits of the two halves, so one shift moves a pair's
+    fields together.  A pair's sign must land 15 - low bits above its magnitude field (bf16: 9, fp16: 6)
+    but sits 3 above it in the word, so the word is first merged per group of two pairs
+    (`_modelopt_word_plan`): magnitudes from x << t, signs from x << (t + d), one lop3 select; then each pair
+    is one shift (none for one pair of a group) and one mask.  11 instructions for 8 weights, the left
+    shifts off the integer ALU (IMAD.SHL), as the packed word's decode."""
     mag = _E2M1_MAG_MASK[dtype]
-    low = {DType.BF16: 6, DType.FP16: 9}[dtype]  # lowest magnitude bit of the element
+    low = {DType.BF16: 6, DType.FP16: 9}[dtype]
+    d = 15 - low - 3
 
-    def shifted(reg: str, by: int, lines: list) -> str:
+    def shifted(dst: str, src: str, by: int, lines: list) -> str:
         if by == 0:
-            return "$4"
-        lines.append(f"shl.b32 {reg}, $4, {by};" if by > 0 else f"shr.b32 {reg}, $4, {-by};")
-        return reg
+            return src
+        lines.append(f"shl.b32 {dst}, {src}, {by};" if by > 0 else f"shr.b32 {dst}, {src}, {-by};")
+        return dst
 
     lines: list[str] = []
-    for j in range(4):
-        sign = shifted("s", 12 - 4 * j, lines)  # code bit 3 (at 4j + 3) -> 15
-        magnitude = shifted("t", low - 4 * j, lines)  # code bits 0..2 (at 4j) -> low .. low + 2
-        lines += [f"and.b32 s, {sign}, {_SIGN_BITS:#010x};", f"and.b32 t, {magnitude}, {mag:#010x};",
-                  f"or.b32 ${j}, s, t;"]
-    return "{\n .reg .b32 s, t;\n " + "\n ".join(lines) + "\n}"
+    for g, (group, t, shifts) in enumerate(_modelopt_word_plan(dtype)):
+        mag_bits = sum(1 << (4 * c + b + t) for j in group for c in (j, j + 4) for b in range(3))
+        a = shifted("a", "$4", t, lines)
+        b = shifted("b", "$4", t + d, lines)
+        lines.append(f"lop3.b32 c{g}, {a}, {b}, {mag_bits:#010x}, 0xe4;")  # (a & m) | (b & ~m)
+        for j in group:
+            src = shifted("a", f"c{g}", shifts[j], lines)
+            lines.append(f"and.b32 ${j}, {src}, {_SIGN_BITS | mag:#010x};")
+    return "{\n .reg .b32 a, b, c0, c1;\n " + "\n ".join(lines) + "\n}"
 
 
 @dsl_user_op

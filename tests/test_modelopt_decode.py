@@ -59,6 +59,15 @@ def test_e2m1_byte_decode_keeps_the_stored_k_order(dtype):
         assert bad.size == 0, f"byte {b} of {words[bad[0]]:#010x}: got {pair[bad[0]]:#010x}, want {expected[bad[0]]:#010x}"
 
 
+def test_lop3_reference_reads_the_table_as_ptx_defines_it():
+    """immLut = F(0xF0, 0xCC, 0xAA) for operands a, b, c: 0xE4 selects a where c is set, else b; 0x96 is a ^ b ^ c."""
+    a, b, c = (np.array([x], dtype=np.uint64) for x in (0x12345678, 0x9ABCDEF0, 0x0F0F00FF))
+    for lut, want in ((0xE4, (0x12345678 & 0x0F0F00FF) | (0x9ABCDEF0 & ~0x0F0F00FF & 0xFFFFFFFF)),
+                      (0x96, 0x12345678 ^ 0x9ABCDEF0 ^ 0x0F0F00FF), (0x80, 0x12345678 & 0x9ABCDEF0 & 0x0F0F00FF)):
+        ptx = "{\n lop3.b32 $0, $1, $2, $3, " + f"{lut:#04x}" + ";\n}"
+        assert int(run(ptx, {1: a, 2: b, 3: c}, 1)[0][0]) == want
+
+
 def test_pair_halves_is_the_activation_relabelling():
     """prmt 0x5410 / 0x7632 pair two registers' low / high halves (the activations' (k, k + 4) pairs)."""
     a, b = np.uint64(0x22221111), np.uint64(0x44443333)

@@ -92,6 +92,14 @@ def run(ptx: str, inputs: dict[int, np.ndarray], outputs: int) -> list[np.ndarra
             env[d] = val(args[1]) & val(args[2])
         elif op == "or.b32":
             env[d] = val(args[1]) | val(args[2])
+        elif op == "lop3.b32":  # bit i of the result = bit (a_i << 2 | b_i << 1 | c_i) of the table
+            a, b, c, lut = val(args[1]), val(args[2]), val(args[3]), int(args[4], 0)
+            out = np.zeros_like(a + b + c)
+            for i in range(8):
+                if lut >> i & 1:
+                    sel = [x if i >> (2 - n) & 1 else ~x & _M32 for n, x in enumerate((a, b, c))]
+                    out |= sel[0] & sel[1] & sel[2]
+            env[d] = out & _M32
         elif op == "prmt.b32":
             env[d] = _prmt(val(args[1]), val(args[2]), val(args[3]))
         elif op == "cvt.rn.f16x2.e4m3x2":
