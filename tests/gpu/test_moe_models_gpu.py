@@ -100,7 +100,7 @@ def test_gpt_oss_mxfp4_with_biases_matches_reference(bundle, name):
 
 
 # token counts at which a layer may run 128-row blocks (the measured "tallwide" ranges lie among them)
-TALL_TOKENS = (512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+TALL_TOKENS = (384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
 def _two_warpgroup_tall(resolved) -> bool:
