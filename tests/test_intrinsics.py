@@ -177,10 +177,12 @@ def test_wgmma_gemm_kernel_compiles():
     # (16- to 48-row blocks: wgmma N = the block, the 128-wide tile at up to 4 CTAs an SM)
     for dtype, kind, block, tile_n, per_sm in (("bf16", "bf16", 64, 256, 2), ("fp16", "f16", 64, 128, 3),
                                                ("bf16", "bf16", 128, 128, 2), ("bf16", "bf16", 256, 128, 1),
-                                               ("bf16", "bf16", 16, 128, 4), ("fp16", "f16", 48, 128, 3)):
+                                               ("bf16", "bf16", 16, 128, 4), ("fp16", "f16", 48, 128, 3),
+                                               ("bf16", "bf16", 128, 256, 1)):
         spec = GemmSpec(dtype=dtype, n=512, k=512, top_k=2, tile_n=tile_n, tile_k=64, moe_block_size=block,
                         blocks_per_sm=per_sm, mul_topk_weights=True, mainloop="wgmma")
-        threads = 256 if block == 256 else 128  # 256-row blocks: two warpgroups
+        threads = 256 if block * tile_n == 256 * 128 else 128  # 256-row blocks, 128 x 256: two warpgroups
+        assert spec.threads == threads
         ptx = _compiled_ptx(spec, threads, per_sm)
         # 128- and 256-row blocks: one main loop per row variant (the valid rows pick the narrowest N
         # covering them), in steps of 32 and 64
@@ -229,9 +231,13 @@ def test_wgmma_spec_is_validated():
     with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # wgmma N = 8 is not built
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=8,
                  blocks_per_sm=2, mainloop="wgmma")
-    with pytest.raises(BadInputError, match="mainloop=wgmma implements"):  # 128 rows x 256 columns
+    # 128 rows x 256 columns: two warpgroups (the measured "tallwide" choice), never with a producer warpgroup
+    two = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=128,
+                   blocks_per_sm=1, mainloop="wgmma")
+    assert two.threads == 256 and two.shared_bytes == 2064 + 1024 + 4 * (16384 + 8192 + 1024)
+    with pytest.raises(BadInputError, match="producer_warp must be None or True"):
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=256, tile_k=64, moe_block_size=128,
-                 blocks_per_sm=2, mainloop="wgmma")
+                 blocks_per_sm=1, mainloop="wgmma", producer_warp=True)
     with pytest.raises(BadInputError, match="moe_block_size must be one of"):  # mma.sync: no 128, no 256
         GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=128, tile_k=64, moe_block_size=128, blocks_per_sm=2)
     with pytest.raises(BadInputError, match="moe_block_size must be one of"):
