@@ -74,8 +74,10 @@ def test_kernels_match_what_the_planner_chose(bundle_dir):
     fc1 = records[entry.launch(16384).kernels["fc1"]]  # the build compiled FC1's gated (silu) epilogue
     assert fc1["facts"]["epilogue"] == "silu" and fc1["facts"]["fast_math"] is True
     # ... on 256-row route blocks (two warpgroups, 256 threads) where measured faster (from M = 11586,
-    # measured_blocks.json "wide"), on 128-row blocks (one warpgroup) below
-    for m, block, threads in ((16384, 256, 256), (11586, 256, 256), (11585, 128, 128), (4096, 128, 128)):
+    # measured_blocks.json "wide"), on 128-row blocks below: on the 256-wide tile of two warpgroups where that
+    # measured faster ("tallwide": 5017-12288), else one warpgroup
+    for m, block, threads in ((16384, 256, 256), (11586, 256, 256), (11585, 128, 256), (5017, 128, 256),
+                              (5016, 128, 128), (4096, 128, 128)):
         for role in ("fc1", "fc2"):
             record = records[entry.launch(m).kernels[role]]
             assert (record["facts"]["moe_block_size"], record["block"][0]) == (block, threads), (m, role)
