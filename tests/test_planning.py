@@ -547,3 +547,6 @@ def test_tall_blocks_take_the_256_wide_tile_on_two_warpgroups_where_asked(monkey
     monkeypatch.setitem(planning.POLICY, "tallwide", "always")
     assert [(p.plan.tile, p.spec.threads) for p in split_layer(2048, facts, H200)] == [(wide, 256)] * 2
     assert plan_fused(2048, 2048, 768, 128, 8, True, H200, tall=True).fc1_tile.tile_n == 128
+    # both knobs asked: the producer form keeps out of the 256-wide tile (its spec would refuse it)
+    both = plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16, tall_wide=True, producer=True)
+    assert (both.tile, both.producer_warp) == (wide, False)

@@ -39,6 +39,7 @@ from cuteaot.runtime.kernels.w4a16.geometry import (
     WGMMA_BLOCK_SIZES,
     WGMMA_WS_BLOCKS,
     WGMMA_WS_STAGES,
+    WGMMA_WS_TILE,
     WGMMA_SHORT_BLOCKS,
     WGMMA_TALL_BLOCK,
     WGMMA_WIDE_BLOCK,
@@ -620,7 +621,7 @@ def plan_gemm(
         registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
         mainloop, tile, used_registers = "wgmma", wg_tile, registers[(block, wg_tile.tile_n)]
         per_sm = wgmma_blocks_per_sm(m, n, top_k, block, tile, profile, used_registers)
-        if producer and block in WGMMA_WS_BLOCKS and layout == "packed":
+        if producer and block in WGMMA_WS_BLOCKS and layout == "packed" and tile == WGMMA_WS_TILE:
             ws_per_sm = wgmma_ws_blocks_per_sm(block, tile, profile)
             if per_sm == ws_per_sm:
                 producer_warp = True
