@@ -31,6 +31,8 @@ preparation multiplies the per-expert global scale by 2**103 / 2**7 to undo it
 
 from __future__ import annotations
 
+import functools
+
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import Float32, Int32, Int64, T, Uint32, dsl_user_op
 
@@ -203,6 +205,7 @@ def scale_halves_s0e5m3_f16(q: Uint32, byte: int, *, loc=None, ip=None) -> Uint3
 # as stored").
 
 
+@functools.cache
 def _modelopt_word_plan(dtype: DType) -> tuple:
     """The cheapest merge plan of `modelopt_word_ptx`: two groups of two pairs, each group with the shift t of
     its magnitude fields (its sign fields take t + d, d = where the pair's sign bit sits above its magnitude
@@ -234,6 +237,7 @@ def _modelopt_word_plan(dtype: DType) -> tuple:
     return best[1]
 
 
+@functools.cache
 def modelopt_word_ptx(dtype: DType) -> str:
     """PTX of `dequant_e2m1_codes_*`: $4 = the word; $0..$3 = pairs (code j, code j + 4).
 

@@ -528,9 +528,9 @@ def test_tall_blocks_take_the_256_wide_tile_on_two_warpgroups_where_asked(monkey
 
     wide, narrow = WGMMA_TILES
     assert [wgmma_threads(b, t) for b, t in ((64, wide), (128, narrow), (128, wide), (256, narrow))] == [128, 128, 256, 256]
-    assert planning.wgmma_tile(1536, 2048, 128, K16, H200, two_warpgroups=True) == (wide, None)
+    assert planning.wgmma_tile(1536, 2048, 128, K16, H200, tall_wide=True) == (wide, None)
     assert planning.wgmma_tile(1536, 2048, 128, K16, H200) == (narrow, None)
-    assert planning.wgmma_tile(5760, 2944, 128, K16, H200, two_warpgroups=True) == (narrow, None)  # 5760 % 256 = 128
+    assert planning.wgmma_tile(5760, 2944, 128, K16, H200, tall_wide=True) == (narrow, None)  # 5760 % 256 = 128
     assert plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16).tile == narrow  # the rule
     plan = plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16, tall_wide=True)
     assert (plan.moe_block_size, plan.tile, plan.blocks_per_sm, plan.grid_x) == (128, wide, 1, H200.sm_count)

@@ -15,7 +15,7 @@ import torch
 from cuteaot.runtime import load_bundle, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
 from cuteaot.runtime.errors import BadInputError, UnknownSpecializationError
 from cuteaot.runtime.moe import MoeLayer, run_w4a16_moe
-from tests.reference.moe import moe_reference
+from tests.reference.moe import moe_reference, skewed_topk_ids
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
 from tests.reference.nf3 import dequantize_nf3
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
@@ -324,13 +324,6 @@ def _gated_weights(model: Model, name: str):
             prepare_w2(*model.q2, model.dtype, bias=b2.cpu()).to("cuda"), b13, b2)
 
 
-def _skewed_ids(model: Model, m: int) -> torch.Tensor:
-    """Top-k ids where 80 % of the tokens put experts 0 and 1 first."""
-    logits = torch.rand(m, model.e, generator=model.g)
-    logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=model.g) < 0.8)
-    return logits.topk(model.top_k, dim=1).indices.to(torch.int32).cuda()
-
-
 @pytest.mark.parametrize("name", ["silu-bf16", "silu-fp16", "swigluoai-whole-bias"])
 def test_gated_fc1_epilogue(bundle, check, name):
     """Where the layer runs as two wgmma GEMMs, FC1's epilogue applies the activation to the gate and up
@@ -347,7 +340,7 @@ def test_gated_fc1_epilogue(bundle, check, name):
             assert r.launch.split and r.kernels["fc1"].spec.epilogue.value == model.activation, r.describe()
             x, w, ids = model.inputs(m)
             if skewed:
-                ids = _skewed_ids(model, m)
+                ids = skewed_topk_ids(m, model.e, model.top_k, model.g).cuda()
             out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
             ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
                                       on_input=on_input, **model.ref_kw)
@@ -369,7 +362,7 @@ def test_fc2_reads_fc1_wide_packing_as_narrow_blocks(bundle, check):
         assert r.kernels["fc2"].spec.moe_block_size == 128 and r.kernels["fc2"].spec.packing_block == 256
         x, w, ids = model.inputs(m)
         if skewed:
-            ids = _skewed_ids(model, m)
+            ids = skewed_topk_ids(m, model.e, model.top_k, model.g).cuda()
         out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
         ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation)
         check(out, ref, f"mixed M={m} skewed={skewed} ({r.describe()})", "mixed blocks")
@@ -402,7 +395,7 @@ def test_fused_kernel_activates_in_fc1(bundle, check, name):
             paths.add((r.decode, r.launch.route_block, r.kernels["fused"].spec.mainloop.value))
             x, w, ids = model.inputs(m)
             if skewed:
-                ids = _skewed_ids(model, m)
+                ids = skewed_topk_ids(m, model.e, model.top_k, model.g).cuda()
             out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
             ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, model.activation, b13=b13, b2=b2,
                                       on_input=bool(kw.get("router_weight_on_input")), **model.ref_kw)

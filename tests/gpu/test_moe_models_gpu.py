@@ -15,7 +15,7 @@ import torch
 
 from cuteaot.runtime import load_bundle, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
 from cuteaot.runtime.moe import MoeLayer
-from tests.reference.moe import moe_reference
+from tests.reference.moe import moe_reference, skewed_topk_ids
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
 from tests.reference.nvfp4 import dequantize_modelopt, random_nvfp4
 
@@ -52,30 +52,42 @@ def test_bundle_serves_every_listed_model(bundle):
     assert {row["problem"] for row in bundle.manifest["resolution"]} == set(PROBLEMS)
 
 
-def _assert_matches_reference(layer, label, g, h, e, top_k, act, w13_f, w2_f, **bias):
-    """Every M of TOKENS: fresh inputs, output poisoned, rel err <= 1e-2 against the float32 reference."""
+def _assert_matches_reference(layer, label, g, h, e, top_k, act, w13_f, w2_f, tokens=TOKENS, skewed=(False,),
+                              **bias):
+    """Every M of `tokens`, with uniform routing and (skewed) routing where 80 % of the tokens put experts 0 and 1
+    first: fresh inputs, output poisoned, rel err <= 1e-2 against the float32 reference."""
     worst = 0.0
-    for m in TOKENS:
-        x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-        ids = torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-        weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
-        out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}), **bias)
-        assert not out.isnan().any(), f"{label} M={m}: NaN in the output"
-        err = float((out.float() - ref).norm() / ref.norm())
-        assert err <= 1e-2, f"{label} M={m}: rel err {err:.2e}"
-        worst = max(worst, err)
-    print(f"\n{label:24s} worst rel err {worst:.2e} over M in {TOKENS}")
+    for m in tokens:
+        for skew in skewed:
+            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+            ids = (skewed_topk_ids(m, e, top_k, g) if skew
+                   else torch.rand(m, e, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32))
+            weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
+            out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
+            ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}), **bias)
+            where = f"{label} M={m} skewed={skew} ({layer.resolve(m).describe()})"
+            assert not out.isnan().any(), f"{where}: NaN in the output"
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert err <= 1e-2, f"{where}: rel err {err:.2e}"
+            worst = max(worst, err)
+    print(f"\n{label:24s} worst rel err {worst:.2e} over M in {tuple(tokens)}, skewed {skewed}")
+
+
+def _nvfp4_layer(bundle, name, g):
+    """The problem's MoeLayer on fresh random NVFP4 weights, and the dequantised (w13, w2) of the reference."""
+    h, i, e, top_k, act = PROBLEMS[name]
+    q13 = random_nvfp4(e, 2 * i if act != "relu2" else i, h, g)
+    q2 = random_nvfp4(e, h, i, g)
+    layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
+    return layer, dequantize_modelopt(*q13), dequantize_modelopt(*q2)
 
 
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_model_layer_matches_reference(bundle, name):
     h, i, e, top_k, act = PROBLEMS[name]
     g = torch.Generator(device="cuda").manual_seed(len(name))
-    q13 = random_nvfp4(e, 2 * i if act != "relu2" else i, h, g)
-    q2 = random_nvfp4(e, h, i, g)
-    layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
-    _assert_matches_reference(layer, name, g, h, e, top_k, act, dequantize_modelopt(*q13), dequantize_modelopt(*q2))
+    layer, w13_f, w2_f = _nvfp4_layer(bundle, name, g)
+    _assert_matches_reference(layer, name, g, h, e, top_k, act, w13_f, w2_f)
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b"])
@@ -115,25 +127,9 @@ def test_tall_blocks_on_two_warpgroups_match_reference(bundle, name):
     many full blocks there, part-filled ones elsewhere), output poisoned, against the float32 reference."""
     h, i, e, top_k, act = PROBLEMS[name]
     g = torch.Generator(device="cuda").manual_seed(7 * len(name))
-    q13 = random_nvfp4(e, 2 * i if act != "relu2" else i, h, g)
-    q2 = random_nvfp4(e, h, i, g)
-    layer = MoeLayer(bundle, prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16"), top_k=top_k, activation=act)
+    layer, w13_f, w2_f = _nvfp4_layer(bundle, name, g)
     ms = [m for m in TALL_TOKENS if _two_warpgroup_tall(layer.resolve(m))]
     if not ms:
         pytest.skip(f"{name}: no token count of {TALL_TOKENS} takes the two-warpgroup 128-row tile")
-    w13_f, w2_f = dequantize_modelopt(*q13), dequantize_modelopt(*q2)
-    for m in ms:
-        for skewed in (False, True):
-            x = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
-            logits = torch.rand(m, e, generator=g, device="cuda")
-            if skewed:
-                logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=g, device="cuda") < 0.8)
-            ids = logits.topk(top_k, dim=1).indices.to(torch.int32)
-            weights = torch.softmax(torch.randn(m, top_k, generator=g, device="cuda"), dim=1)
-            out = layer(x, weights, ids, out=torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            ref, _, _ = moe_reference(x, w13_f, w2_f, weights, ids, act, **(OAI if act == "swigluoai" else {}))
-            err = float((out.float() - ref).norm() / ref.norm())
-            label = f"{name} M={m} skewed={skewed} ({layer.resolve(m).describe()})"
-            assert not out.isnan().any(), f"{label}: NaN in the output"
-            assert err <= 1e-2, f"{label}: rel err {err:.2e}"
-            print(f"\n{label}: rel err {err:.2e}")
+    _assert_matches_reference(layer, f"{name} two warpgroups", g, h, e, top_k, act, w13_f, w2_f, tokens=ms,
+                              skewed=(False, True))

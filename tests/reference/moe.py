@@ -26,6 +26,14 @@ def activation_reference(h: torch.Tensor, activation: str, inter: int, alpha=Non
     return g * torch.sigmoid(alpha * g) * (u + beta)
 
 
+def skewed_topk_ids(m: int, experts: int, top_k: int, g: torch.Generator) -> torch.Tensor:
+    """(m, top_k) int32 expert ids on the generator's device where 80 % of the tokens put experts 0 and 1
+    first: a few experts with many route blocks, the others with part-filled ones."""
+    logits = torch.rand(m, experts, generator=g, device=g.device)
+    logits[:, :2] += 2.0 * (torch.rand(m, 1, generator=g, device=g.device) < 0.8)
+    return logits.topk(top_k, dim=1).indices.to(torch.int32)
+
+
 def moe_reference(x, w13, w2, topk_weights, topk_ids, activation: str, *, alpha=None, beta=None, limit=None,
                   on_input=False, local=None, expert_index=None, b13=None, b2=None):
     """x (M, H); w13 (E_w, N1, H), w2 (E_w, H, I) float32; ids (M, top_k) global expert ids.

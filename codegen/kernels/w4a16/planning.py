@@ -302,11 +302,11 @@ def estimated_registers(tile: TileConfig, moe_block_size: int) -> int:
 @functools.cache
 def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
                profile: DeviceProfile, layout: str = "packed",
-               two_warpgroups: bool = False) -> tuple[TileConfig | None, str | None]:
+               tall_wide: bool = False) -> tuple[TileConfig | None, str | None]:
     """The widest wgmma tile that runs this GEMM on `profile`, or (None, why not).
 
-    two_warpgroups: 128-row blocks may take the 256-wide tile on two warpgroups (the standalone GEMM
-    where WGMMA_TALL_WIDE_TILE says so); otherwise their tile is one warpgroup's, 128 wide."""
+    tall_wide: 128-row blocks may take the 256-wide tile on two warpgroups (the standalone GEMM where the
+    "tallwide" knob says so); otherwise their tile is one warpgroup's, 128 wide."""
     if profile.arch not in WGMMA_ARCHS:
         return None, f"{profile.name} ({profile.arch}) has no warpgroup MMA"
     if moe_block_size not in WGMMA_BLOCK_SIZES:
@@ -322,7 +322,7 @@ def wgmma_tile(n: int, k: int, moe_block_size: int, scale_format: "ScaleFormat",
         tiles = tuple(t for t in tiles if t.tile_n <= WGMMA_SHORT_MAX_TILE_N)
     if layout == "modelopt":
         tiles = tuple(t for t in tiles if t.tile_n <= 128)
-    if moe_block_size == WGMMA_TALL_BLOCK and not two_warpgroups:
+    if moe_block_size == WGMMA_TALL_BLOCK and not tall_wide:
         tiles = tuple(t for t in tiles if t.tile_n <= 128)
     for tile in tiles:
         if (n_tiles_fit(n, tile.tile_n) and k % tile.tile_k == 0
@@ -614,8 +614,8 @@ def plan_gemm(
     producer_warp = False
     wg_tile = None
     if pinned_tile is None and on_wgmma(block, short):
-        two_warpgroups = WGMMA_TALL_WIDE_TILE if tall_wide is None else tall_wide
-        wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout, two_warpgroups)[0]
+        tall_wide = WGMMA_TALL_WIDE_TILE if tall_wide is None else tall_wide
+        wg_tile = wgmma_tile(n, k, block, scale_format, profile, layout, tall_wide)[0]
     if wg_tile is not None:
         # 64-row blocks on sm_90a: the warpgroup-MMA loop (the mma.sync loop is issue-bound there)
         registers = WGMMA_REGISTERS_SM90_MODELOPT if layout == "modelopt" else WGMMA_REGISTERS_SM90
