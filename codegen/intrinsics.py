@@ -818,40 +818,52 @@ def st_shared_v4_f32(addr: Int32, v0: Float32, v1: Float32, v2: Float32, v3: Flo
 # ----------------------------------------------------------------------------- async copies
 
 
+def _l2_prefetch(nbytes: int) -> str:
+    """The `.L2::<n>B` qualifier of a cp.async that also has L2 fetch `nbytes` around its source (0: none)."""
+    assert nbytes in (0, 64, 128, 256), nbytes
+    return f".L2::{nbytes}B" if nbytes else ""
+
+
 @dsl_user_op
-def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
-    """16-byte global -> shared copy, bypassing L1 (`cp.async.cg`)."""
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, l2_prefetch: int = 0, loc=None, ip=None) -> None:
+    """16-byte global -> shared copy, bypassing L1 (`cp.async.cg`); `l2_prefetch` bytes (64, 128, 256) of the
+    aligned block around the source are brought into L2 with it."""
     _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr)], loc, ip),
-         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", effects=True, loc=loc, ip=ip)
+         f"cp.async.cg.shared.global{_l2_prefetch(l2_prefetch)} [$0], [$1], 16;", "r,l", effects=True, loc=loc, ip=ip)
 
 
-def _cp_async_zfill(cache: str, nbytes: int, smem_addr, gmem_addr, pred, loc, ip) -> None:
+def _cp_async_zfill(cache: str, nbytes: int, smem_addr, gmem_addr, pred, loc, ip, l2_prefetch: int = 0) -> None:
     """`cp.async.<cache>` of nbytes when pred != 0, else nbytes zero bytes written and nothing read (src-size 0)."""
     _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr), Int32(pred)], loc, ip),
          "{\n .reg .pred p;\n .reg .b32 n;\n setp.ne.b32 p, $2, 0;\n"
-         f" selp.b32 n, {nbytes}, 0, p;\n cp.async.{cache}.shared.global [$0], [$1], {nbytes}, n;\n}}",
+         f" selp.b32 n, {nbytes}, 0, p;\n"
+         f" cp.async.{cache}.shared.global{_l2_prefetch(l2_prefetch)} [$0], [$1], {nbytes}, n;\n}}",
          "r,l,r", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def cp_async_16_zfill(smem_addr: Int32, gmem_addr: Int64, pred: Int32, *, loc=None, ip=None) -> None:
+def cp_async_16_zfill(smem_addr: Int32, gmem_addr: Int64, pred: Int32, *, l2_prefetch: int = 0, loc=None,
+                      ip=None) -> None:
     """16-byte copy when pred != 0, else writes 16 zero bytes and reads nothing (src-size 0)."""
-    _cp_async_zfill("cg", 16, smem_addr, gmem_addr, pred, loc, ip)
+    _cp_async_zfill("cg", 16, smem_addr, gmem_addr, pred, loc, ip, l2_prefetch)
 
 
 @dsl_user_op
-def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+def cp_async_ca(smem_addr: Int32, gmem_addr: Int64, nbytes: int, *, l2_prefetch: int = 0, loc=None,
+                ip=None) -> None:
     """4-, 8- or 16-byte global -> shared copy through L1 (`cp.async.ca`; .cg takes 16 bytes only)."""
     assert nbytes in (4, 8, 16), nbytes
     _asm(0, None, _ir([Int32(smem_addr), Int64(gmem_addr)], loc, ip),
-         f"cp.async.ca.shared.global [$0], [$1], {nbytes};", "r,l", effects=True, loc=loc, ip=ip)
+         f"cp.async.ca.shared.global{_l2_prefetch(l2_prefetch)} [$0], [$1], {nbytes};", "r,l", effects=True,
+         loc=loc, ip=ip)
 
 
 @dsl_user_op
-def cp_async_ca_zfill(smem_addr: Int32, gmem_addr: Int64, nbytes: int, pred: Int32, *, loc=None, ip=None) -> None:
+def cp_async_ca_zfill(smem_addr: Int32, gmem_addr: Int64, nbytes: int, pred: Int32, *, l2_prefetch: int = 0,
+                      loc=None, ip=None) -> None:
     """`cp_async_ca` when pred != 0, else writes `nbytes` zero bytes and reads nothing (src-size 0)."""
     assert nbytes in (4, 8, 16), nbytes
-    _cp_async_zfill("ca", nbytes, smem_addr, gmem_addr, pred, loc, ip)
+    _cp_async_zfill("ca", nbytes, smem_addr, gmem_addr, pred, loc, ip, l2_prefetch)
 
 
 # ----------------------------------------------------------------------------- bulk copies and mbarriers (sm_90+)

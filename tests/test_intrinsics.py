@@ -304,7 +304,7 @@ def test_masked_tail_tiles_compile_without_spills():
     fused top-k sum, 64-row packed) and the wgmma loop; no spills, and kernels without tails copy as before."""
     from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
-    zfill = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], (16|8|4), ")
+    zfill = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\d+B)? \[[^]]+\], \[[^]]+\], (16|8|4), ")
 
     def zero_filled_copies(spec) -> int:
         return len(zfill.findall(_compiled_ptx(spec, spec.threads, spec.blocks_per_sm)))

@@ -26,6 +26,15 @@ from cuteaot.runtime.nf3 import NF3_BLOCK_K
 
 from ... import intrinsics as I
 
+# The stored (modelopt) layout's weight and scale copies read a few bytes of each K-contiguous row a stage (the
+# mma.sync loop's 128-deep tiles 64 and 8, the wgmma loop's 64-deep stages 32 and 4); `.L2::<n>B` has L2 fetch
+# this many bytes of the row around each copy, by main loop (0: no qualifier).  ptxas gives the mma.sync loop's
+# copies 128 bytes on its own (SASS `LDGSTS...LTC128B`), the wgmma loop's none.  A/B on the H200 (compare_layer
+# --weights modelopt, docs/benchmarks.md "twelfth session"): on the wgmma loop 256 bytes took 0.92-0.99x the
+# layer's time of none at M = 256-1024 (128 bytes 0.93-0.99x); on the mma.sync loop 256 took 1.02-1.08x that of
+# 128.
+MODELOPT_L2_PREFETCH = {"mma_sync": 128, "wgmma": 256}
+
 
 class MainloopMixin:
     # ------------------------------------------------------------------ element helpers
@@ -207,12 +216,14 @@ class MainloopMixin:
         """A weight-side copy of `nbytes` (16: `cp.async.cg`; 4 or 8, the stored layout's scale bytes:
         `cp.async.ca`).  In a tile that runs past N or K it is zero-filled (nothing read) unless its column
         is inside N (`in_n`, None: always) and its row is one of the first `rows` (`row`, None: always);
-        with neither it is a plain copy."""
+        with neither it is a plain copy.  The stored layout's copies have L2 fetch MODELOPT_L2_PREFETCH bytes
+        of their row around them, by main loop."""
+        pf = MODELOPT_L2_PREFETCH[self.s.mainloop.value] * int(self.s.modelopt)
         if cutlass.const_expr(in_n is None and row is None):
             if cutlass.const_expr(nbytes == 16):
-                I.cp_async_16(dst, src)
+                I.cp_async_16(dst, src, l2_prefetch=pf)
             else:
-                I.cp_async_ca(dst, src, nbytes)
+                I.cp_async_ca(dst, src, nbytes, l2_prefetch=pf)
         else:
             inside = Int32(1)
             if cutlass.const_expr(in_n is not None):
@@ -220,9 +231,9 @@ class MainloopMixin:
             if cutlass.const_expr(row is not None):
                 inside = inside & (row < Int32(rows)).to(Int32)
             if cutlass.const_expr(nbytes == 16):
-                I.cp_async_16_zfill(dst, src, inside)
+                I.cp_async_16_zfill(dst, src, inside, l2_prefetch=pf)
             else:
-                I.cp_async_ca_zfill(dst, src, nbytes, inside)
+                I.cp_async_ca_zfill(dst, src, nbytes, inside, l2_prefetch=pf)
 
     @cute.jit
     def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
