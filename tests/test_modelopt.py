@@ -181,6 +181,39 @@ def test_planner_runs_modelopt_layers_where_packed_ones_run():
         assert splits >= 3  # M = 1024, 4096, 16384
 
 
+def test_stored_rows_are_read_in_64_byte_pieces_where_k_allows():
+    """8-row blocks of the stored layout take the 128-deep tile (64 bytes of each K-contiguous row a stage) per GEMM
+    whose K is a multiple of 128, else the packed 64-deep one; packed layers keep theirs.  Decode plans of the stored
+    layout never widen to the 64-deep 256-wide tile."""
+    from cuteaot.codegen.kernels.w4a16.fused_planning import WIDE_TILE, fused_spec_for, plan_layer
+    from cuteaot.codegen.kernels.w4a16.planning import MODELOPT_DEEP_TILE, PACKED_M8_TILE
+    from cuteaot.runtime.devices import PROFILES
+
+    h200 = PROFILES["h200"]
+    deep = MODELOPT_DEEP_TILE
+    cases = [  # (hidden, inter, top_k, activation): FC1 and FC2 tiles of the stored layout at 8-row blocks
+        ((2048, 768, 8, "silu"), (deep, deep)),  # Qwen3-30B: both K multiples of 128
+        ((2688, 1856, 6, "relu2"), (deep, (64, 128))),  # Nemotron-3-Nano: FC2's K = 1856 = 64 (mod 128)
+    ]
+    for (hidden, inter, top_k, activation), tiles in cases:
+        for weights, expected in (("modelopt", tiles), ("nvfp4", ((64, 128),) * 2)):
+            facts = MoeLayerFacts(dtype="bf16", hidden_size=hidden, intermediate_size=inter, num_experts=128,
+                                  top_k=top_k, activation=activation, weights=weights)
+            for m in (8, 64):
+                plan = plan_layer(m, facts, h200)
+                assert plan.moe_block_size == 8 and not plan.decode, (weights, m)
+                got = tuple((t.tile_k, t.tile_n) for t in (plan.fc1_tile, plan.fc2_tile))
+                assert got == tuple(expected) and plan.blocks_per_sm == 4, (weights, m, got)
+                spec = fused_spec_for(plan, facts)
+                # a gated FC1 64 wide activates in a pass of its own, not in its epilogue
+                assert bool(spec.gated_epilogue) == (facts.gated and plan.fc1_tile.tile_n % 128 == 0)
+            assert plan.fc1_tile.tile_k * plan.fc1_tile.tile_n == PACKED_M8_TILE.tile_k * PACKED_M8_TILE.tile_n
+        stored = dataclasses.replace(facts, weights="modelopt")
+        for m in (1, 2):
+            plan = plan_layer(m, stored, h200)
+            assert plan.decode and WIDE_TILE not in (plan.fc1_tile, plan.fc2_tile), m
+
+
 @pytest.mark.parametrize("hidden, inter, top_k, activation", [
     (2688, 1856, 6, "relu2"),  # Nemotron-3-Nano: FC1's N = I = 1856 ends in a masked tile, FC2's K in 64-deep ones
     (4096, 192, 8, "silu"),  # Qwen3-235B-A22B on 8 ranks: FC2's K = 192
@@ -290,6 +323,33 @@ def test_modelopt_kernels_compile_without_spills():
         record = compile_kernel(spec.key(), "sm_90a").record
         assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, (block, record)
         assert record["registers"] <= WGMMA_REGISTERS_SM90_MODELOPT[(block, 128)], (block, record["registers"])
+
+
+def test_stored_copies_have_l2_fetch_whole_rows():
+    """Every copy of the stored layout's weight and scale pieces carries the L2 fetch size its main loop's
+    MODELOPT_L2_PREFETCH names (SASS `LDGSTS... .LTC<n>B`), so L2 reads a row's next stages with this one."""
+    pytest.importorskip("cutlass", reason="compiling needs CuTeDSL (cuteaot[codegen])")
+    import re
+    import subprocess
+    import tempfile
+
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels.w4a16.mainloop import MODELOPT_L2_PREFETCH
+    from cuteaot.codegen.resources import cuobjdump_path
+    from cuteaot.runtime.kernels.w4a16.gemm_spec import modelopt_scale_exponent
+
+    for mainloop, block, tile_k, tile_n in (("mma_sync", 8, 128, 64), ("wgmma", 32, 64, 128)):
+        spec = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=tile_n, tile_k=tile_k, moe_block_size=block,
+                        blocks_per_sm=2, routes="packed", layout="modelopt", mainloop=mainloop,
+                        scale_exponent=modelopt_scale_exponent("bf16"))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compile_kernel(spec.key(), "sm_90a").cubin)
+            f.flush()
+            sass = subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        copies = re.findall(r"LDGSTS\.[\w.]*", sass)
+        fetching = [c for c in copies if f"LTC{MODELOPT_L2_PREFETCH[mainloop]}B" in c]
+        # the weights' 16-byte and the scales' 4- or 8-byte copies of each (unrolled) stage; activations may differ
+        assert any(".128" in c for c in fetching) and any(".128" not in c for c in fetching), (mainloop, copies)
 
 
 def test_kernels_built_with_another_scale_convention_are_refused():

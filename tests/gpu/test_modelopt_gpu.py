@@ -98,12 +98,15 @@ def test_modelopt_layer_matches_reference(bundle, check, name, order):
         assert_clean(layer.workspace())
         fused = None if r.launch.split else r.kernels["fused"].spec
         gemms = (fused.fc1_gemm, fused.fc2_gemm) if fused is not None else (r.kernels["fc1"].spec, r.kernels["fc2"].spec)
+        # a last N tile is masked exactly where a tile does not divide its GEMM's N (the stored layout's 64-wide
+        # deep tiles divide N = 320 where 128-wide ones do not)
+        assert any(g.n_tail for g in gemms) == any(g.n % g.tile_n for g in gemms), r.describe()
         masked += any(g.n_tail for g in gemms)
         if ckpt.gated and fused is not None and fused.fc1_tile_n % 128 == 0:
             assert fused.gated_epilogue, r.describe()  # FC1 activates: gate | up slabs of one tile
             activated_in_fc1 += 1
     assert activated_in_fc1 or not ckpt.gated, "no fused plan of a gated layer took the gated epilogue"
-    assert (masked == len(TOKENS)) == name.endswith("-tail"), (name, masked)  # every plan of a tail problem masks
+    assert (masked > 0) == name.endswith("-tail"), (name, masked)  # a tail problem's plans mask, others' do not
 
 
 def test_modelopt_large_m_runs_the_wgmma_loop(bundle):

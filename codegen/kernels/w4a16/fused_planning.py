@@ -56,7 +56,7 @@ from .planning import (
     gemm_spec_for,
     plan_for,
     LARGE_BATCH_TILE_CONFIGS,
-    PACKED_M8_TILE,
+    m8_tile,
     SMALL_BATCH_TILE_CONFIGS,
     WGMMA_ARCHS,
     WGMMA_MIXED_MAX_ROUTES,
@@ -111,6 +111,11 @@ FUSED_PACKED_BLOCKS_PER_SM = {"sm_90a": {16: 4, 32: 3}}
 WIDE_TILE = TileConfig(64, 256)  # decode's wide-N tile (256 threads like the default 128x128)
 # modelopt FC1 tiles of a gated layer: at most this wide where a wider one would straddle gate | up
 MODELOPT_HALF_TILE_N = 128
+# modelopt decode plans keep their 128-deep tiles (64-byte pieces of each stored row a stage) where packed ones widen
+# to WIDE_TILE (64 deep: 32-byte pieces).  A/B on the H200 (compare_layer --weights modelopt, docs/benchmarks.md
+# "twelfth session"): widening took 1.16x the time of not widening at GLM-4.5-Air M = 1, 1.08x at M = 2 and
+# 1.23x at Qwen3-30B M = 2.
+MODELOPT_DECODE_WIDE = False
 # modelopt layers: at most this many CTAs per SM for 16- and 32-row blocks, below the packed caps (4, 3).
 # Its first decode needed 144 and 195 registers there on sm_90a (the packed caps' 128 and 168 spilled);
 # with the (j, j + 4) pairing 32-row blocks still spill 8 B at 168 while 16-row ones fit 128 in the
@@ -244,10 +249,11 @@ def plan_fused(
         return min(count, MODELOPT_BLOCKS_PER_SM.get(block, count)) if stored_as_is else count
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
-    if not decode and block == 8 and all(tile_misfit(n, k, 8, PACKED_M8_TILE, scale, profile, layout) is None
-                                         for n, k in ((n1, k1), (n2, k2))):
-        t1 = t2 = PACKED_M8_TILE
-        bps = packed_m8_blocks_per_sm(profile)
+    chosen = None if decode else [m8_tile(n, k, block, scale, profile, layout) for n, k in dims]
+    if chosen and None not in chosen and chosen[0].threads == chosen[1].threads:  # one CTA size for both GEMMs
+        t1, t2 = chosen
+        bps = (min(packed_m8_blocks_per_sm(profile, t) for t in chosen) if block == 8
+               else min(per_sm(n1, t1), per_sm(n2, t2)))
     cap = profile.sm_count * bps
     grid_x, whole_tiles = cap, block == 8
     if decode:
@@ -311,6 +317,8 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
     both GEMMs' default tiles fit one CTA per SM, so it spreads over twice the CTAs.
     """
     def fits(n, k):
+        if layout == "modelopt" and not MODELOPT_DECODE_WIDE:
+            return False
         return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile, layout) is None
 
     sms = profile.sm_count

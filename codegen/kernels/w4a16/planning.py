@@ -111,6 +111,18 @@ LARGE_BATCH_TILE_CONFIGS = (TileConfig(64, 256), TileConfig(64, 128), TileConfig
 
 PACKED_M8_TILE = TileConfig(64, 128)
 
+# NVFP4 read as stored (layout "modelopt"): its rows are K-contiguous, so a stage of tile_k reads tile_k / 2
+# bytes of each weight row and tile_k / 16 scale bytes, 32 B and 4 B pieces at PACKED_M8_TILE's 64 (the packed
+# layout's stage is one contiguous run).  Its mma.sync route blocks up to MODELOPT_DEEP_MAX_BLOCK rows take this
+# (tile_k, tile_n) instead, per GEMM where it fits (K a multiple of 128): 64-byte pieces, the same stage bytes and
+# threads.  A/B on the H200 (compare_layer --weights modelopt, docs/benchmarks.md "twelfth session"), against the
+# 64-deep tiles: 8-row blocks 0.78-0.89x the layer's time at M = 4-64 on Qwen3-30B, GLM-4.5-Air and
+# Nemotron-3-Nano, though a gated FC1 64 wide loses its activating epilogue (a 128x128 tile at 256 threads that
+# keeps it took 0.81-0.91x, and Nemotron, whose FC2 K does not fit it, 1.26x); 16-row blocks 0.64-0.79x at
+# M = 128-192.
+MODELOPT_DEEP_TILE = (128, 64)
+MODELOPT_DEEP_MAX_BLOCK = 16
+
 class RegisterKey(NamedTuple):
     """The seed's register-table key (a plain tuple compares equal to it)."""
 
@@ -467,11 +479,25 @@ def _resource_blocks(moe_block_size: int, tile: TileConfig, scale_format: ScaleF
     return min(smem_limit, profile.max_threads_per_sm // tile.threads)
 
 
-def packed_m8_blocks_per_sm(profile: DeviceProfile) -> int:
-    """CTAs per SM of PACKED_M8_TILE: PACKED_M8_BLOCKS_PER_SM where shared memory and threads allow."""
-    smem = shared_memory_footprint(8, PACKED_M8_TILE, ScaleFormat.E4M3_K16) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
-    resident = min(profile.max_shared_memory_per_block_optin // smem, profile.max_threads_per_sm // PACKED_M8_TILE.threads)
-    return max(1, min(PACKED_M8_BLOCKS_PER_SM, resident))
+def packed_m8_blocks_per_sm(profile: DeviceProfile, tile: TileConfig = PACKED_M8_TILE) -> int:
+    """CTAs per SM of an 8-row tile: PACKED_M8_BLOCKS_PER_SM 128-thread CTAs' worth (the register file at 128
+    a thread) where shared memory and threads allow."""
+    smem = shared_memory_footprint(8, tile, ScaleFormat.E4M3_K16) + _RESIDENT_SHARED_MEMORY_PER_BLOCK
+    resident = min(profile.max_shared_memory_per_block_optin // smem, profile.max_threads_per_sm // tile.threads)
+    return max(1, min(PACKED_M8_BLOCKS_PER_SM * 128 // tile.threads, resident))
+
+
+def m8_tile(n: int, k: int, block: int, scale_format: ScaleFormat, profile: DeviceProfile,
+            layout: str = "packed") -> TileConfig | None:
+    """The tile of an N x K GEMM's packed route blocks of `block` rows on the mma.sync loop, where it is not the
+    general choice (`select_tile`): 8-row blocks take PACKED_M8_TILE, and the stored layout's blocks up to
+    MODELOPT_DEEP_MAX_BLOCK rows MODELOPT_DEEP_TILE where they fit; None where neither applies or fits."""
+    candidates = []
+    if layout == "modelopt" and block <= MODELOPT_DEEP_MAX_BLOCK:
+        candidates.append(TileConfig(*MODELOPT_DEEP_TILE))
+    if block == 8:
+        candidates.append(PACKED_M8_TILE)
+    return next((t for t in candidates if tile_misfit(n, k, block, t, scale_format, profile, layout) is None), None)
 
 def select_tile(
     m: int, n: int, k: int, top_k: int, moe_block_size: int, scale_format: ScaleFormat, profile: DeviceProfile,
@@ -628,8 +654,9 @@ def plan_gemm(
                 used_registers = wgmma_ws_launch_registers(block, per_sm, profile.registers_per_sm)
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
-          and tile_misfit(n, k, block, PACKED_M8_TILE, scale_format, profile, layout) is None):
-        tile, per_sm = PACKED_M8_TILE, packed_m8_blocks_per_sm(profile)
+          and m8_tile(n, k, block, scale_format, profile, layout) is not None):
+        tile = m8_tile(n, k, block, scale_format, profile, layout)
+        per_sm = packed_m8_blocks_per_sm(profile, tile)
         used_registers = estimated_registers(tile, block)
     elif pinned_tile is None:
         tile, per_sm = select_tile(m, n, k, top_k, block, scale_format, profile, layout=layout)
