@@ -209,6 +209,10 @@ def test_stored_rows_are_read_in_64_byte_pieces_where_k_allows():
                 assert bool(spec.gated_epilogue) == (facts.gated and plan.fc1_tile.tile_n % 128 == 0)
             assert plan.fc1_tile.tile_k * plan.fc1_tile.tile_n == PACKED_M8_TILE.tile_k * PACKED_M8_TILE.tile_n
         stored = dataclasses.replace(facts, weights="modelopt")
+        # 16-row blocks too; a GEMM the deep tile does not fit keeps its general tile (the same 128 threads)
+        plan = plan_layer(200 if hidden == 2688 else 150, stored, h200)
+        got = tuple((t.tile_k, t.tile_n) for t in (plan.fc1_tile, plan.fc2_tile))
+        assert plan.moe_block_size == 16 and got == tuple(tiles), got
         for m in (1, 2):
             plan = plan_layer(m, stored, h200)
             assert plan.decode and WIDE_TILE not in (plan.fc1_tile, plan.fc2_tile), m

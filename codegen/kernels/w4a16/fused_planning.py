@@ -250,6 +250,8 @@ def plan_fused(
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
     chosen = None if decode else [m8_tile(n, k, block, scale, profile, layout) for n, k in dims]
+    if chosen and block > 8:  # taller blocks: a GEMM the deep tile does not fit keeps its general tile
+        chosen = [c or t for c, t in zip(chosen, (t1, t2))]
     if chosen and None not in chosen and chosen[0].threads == chosen[1].threads:  # one CTA size for both GEMMs
         t1, t2 = chosen
         bps = (min(packed_m8_blocks_per_sm(profile, t) for t in chosen) if block == 8
