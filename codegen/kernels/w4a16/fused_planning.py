@@ -56,7 +56,7 @@ from .planning import (
     gemm_spec_for,
     plan_for,
     LARGE_BATCH_TILE_CONFIGS,
-    m8_tile,
+    small_block_tile,
     SMALL_BATCH_TILE_CONFIGS,
     WGMMA_ARCHS,
     WGMMA_MIXED_MAX_ROUTES,
@@ -249,7 +249,7 @@ def plan_fused(
         return min(count, MODELOPT_BLOCKS_PER_SM.get(block, count)) if stored_as_is else count
 
     bps = min(per_sm(n1, t1), per_sm(n2, t2))
-    chosen = None if decode else [m8_tile(n, k, block, scale, profile, layout) for n, k in dims]
+    chosen = None if decode else [small_block_tile(n, k, block, scale, profile, layout) for n, k in dims]
     if chosen and block > 8:  # taller blocks: a GEMM the deep tile does not fit keeps its general tile
         chosen = [c or t for c, t in zip(chosen, (t1, t2))]
     if chosen and None not in chosen and chosen[0].threads == chosen[1].threads:  # one CTA size for both GEMMs

@@ -487,8 +487,8 @@ def packed_m8_blocks_per_sm(profile: DeviceProfile, tile: TileConfig = PACKED_M8
     return max(1, min(PACKED_M8_BLOCKS_PER_SM * 128 // tile.threads, resident))
 
 
-def m8_tile(n: int, k: int, block: int, scale_format: ScaleFormat, profile: DeviceProfile,
-            layout: str = "packed") -> TileConfig | None:
+def small_block_tile(n: int, k: int, block: int, scale_format: ScaleFormat, profile: DeviceProfile,
+                     layout: str = "packed") -> TileConfig | None:
     """The tile of an N x K GEMM's packed route blocks of `block` rows on the mma.sync loop, where it is not the
     general choice (`select_tile`): 8-row blocks take PACKED_M8_TILE, and the stored layout's blocks up to
     MODELOPT_DEEP_MAX_BLOCK rows MODELOPT_DEEP_TILE where they fit; None where neither applies or fits."""
@@ -654,8 +654,8 @@ def plan_gemm(
                 used_registers = wgmma_ws_launch_registers(block, per_sm, profile.registers_per_sm)
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
-          and m8_tile(n, k, block, scale_format, profile, layout) is not None):
-        tile = m8_tile(n, k, block, scale_format, profile, layout)
+          and small_block_tile(n, k, block, scale_format, profile, layout) is not None):
+        tile = small_block_tile(n, k, block, scale_format, profile, layout)
         per_sm = packed_m8_blocks_per_sm(profile, tile)
         used_registers = estimated_registers(tile, block)
     elif pinned_tile is None:
