@@ -37,16 +37,25 @@ def cuobjdump_path() -> str:
     return found
 
 
-def read_resources(cubin: bytes, symbol: str) -> Resources:
+def _cuobjdump(cubin: bytes, option: str, what: str) -> str:
+    """What `cuobjdump <option>` prints for a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        proc = subprocess.run(
-            [cuobjdump_path(), "--dump-resource-usage", f.name], capture_output=True, text=True
-        )
+        proc = subprocess.run([cuobjdump_path(), option, f.name], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BuildError(f"cuobjdump failed on {symbol}: {proc.stderr.strip()}")
-    block = re.search(r"Function " + re.escape(symbol) + r":\s*\n\s*(?P<line>[^\n]+)", proc.stdout)
+        raise BuildError(f"cuobjdump failed on {what}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def read_sass(cubin: bytes) -> str:
+    """The cubin's SASS (`cuobjdump -sass`), for checks of what ptxas made of a kernel."""
+    return _cuobjdump(cubin, "-sass", "a cubin")
+
+
+def read_resources(cubin: bytes, symbol: str) -> Resources:
+    listing = _cuobjdump(cubin, "--dump-resource-usage", symbol)
+    block = re.search(r"Function " + re.escape(symbol) + r":\s*\n\s*(?P<line>[^\n]+)", listing)
     if block is None:
         raise BuildError(f"cuobjdump lists no resource usage for {symbol}")
     fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", block["line"]))

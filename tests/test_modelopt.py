@@ -334,23 +334,17 @@ def test_stored_copies_have_l2_fetch_whole_rows():
     MODELOPT_L2_PREFETCH names (SASS `LDGSTS... .LTC<n>B`), so L2 reads a row's next stages with this one."""
     pytest.importorskip("cutlass", reason="compiling needs CuTeDSL (cuteaot[codegen])")
     import re
-    import subprocess
-    import tempfile
 
     from cuteaot.codegen.compile import compile_kernel
     from cuteaot.codegen.kernels.w4a16.mainloop import MODELOPT_L2_PREFETCH
-    from cuteaot.codegen.resources import cuobjdump_path
+    from cuteaot.codegen.resources import read_sass
     from cuteaot.runtime.kernels.w4a16.gemm_spec import modelopt_scale_exponent
 
     for mainloop, block, tile_k, tile_n in (("mma_sync", 8, 128, 64), ("wgmma", 32, 64, 128)):
         spec = GemmSpec(dtype="bf16", n=512, k=512, top_k=2, tile_n=tile_n, tile_k=tile_k, moe_block_size=block,
                         blocks_per_sm=2, routes="packed", layout="modelopt", mainloop=mainloop,
                         scale_exponent=modelopt_scale_exponent("bf16"))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compile_kernel(spec.key(), "sm_90a").cubin)
-            f.flush()
-            sass = subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        copies = re.findall(r"LDGSTS\.[\w.]*", sass)
+        copies = re.findall(r"LDGSTS\.[\w.]*", read_sass(compile_kernel(spec.key(), "sm_90a").cubin))
         fetching = [c for c in copies if f"LTC{MODELOPT_L2_PREFETCH[mainloop]}B" in c]
         # the weights' 16-byte and the scales' 4- or 8-byte copies of each (unrolled) stage; activations may differ
         assert any(".128" in c for c in fetching) and any(".128" not in c for c in fetching), (mainloop, copies)

@@ -317,10 +317,12 @@ def _decode_wide_tiles(routes, n1, k1, n2, k2, t1, t2, profile, scale_format,
     seed's further 512x32 FC2 tile is not ported (tiles here are multiples of 64).
     `onewave` (the grid covers both GEMMs' tiles, `_decode_grid`): FC2 keeps its default tile where
     both GEMMs' default tiles fit one CTA per SM, so it spreads over twice the CTAs.
+    The stored layout keeps its tiles (MODELOPT_DECODE_WIDE).
     """
+    if layout == "modelopt" and not MODELOPT_DECODE_WIDE:
+        return t1, t2
+
     def fits(n, k):
-        if layout == "modelopt" and not MODELOPT_DECODE_WIDE:
-            return False
         return tile_misfit(n, k, 8, WIDE_TILE, scale_format, profile, layout) is None
 
     sms = profile.sm_count

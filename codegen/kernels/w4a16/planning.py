@@ -654,8 +654,7 @@ def plan_gemm(
                 used_registers = wgmma_ws_launch_registers(block, per_sm, profile.registers_per_sm)
     elif (pinned_tile is None and block == 8 and not direct and k <= PACKED_M8_MAX_K
           and profile.arch in PACKED_M8_MEASURED_ARCHS
-          and small_block_tile(n, k, block, scale_format, profile, layout) is not None):
-        tile = small_block_tile(n, k, block, scale_format, profile, layout)
+          and (tile := small_block_tile(n, k, block, scale_format, profile, layout)) is not None):
         per_sm = packed_m8_blocks_per_sm(profile, tile)
         used_registers = estimated_registers(tile, block)
     elif pinned_tile is None:
