@@ -156,39 +156,40 @@ class EpilogueMixin:
 
     @cute.jit
     def _fold_partials(self, acc: cute.Tensor, smem: Int32, tid: Int32):
-        """Sum the accumulators of warps stacked along K into the first row of warps."""
+        """Sum the accumulators of the warp rows stacked along K (red_off * 2 of them) into row 0.
+
+        A halving tree through shared memory: at step i (red_off, red_off / 2, .., 1) warp rows
+        [i, 2i) publish their running sum in slot row - i, having first added the two slots the step
+        before filled for them (rows + 2i and + i of that step); row 0 adds slot 0 last."""
         s = self.s
-        red_off = s.threads // s.b_sh_stride // 2
+        red_off = s.threads // s.b_sh_stride // 2  # tile_k / 64
+        assert red_off & (red_off - 1) == 0, red_off
         if cutlass.const_expr(red_off >= 1):
             red_idx = tid // Int32(s.b_sh_stride)
             red_sh_stride = Int32(s.b_sh_stride * 8)
             red_sh_delta = Int32(s.b_sh_stride)
             red_sh_rd = red_sh_stride * red_idx + tid % Int32(s.b_sh_stride)
+            frags = 4 if self.m8 else 8
+            spread = 2 if self.m8 else 1  # slot offsets of the fragments (m8: every other, as staged before)
+            steps = [red_off >> e for e in range(red_off.bit_length())]  # red_off, .., 2, 1
             for mb in cutlass.range_constexpr(1 if self.m8 else s.m_blocks):
-                if cutlass.const_expr(red_off == 2):
-                    if Int32(2) <= red_idx and red_idx < Int32(4):
-                        for j in cutlass.range_constexpr(8 if not self.m8 else 4):
-                            wr = red_sh_delta * Int32(j if not self.m8 else 2 * j) + red_sh_rd - red_sh_stride * Int32(2)
+                for i in cutlass.range_constexpr(len(steps)):
+                    step = steps[i]
+                    if Int32(step) <= red_idx and red_idx < Int32(2 * step):
+                        for j in cutlass.range_constexpr(frags):
+                            wr = red_sh_delta * Int32(spread * j) + red_sh_rd - red_sh_stride * Int32(step)
+                            if cutlass.const_expr(step < red_off):
+                                r0, r1, r2, r3 = I.ld_shared_v4_f32(
+                                    self._sh(smem, Int32(s.sh_red_off) + red_sh_delta * Int32(spread * j) + red_sh_rd))
+                                w0, w1, w2, w3 = I.ld_shared_v4_f32(self._sh(smem, Int32(s.sh_red_off) + wr))
+                                self._acc_add(acc, mb, j, r0 + w0, r1 + w1, r2 + w2, r3 + w3)
                             v = self._acc_vec(acc, mb, j)
                             I.st_shared_v4_f32(self._sh(smem, Int32(s.sh_red_off) + wr), v[0], v[1], v[2], v[3])
                     cute.arch.sync_threads()
-                if Int32(1) <= red_idx and red_idx < Int32(2):
-                    for j in cutlass.range_constexpr(8 if not self.m8 else 4):
-                        jo = j if not self.m8 else 2 * j
-                        wr = red_sh_delta * Int32(jo) + red_sh_rd - red_sh_stride
-                        if cutlass.const_expr(red_off > 1):
-                            r0, r1, r2, r3 = I.ld_shared_v4_f32(
-                                self._sh(smem, Int32(s.sh_red_off) + red_sh_delta * Int32(jo) + red_sh_rd))
-                            w0, w1, w2, w3 = I.ld_shared_v4_f32(self._sh(smem, Int32(s.sh_red_off) + wr))
-                            self._acc_add(acc, mb, j, r0 + w0, r1 + w1, r2 + w2, r3 + w3)
-                        v = self._acc_vec(acc, mb, j)
-                        I.st_shared_v4_f32(self._sh(smem, Int32(s.sh_red_off) + wr), v[0], v[1], v[2], v[3])
-                cute.arch.sync_threads()
                 if red_idx == Int32(0):
-                    for j in cutlass.range_constexpr(8 if not self.m8 else 4):
-                        jo = j if not self.m8 else 2 * j
+                    for j in cutlass.range_constexpr(frags):
                         r0, r1, r2, r3 = I.ld_shared_v4_f32(
-                            self._sh(smem, Int32(s.sh_red_off) + red_sh_delta * Int32(jo) + red_sh_rd))
+                            self._sh(smem, Int32(s.sh_red_off) + red_sh_delta * Int32(spread * j) + red_sh_rd))
                         self._acc_add(acc, mb, j, r0, r1, r2, r3)
                 cute.arch.sync_threads()
 
