@@ -1033,6 +1033,13 @@ def atom_add_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def atom_add_release_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> Int32:
+    """GPU-scope release atomic add (this thread's earlier writes are visible first); returns the old value."""
+    return Int32(_asm(1, T.i32, _ir([Int64(addr), Int32(v)], loc, ip), "atom.release.gpu.global.add.u32 $0, [$1], $2;",
+                      "=r,l,r", effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
 def red_add_release_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     """GPU-scope release reduction (no return): publishes this thread's earlier writes."""
     _asm(0, None, _ir([Int64(addr), Int32(v)], loc, ip), "red.release.gpu.global.add.s32 [$0], $1;", "l,r",
@@ -1063,12 +1070,6 @@ def red_max_f32_nonnegative(addr: Int64, v: Float32, *, loc=None, ip=None) -> No
     _asm(0, None, _ir([Int64(addr), Float32(v)], loc, ip),
          "{\n .reg .b32 b;\n mov.b32 b, $1;\n red.global.max.s32 [$0], b;\n}", "l,f",
          effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def membar_gpu(*, loc=None, ip=None) -> None:
-    """`membar.gl`: order this thread's memory accesses at GPU scope."""
-    _asm(0, None, [], "membar.gl;", "", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -1143,3 +1144,4 @@ def warp_reduce(value, op: str):
         other = cute.arch.shuffle_sync_bfly(value, offset=shift)
         value = value + other if op == "add" else cute.arch.fmax(value, other)
     return value
+

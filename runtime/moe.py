@@ -60,7 +60,7 @@ class MoeWorkspace:
     fc13: torch.Tensor  # FC1 output rows, reused for FC2 output rows (routes x max(fc1 width, H))
     activated: torch.Tensor  # routes x I
     c_tmp: torch.Tensor  # float32 split-K partials
-    locks: torch.Tensor  # int32 barrier words + lock slots; zero between launches
+    locks: torch.Tensor  # int32 barrier words (low 31 bits of the first zero between launches) + lock slots (zero)
     route_indices: torch.Tensor
     block_experts: torch.Tensor
     route_count: torch.Tensor
@@ -81,7 +81,7 @@ class MoeWorkspace:
             route_indices=torch.empty(shape.route_slots, **i32),
             block_experts=torch.empty(shape.route_blocks, **i32),
             route_count=torch.zeros(1, **i32),
-            route_pack=route_pack_workspace(routes, shape.route_experts, device),  # zeroed: a grid barrier's count
+            route_pack=route_pack_workspace(routes, shape.route_experts, device),  # zeroed: a grid barrier's word
             ids64=torch.empty(routes, dtype=torch.int64, device=device),
             ids32=torch.empty(routes, **i32),
         )
@@ -89,7 +89,7 @@ class MoeWorkspace:
     @property
     def split_k_locks(self) -> torch.Tensor:
         """The split-K lock slots a standalone GEMM launch uses: after the fused kernel's grid-barrier
-        words (whose sense word counts up across launches), so the two kinds of launch can share them."""
+        words (whose first word's top bit flips at every barrier), so the two kinds of launch can share them."""
         return self.locks[BARRIER_WORDS:]
 
     @property

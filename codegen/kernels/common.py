@@ -68,25 +68,24 @@ def after_prior_grids(*, persistent: bool = False) -> None:
 def grid_barrier(barrier: Int64, tid: Int32, grid_x: Int32):
     """Every CTA of the (co-resident) grid meets here; each sees the writes the others made before it.
 
-    Sense reversal on two words at `barrier`, the arrival count (zero between barriers) and the
-    generation: after the CTA's own writes (bar.sync), thread 0 fences, reads the generation and adds
-    one to the count.  The last arriver resets the count and bumps the generation with a release; the
-    others spin on an acquire load until it changes.  The count is back at zero after every barrier,
-    so the words stay usable across launches (they must start at zero).
+    One atomic a CTA on the word at `barrier` (its low 31 bits zero between barriers): after the CTA's own
+    writes (bar.sync), thread 0 adds 1 with release semantics, CTA 0 adds 2**31 - (grid_x - 1) instead, so
+    the word's top bit flips exactly when the last CTA arrives; each thread 0 then spins on acquire loads
+    until the top bit differs from what its own add returned.  The low bits are back at zero after every
+    barrier and the top bit is whatever the last one left, so the word stays usable across launches.  A
+    CTA that runs ahead into the next barrier adds without flipping the bit again before everyone has
+    arrived there, so no CTA can miss a flip.  (The sense-reversal barrier before it took one release
+    fence, a load and an atomic on the way in, and a store, a fence and a release add to open: ~1.8 us on
+    the H200 from the last arrival to the release, docs/benchmarks.md "thirteenth session".)
     """
     cute.arch.sync_threads()
     if tid == Int32(0):
-        count = barrier
-        sense_addr = barrier + Int64(4)
-        I.membar_gpu()  # this CTA's writes (ordered before thread 0 by bar.sync) become visible first
-        old_sense = I.ld_global_acquire_i32(sense_addr)
-        arrived = I.atom_add_i32(count, Int32(1))
-        if arrived == grid_x - Int32(1):
-            I.st_global_i32(count, Int32(0))
-            I.membar_gpu()
-            I.red_add_release_i32(sense_addr, Int32(1))
-        else:
-            sense = old_sense
-            while sense == old_sense:
-                sense = I.ld_global_acquire_i32(sense_addr)
+        add = Int32(1)
+        cta, _, _ = cute.arch.block_idx()
+        if cta == Int32(0):
+            add = Int32(-(1 << 31)) - (grid_x - Int32(1))  # 2**31 - (grid_x - 1), modulo 2**32
+        old = I.atom_add_release_i32(barrier, add)
+        flipped = Int32(0)
+        while flipped == Int32(0):
+            flipped = (I.ld_global_acquire_i32(barrier) ^ old) & Int32(-(1 << 31))
     cute.arch.sync_threads()

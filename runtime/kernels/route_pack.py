@@ -43,9 +43,9 @@ Kernels (all 512 threads; `threads` and `max_experts` are part of the key):
               latency from 8192 routes up, docs/benchmarks.md.)
 The grids depend only on M * top_k: capture once per token count, replay freely.
 
-The multi stage's barrier count (the workspace's first word) must be zero at launch: every launch
-leaves it so, `route_pack_workspace` and the layer's workspaces allocate it zeroed, and `pack_routes`
-zeroes it in a workspace the caller passes.
+The multi stage's barrier word (the workspace's first) must have its low 31 bits zero at launch:
+every launch leaves it so (the barrier flips only its top bit), `route_pack_workspace` and the layer's
+workspaces allocate it zeroed, and `pack_routes` zeroes it in a workspace the caller passes.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ MULTI_MAX_CTAS = 32
 # planner never exceeds MULTI_MAX_CTAS.
 MULTI_MAX_CHUNKS = 64
 assert MULTI_MAX_CTAS <= MULTI_MAX_CHUNKS
-BARRIER_WORDS = 2  # the multi stage's grid barrier (arrival count, generation) opens its workspace
+BARRIER_WORDS = 2  # the multi stage's grid barrier (its word, then one unused) opens its workspace
 
 
 class RouteStage(str, Enum):
@@ -213,7 +213,7 @@ class RouteChunking:
 def route_pack_workspace_elements(routes: int, num_experts: int) -> int:
     """int32 elements of workspace `pack_routes` needs; 0 on the single-CTA path.
 
-    Layout: the grid barrier's BARRIER_WORDS (arrival count, zero between launches; generation),
+    Layout: the grid barrier's BARRIER_WORDS (its word, low 31 bits zero between launches; unused),
     then each chunk's counts [num_chunks, num_experts].  The barrier words come first, so a
     workspace sized for many routes serves fewer from its start.
     """
@@ -422,7 +422,7 @@ def pack_routes(
     Returns (packed_route_indices, block_expert_ids, packed_route_count), allocating the
     ones not given.  Output lengths: at least `max_packed_route_slots(M * top_k,
     block_size, num_experts)` slots and that / block_size blocks; `workspace` (int32) at
-    least `route_pack_workspace_elements(M * top_k, num_experts)` (its barrier count is zeroed here
+    least `route_pack_workspace_elements(M * top_k, num_experts)` (its barrier word is zeroed here
     before the multi stage runs).  Launches on torch's
     current stream without any host sync; CUDA-graph capturable when every buffer is given.
     """
@@ -433,7 +433,7 @@ def pack_routes(
 def _pack_routes(bundle: Bundle, topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map,
                  packed_route_indices, block_expert_ids, packed_route_count, workspace, *, own_workspace: bool):
     """pack_routes; `own_workspace`: `workspace` is one of cuteaot's (GemmWorkspace.route_pack), zeroed when
-    allocated and only ever written by route packing, so its barrier count is already zero."""
+    allocated and only ever written by route packing, so its barrier word's count bits are already zero."""
     p = _check_problem(topk_ids, num_experts, block_size, expert_map)
     device = bundle.device
     _check_devices(device, {"topk_ids": topk_ids, "expert_map": expert_map, "packed_route_indices":
@@ -448,7 +448,7 @@ def _pack_routes(bundle: Bundle, topk_ids: torch.Tensor, num_experts: int, block
         return packed, block_ids, count
     _check_outputs(p, packed, block_ids, count, ws)
     if workspace is not None and p.workspace and not own_workspace:
-        # a caller's workspace: whatever it holds, the multi stage's barrier count must start at zero (one
+        # a caller's workspace: whatever it holds, the multi stage's barrier word must start at zero (one
         # small fill; cuteaot's own workspaces were zeroed when allocated and every launch leaves it so)
         workspace[:1].zero_()
     cache_key = ("moe_route_pack", topk_ids.dtype)

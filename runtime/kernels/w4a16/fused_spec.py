@@ -7,8 +7,8 @@ The kernel (codegen/kernels/w4a16/fused.py, ported from the seed's
     [expert_map: zero FC2 rows |barrier|]  [amax]  FC2 GEMM
 
 where the two GEMMs are the grouped GEMM of gemm_spec.py, specialised by
-`fc1_gemm` / `fc2_gemm` below, and |barrier| is a sense-reversing grid
-barrier on the first words of `locks`.  Every CTA of the grid must be resident
+`fc1_gemm` / `fc2_gemm` below, and |barrier| is a grid barrier
+(`codegen/kernels/common.grid_barrier`) on the first word of `locks`.  Every CTA of the grid must be resident
 at once (the runtime checks it with the occupancy API before the first launch).
 
 With `gated_epilogue`, FC1's epilogue applies the gated activation and writes `activated`

@@ -39,8 +39,9 @@ from ..route_pack import _pack_routes, direct_route_ids, max_packed_route_slots,
 class GemmWorkspace:
     """Buffers one GEMM launch needs; allocate once (e.g. for the largest M) to capture CUDA graphs.
 
-    `locks` and the first word of `route_pack` (the multi-CTA route packing's grid-barrier count) must be zero
-    before the first launch (`allocate` zeroes them); every launch leaves them zero.
+    `locks` and the first word of `route_pack` (the multi-CTA route packing's grid-barrier word) must be zero
+    before the first launch (`allocate` zeroes them); every launch leaves the locks zero and the barrier word's
+    low 31 bits zero (the barrier flips its top bit).
     """
 
     c_tmp: torch.Tensor  # float32 split-K partials
