@@ -1145,3 +1145,19 @@ def warp_reduce(value, op: str):
         value = value + other if op == "add" else cute.arch.fmax(value, other)
     return value
 
+
+# ----------------------------------------------------------------------------- timeline probes
+
+
+@dsl_user_op
+def read_timers(*, loc=None, ip=None) -> tuple[Int64, Int64]:
+    """(%globaltimer in ns, %clock64 of this SM): a timeline probe's two clocks."""
+    out = _asm(2, T.i64, [], "{\n mov.u64 $0, %globaltimer;\n mov.u64 $1, %clock64;\n}", "=l,=l", effects=True,
+               loc=loc, ip=ip)
+    return Int64(out[0]), Int64(out[1])
+
+
+@dsl_user_op
+def st_global_v2_i64(addr: Int64, a: Int64, b: Int64, *, loc=None, ip=None) -> None:
+    _asm(0, None, _ir([Int64(addr), Int64(a), Int64(b)], loc, ip), "st.global.v2.b64 [$0], {$1, $2};", "l,l,l",
+         effects=True, loc=loc, ip=ip)

@@ -78,7 +78,8 @@ class _AllIntrinsics:
         I.red_add_bf16x2(go + 68, r); I.red_add_f16x2(go + 72, r)
         I.red_max_f32_nonnegative(go + 76, y0)
         flip = I.atom_add_release_i32(go + 84, Int32(1))
-        I.st_global_i32(go + 88, flip)
+        g64, c64 = I.read_timers()
+        I.st_global_v2_i64(go + 96, g64, c64 + Int64(flip))
         wr = I.warp_reduce(y1, "add") + I.warp_reduce(z1, "max") + Float32(I.sync_threads_count(Int32(tidx) & 1))
         I.st_global_v4_f32(go + 80, wr, wr, wr, wr)
 
@@ -99,6 +100,9 @@ INSTRUCTIONS = [
     "red.global.add.noftz.f16x2",
     "red.global.max.s32",
     "atom.release.gpu.global.add.u32",
+    "%globaltimer",
+    "%clock64",
+    "st.global.v2.b64",
     "mul.rn.bf16x2",
     "mul.rn.f16x2",
     "prmt.b32",

@@ -27,11 +27,21 @@ from .gemm import _Operands
 from .wgmma import gemm_kernel
 
 
+# Measurement switch (benchmarks/decode_timeline.py): decode kernels store a per-CTA timeline of both clocks in
+# c_tmp, which their whole tiles leave unused: entry 0, after the prior-grid wait 1, FC1 tile 2-5 (routes read,
+# first stage in, main loop done, stored), after the grid barrier 6, FC2 tile 7-10, exit 11.  Read while
+# compiling and not a key fact: set it only to build a separate bundle for that script, never a served one.
+TIMELINE = False
+
+
 class W4A16FusedMoeKernel:
     def __init__(self, spec: FusedSpec):
         self.s = spec
         self.fc1 = gemm_kernel(spec.fc1_gemm)  # the wgmma loop when the plan chose it for both phases
         self.fc2 = gemm_kernel(spec.fc2_gemm)
+        self.timeline = TIMELINE and spec.decode
+        if self.timeline:
+            self.fc1.timeline_event0, self.fc2.timeline_event0 = 2, 7
         self.act = ActivationKernel(spec.activation_spec)
         self.threads = spec.threads
         self.elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
@@ -57,6 +67,8 @@ class W4A16FusedMoeKernel:
                block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
                w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
                amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32):
+        if cutlass.const_expr(self.timeline):
+            g0, c0 = I.read_timers()
         after_prior_grids(persistent=True)
         s = self.s
         tidx, _, _ = cute.arch.thread_idx()
@@ -87,8 +99,13 @@ class W4A16FusedMoeKernel:
             # FC2 adds into the output: zero it now; the barrier after FC1 orders it before FC2
             self._zero(I.gmem_address(fc2_out), tokens * Int32(s.hidden_size // 8), first, stride)
 
+        if cutlass.const_expr(self.timeline):
+            self._record(routing["c_tmp"], cta, tid, 0, g0, c0)
+            self._record(routing["c_tmp"], cta, tid, 1, *I.read_timers())
         self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens)
         grid_barrier(barrier, tid, grid_x)
+        if cutlass.const_expr(self.timeline):
+            self._record(routing["c_tmp"], cta, tid, 6, *I.read_timers())
         if cutlass.const_expr(not activates):
             v = Int64(first)
             total = Int64(routes) * Int64(s.intermediate_size // VECTOR)
@@ -104,6 +121,14 @@ class W4A16FusedMoeKernel:
         if cutlass.const_expr(s.collect_amax):
             self._collect_amax(a, activated, routing, I.gmem_address(amax), layer, smem, tid, cta, grid_x, routes)
         self.fc2._persistent(fc2_ops, smem, tid, cta, grid_x, routes)
+        if cutlass.const_expr(self.timeline):
+            self._record(routing["c_tmp"], cta, tid, 11, *I.read_timers())
+
+    @cute.jit
+    def _record(self, c_tmp: Int64, cta: Int32, tid: Int32, slot: cutlass.Constexpr[int], g: Int64, c: Int64):
+        """TIMELINE: thread 0 stores the two clocks in slot `slot` of its CTA's 256-byte record in c_tmp."""
+        if tid == Int32(0):
+            I.st_global_v2_i64(c_tmp + Int64(cta) * Int64(256) + Int64(16 * slot), g, c)
 
     # ------------------------------------------------------------------ grid-wide passes
 

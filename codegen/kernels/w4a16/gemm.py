@@ -64,6 +64,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         self.direct = spec.routes is Routes.DIRECT
         self.nf3 = spec.nf3
         self.scale_group = ScaleFormat(spec.scale_format).group_size
+        self.timeline_event0 = None  # fused.TIMELINE: this phase's first timeline slot (None: no probes)
 
     @cute.jit
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
@@ -362,6 +363,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             scale_index = self._split_scale_index(expert, n_tile * Int32(s.tile_n // 64))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
+        self._stamp(ops, tid, 0)
 
         warp = tid // Int32(32)
         lane = tid & Int32(31)
@@ -415,8 +417,21 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             acc = cute.make_rmem_tensor((s.m_blocks, 4, 2, 4), Float32)
         acc.fill(0.0)
         self._mainloop(ops, t, smem, tid, acc, k_start, k_count, valid_rows)
+        self._stamp(ops, tid, 2)
         self._fold_partials(acc, smem, tid)
         if slice_count > Int32(1):
             self._merge_split_k(ops, acc, tid, valid_rows, lock_slot, slice_idx, slice_count)
         if slice_idx == slice_count - Int32(1):
             self._store_tile(ops, acc, smem, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
+        self._stamp(ops, tid, 3)
+
+    @cute.jit
+    def _stamp(self, ops, tid: Int32, event: cutlass.Constexpr[int]):
+        """fused.TIMELINE: thread 0 stores both clocks in slot timeline_event0 + event of its CTA's 256-byte
+        record in c_tmp (decode plans only: their whole tiles leave c_tmp unused)."""
+        if cutlass.const_expr(self.timeline_event0 is not None):
+            if tid == Int32(0):
+                g, c = I.read_timers()
+                cta, _, _ = cute.arch.block_idx()
+                I.st_global_v2_i64(ops.c_tmp + Int64(cta) * Int64(256) + Int64(16 * (self.timeline_event0 + event)),
+                                   g, c)

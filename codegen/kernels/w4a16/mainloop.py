@@ -507,6 +507,7 @@ class MainloopMixin:
         s = self.s
         self._plan_staging(ops, t, smem, tid, valid_rows)
         self._prefetch_initial(ops, t, k_tiles, k_start)
+        self._stamp(ops, tid, 1)
         # Two register sets, one per 16-k row of a stage (there are always two rows per thread:
         # b_sh_wr_iters == 2): row kk computes from set kk while the other set is being loaded,
         # so nothing is copied between "current" and "next" registers.
