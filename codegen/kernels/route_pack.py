@@ -28,7 +28,7 @@ Slot assignment.  A scan turns the counts into cursors: the first slot of
 
 with start[e] the exclusive prefix of the experts' padded sizes.  The multi stage
 publishes each chunk's counts, meets every CTA at a grid barrier (`common.grid_barrier`,
-on the workspace's first two words), and then every CTA reads all chunks' counts of
+on the workspace's first word), and then every CTA reads all chunks' counts of
 its experts (one round of loads) to form its own cursors and the starts.  Scattering
 then repeats the walk: a lane's slot is its cursor plus the number of equal lanes
 below it, and the lowest lane advances the cursor.  So routes of one expert land

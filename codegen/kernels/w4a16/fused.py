@@ -7,7 +7,7 @@ dynamic shared-memory arena and the split-K scratch); between phases every CTA
 meets at a grid barrier, so each phase sees all of the previous one's writes.
 Phases, shapes and buffers: runtime/kernels/w4a16/fused_spec.py.
 
-Grid barrier: `common.grid_barrier` on the two words at the start of `locks`.
+Grid barrier: `common.grid_barrier` on the first word of `locks`.
 """
 
 from __future__ import annotations

@@ -381,7 +381,7 @@ def splitk_scratch_floats(grid_x: int, moe_block_size: int, tile_n: int) -> int:
     return lock_slots(grid_x) * MMA_M * cta_m_blocks(moe_block_size) * tile_n
 
 
-# Grid-barrier words at the start of the fused kernel's `locks` (count, sense, padding); the
+# Grid-barrier words at the start of the fused kernel's `locks` (the barrier's word, padding); the
 # split-K lock slots follow them.
 BARRIER_WORDS = 4
 
