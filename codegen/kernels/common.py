@@ -89,3 +89,13 @@ def grid_barrier(barrier: Int64, tid: Int32, grid_x: Int32):
         while flipped == Int32(0):
             flipped = (I.ld_global_acquire_i32(barrier) ^ old) & Int32(-(1 << 31))
     cute.arch.sync_threads()
+
+
+TIMELINE_RECORD_BYTES = 256  # a CTA's timeline record in c_tmp: 16 slots of (%globaltimer, %clock64)
+
+
+def store_clocks(c_tmp: Int64, slot: int, clocks: tuple[Int64, Int64]) -> None:
+    """Timeline probe (w4a16/fused.py TIMELINE, benchmarks/decode_timeline.py): store the two clocks
+    (`intrinsics.read_timers`) in slot `slot` of this CTA's record; one thread calls it."""
+    cta, _, _ = cute.arch.block_idx()
+    I.st_global_v2_i64(c_tmp + Int64(cta) * Int64(TIMELINE_RECORD_BYTES) + Int64(16 * slot), *clocks)

@@ -22,7 +22,7 @@ from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..activation import ActivationKernel
-from ..common import after_prior_grids, grid_barrier
+from ..common import after_prior_grids, grid_barrier, store_clocks
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
@@ -100,12 +100,14 @@ class W4A16FusedMoeKernel:
             self._zero(I.gmem_address(fc2_out), tokens * Int32(s.hidden_size // 8), first, stride)
 
         if cutlass.const_expr(self.timeline):
-            self._record(routing["c_tmp"], cta, tid, 0, g0, c0)
-            self._record(routing["c_tmp"], cta, tid, 1, *I.read_timers())
+            if tid == Int32(0):
+                store_clocks(routing["c_tmp"], 0, (g0, c0))
+                store_clocks(routing["c_tmp"], 1, I.read_timers())
         self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens)
         grid_barrier(barrier, tid, grid_x)
         if cutlass.const_expr(self.timeline):
-            self._record(routing["c_tmp"], cta, tid, 6, *I.read_timers())
+            if tid == Int32(0):
+                store_clocks(routing["c_tmp"], 6, I.read_timers())
         if cutlass.const_expr(not activates):
             v = Int64(first)
             total = Int64(routes) * Int64(s.intermediate_size // VECTOR)
@@ -122,13 +124,8 @@ class W4A16FusedMoeKernel:
             self._collect_amax(a, activated, routing, I.gmem_address(amax), layer, smem, tid, cta, grid_x, routes)
         self.fc2._persistent(fc2_ops, smem, tid, cta, grid_x, routes)
         if cutlass.const_expr(self.timeline):
-            self._record(routing["c_tmp"], cta, tid, 11, *I.read_timers())
-
-    @cute.jit
-    def _record(self, c_tmp: Int64, cta: Int32, tid: Int32, slot: cutlass.Constexpr[int], g: Int64, c: Int64):
-        """TIMELINE: thread 0 stores the two clocks in slot `slot` of its CTA's 256-byte record in c_tmp."""
-        if tid == Int32(0):
-            I.st_global_v2_i64(c_tmp + Int64(cta) * Int64(256) + Int64(16 * slot), g, c)
+            if tid == Int32(0):
+                store_clocks(routing["c_tmp"], 11, I.read_timers())
 
     # ------------------------------------------------------------------ grid-wide passes
 

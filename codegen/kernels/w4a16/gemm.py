@@ -31,7 +31,7 @@ from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..activation import ActivationKernel
-from ..common import after_prior_grids
+from ..common import after_prior_grids, store_clocks
 from .epilogue import EpilogueMixin
 from .mainloop import MainloopMixin
 
@@ -427,11 +427,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
 
     @cute.jit
     def _stamp(self, ops, tid: Int32, event: cutlass.Constexpr[int]):
-        """fused.TIMELINE: thread 0 stores both clocks in slot timeline_event0 + event of its CTA's 256-byte
-        record in c_tmp (decode plans only: their whole tiles leave c_tmp unused)."""
+        """fused.TIMELINE: thread 0 stores both clocks in slot timeline_event0 + event of its CTA's record in
+        c_tmp (decode plans only: their whole tiles leave c_tmp unused)."""
         if cutlass.const_expr(self.timeline_event0 is not None):
             if tid == Int32(0):
-                g, c = I.read_timers()
-                cta, _, _ = cute.arch.block_idx()
-                I.st_global_v2_i64(ops.c_tmp + Int64(cta) * Int64(256) + Int64(16 * (self.timeline_event0 + event)),
-                                   g, c)
+                store_clocks(ops.c_tmp, self.timeline_event0 + event, I.read_timers())
