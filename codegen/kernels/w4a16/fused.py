@@ -37,11 +37,10 @@ TIMELINE = False
 class W4A16FusedMoeKernel:
     def __init__(self, spec: FusedSpec):
         self.s = spec
-        self.fc1 = gemm_kernel(spec.fc1_gemm)  # the wgmma loop when the plan chose it for both phases
-        self.fc2 = gemm_kernel(spec.fc2_gemm)
         self.timeline = TIMELINE and spec.decode
-        if self.timeline:
-            self.fc1.timeline_event0, self.fc2.timeline_event0 = 2, 7
+        # the wgmma loop when the plan chose it for both phases; FC1's tile probes are slots 2-5, FC2's 7-10
+        self.fc1 = gemm_kernel(spec.fc1_gemm, 2 if self.timeline else None)
+        self.fc2 = gemm_kernel(spec.fc2_gemm, 7 if self.timeline else None)
         self.act = ActivationKernel(spec.activation_spec)
         self.threads = spec.threads
         self.elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16

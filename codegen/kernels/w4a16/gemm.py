@@ -54,7 +54,7 @@ class _Tile:
 
 
 class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
-    def __init__(self, spec: GemmSpec):
+    def __init__(self, spec: GemmSpec, timeline_slot: int | None = None):
         self.s = spec
         self.is_fp16 = spec.dtype is DType.FP16
         self.m8 = spec.moe_block_size == 8
@@ -64,7 +64,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         self.direct = spec.routes is Routes.DIRECT
         self.nf3 = spec.nf3
         self.scale_group = ScaleFormat(spec.scale_format).group_size
-        self.timeline_event0 = None  # fused.TIMELINE: this phase's first timeline slot (None: no probes)
+        self.timeline_slot = timeline_slot  # fused.TIMELINE: this phase's first timeline slot (None: no probes)
 
     @cute.jit
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
@@ -427,8 +427,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
 
     @cute.jit
     def _stamp(self, ops, tid: Int32, event: cutlass.Constexpr[int]):
-        """fused.TIMELINE: thread 0 stores both clocks in slot timeline_event0 + event of its CTA's record in
-        c_tmp (decode plans only: their whole tiles leave c_tmp unused)."""
-        if cutlass.const_expr(self.timeline_event0 is not None):
+        """fused.TIMELINE: thread 0 stores both clocks in slot timeline_slot + event of its CTA's record in c_tmp
+        (decode plans only: their whole tiles leave c_tmp unused)."""
+        if cutlass.const_expr(self.timeline_slot is not None):
             if tid == Int32(0):
-                store_clocks(ops.c_tmp, self.timeline_event0 + event, I.read_timers())
+                store_clocks(ops.c_tmp, self.timeline_slot + event, I.read_timers())
