@@ -1047,17 +1047,18 @@ def red_add_release_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def red_add_bf16x2(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
-    """Atomic element-wise bf16x2 add to global memory (4-byte aligned)."""
-    _asm(0, None, _ir([Int64(addr), Uint32(v)], loc, ip), "red.global.add.noftz.bf16x2 [$0], $1;", "l,r",
-         effects=True, loc=loc, ip=ip)
+def red_add_v4_bf16x2(addr: Int64, v0: Uint32, v1: Uint32, v2: Uint32, v3: Uint32, *, loc=None, ip=None) -> None:
+    """Atomic element-wise add of four bf16x2 words to 16 bytes of global memory (16-byte aligned; sm_90+):
+    one reduction instead of four of one word (SASS REDG.E.ADD.BF16x8)."""
+    _asm(0, None, _ir([Int64(addr), Uint32(v0), Uint32(v1), Uint32(v2), Uint32(v3)], loc, ip),
+         "red.global.add.noftz.v4.bf16x2 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def red_add_f16x2(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
-    """Atomic element-wise half2 add to global memory (4-byte aligned)."""
-    _asm(0, None, _ir([Int64(addr), Uint32(v)], loc, ip), "red.global.add.noftz.f16x2 [$0], $1;", "l,r",
-         effects=True, loc=loc, ip=ip)
+def red_add_v4_f16x2(addr: Int64, v0: Uint32, v1: Uint32, v2: Uint32, v3: Uint32, *, loc=None, ip=None) -> None:
+    """Atomic element-wise add of four half2 words to 16 bytes of global memory (16-byte aligned; sm_90+)."""
+    _asm(0, None, _ir([Int64(addr), Uint32(v0), Uint32(v1), Uint32(v2), Uint32(v3)], loc, ip),
+         "red.global.add.noftz.v4.f16x2 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -75,7 +75,7 @@ class _AllIntrinsics:
         st_v = I.ld_global_acquire_i32(go + 56)
         I.st_global_i32(go + 60, st_v)
         I.st_global_release_i32(go + 64, st_v)
-        I.red_add_bf16x2(go + 68, r); I.red_add_f16x2(go + 72, r)
+        I.red_add_v4_bf16x2(go + 112, r, r, r, r); I.red_add_v4_f16x2(go + 128, r, r, r, r)
         I.red_max_f32_nonnegative(go + 76, y0)
         flip = I.atom_add_release_i32(go + 84, Int32(1))
         g64, c64 = I.read_timers()
@@ -96,8 +96,8 @@ INSTRUCTIONS = [
     "red.release.gpu.global.add.s32",
     "st.release.gpu.global.b32",
     "atom.global.add.s32",
-    "red.global.add.noftz.bf16x2",
-    "red.global.add.noftz.f16x2",
+    "red.global.add.noftz.v4.bf16x2",
+    "red.global.add.noftz.v4.f16x2",
     "red.global.max.s32",
     "atom.release.gpu.global.add.u32",
     "%globaltimer",

@@ -28,7 +28,7 @@ INSTRUCTION = {
     Probe.LDMATRIX_X2: "ldmatrix.sync.aligned.m8n8.x2.shared.b16",
     Probe.MUL_BF16X2: "mul.rn.bf16x2", Probe.MUL_F16X2: "mul.rn.f16x2",
     Probe.PACK_F32: "cvt.rn.f16x2.f32", Probe.UNPACK_PAIRS: "cvt.f32.f16",
-    Probe.RED_ADD_BF16X2: "red.global.add.noftz.bf16x2", Probe.RED_ADD_F16X2: "red.global.add.noftz.f16x2",
+    Probe.RED_ADD_V4_BF16X2: "red.global.add.noftz.v4.bf16x2", Probe.RED_ADD_V4_F16X2: "red.global.add.noftz.v4.f16x2",
     Probe.RED_MAX_F32: "red.global.max.s32", Probe.ATOM_ADD_I32: "atom.global.add.s32",
     Probe.CP_ASYNC: "cp.async.cg.shared.global",
 }

@@ -166,11 +166,16 @@ class ProbeKernel:
     def _slot_address(self, s, d, i) -> Int64:
         return d.address + Int64(s.i32[2 * i]) * 4
 
-    def _red_add_bf16x2(self, s, d, i):
-        I.red_add_bf16x2(self._slot_address(s, d, i), s.u32[2 * i + 1])
+    def _red_chunk(self, s, d, i, red):
+        """src item i = (chunk, four words): `red` adds the words into dst words 4 chunk .. 4 chunk + 3."""
+        base = 5 * i
+        red(d.address + Int64(s.i32[base]) * 16, s.u32[base + 1], s.u32[base + 2], s.u32[base + 3], s.u32[base + 4])
 
-    def _red_add_f16x2(self, s, d, i):
-        I.red_add_f16x2(self._slot_address(s, d, i), s.u32[2 * i + 1])
+    def _red_add_v4_bf16x2(self, s, d, i):
+        self._red_chunk(s, d, i, I.red_add_v4_bf16x2)
+
+    def _red_add_v4_f16x2(self, s, d, i):
+        self._red_chunk(s, d, i, I.red_add_v4_f16x2)
 
     def _red_max_f32(self, s, d, i):
         I.red_max_f32_nonnegative(self._slot_address(s, d, i), s.f32[2 * i + 1])

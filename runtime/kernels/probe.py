@@ -62,6 +62,8 @@ class ProbeLayout:
 _DECODE = "src[i] = x (u32); dst = (p, q): the two pairs the helper returns, in order"
 _REDUCE = (f"src[i] = (slot < {ATOMIC_SLOTS}, value); the helper reduces value into dst[slot] "
            "(dst[0:ATOMIC_SLOTS] is the prefix, set by the caller)")
+_REDUCE_CHUNK = (f"src[i] = (chunk < {ATOMIC_SLOTS // 4}, four words); the helper reduces the words into dst[4 chunk: "
+                 "4 chunk + 4] (dst[0:ATOMIC_SLOTS] is the prefix, set by the caller)")
 
 
 class Probe(str, Enum):
@@ -86,8 +88,8 @@ class Probe(str, Enum):
     MUL_F16X2 = "mul_f16x2"
     PACK_F32 = "pack_f32"
     UNPACK_PAIRS = "unpack_pairs"
-    RED_ADD_BF16X2 = "red_add_bf16x2"
-    RED_ADD_F16X2 = "red_add_f16x2"
+    RED_ADD_V4_BF16X2 = "red_add_v4_bf16x2"
+    RED_ADD_V4_F16X2 = "red_add_v4_f16x2"
     RED_MAX_F32 = "red_max_f32"
     ATOM_ADD_I32 = "atom_add_i32"
     CP_ASYNC = "cp_async"
@@ -150,8 +152,8 @@ LAYOUTS: dict[Probe, ProbeLayout] = {
         "src[i] = x (u32); dst = (*bf16x2_to_f32x2(x), *f16x2_to_f32x2(x), "
         "pair_broadcast_lane(x, 0), pair_broadcast_lane(x, 1)), floats as f32 bits",
     ),
-    Probe.RED_ADD_BF16X2: ProbeLayout(_T, 2, 0, _REDUCE + " with red_add_bf16x2", dst_prefix=ATOMIC_SLOTS),
-    Probe.RED_ADD_F16X2: ProbeLayout(_T, 2, 0, _REDUCE + " with red_add_f16x2", dst_prefix=ATOMIC_SLOTS),
+    Probe.RED_ADD_V4_BF16X2: ProbeLayout(_T, 5, 0, _REDUCE_CHUNK + " with red_add_v4_bf16x2", dst_prefix=ATOMIC_SLOTS),
+    Probe.RED_ADD_V4_F16X2: ProbeLayout(_T, 5, 0, _REDUCE_CHUNK + " with red_add_v4_f16x2", dst_prefix=ATOMIC_SLOTS),
     Probe.RED_MAX_F32: ProbeLayout(
         _T, 2, 0, _REDUCE + " with red_max_f32_nonnegative (values and slots >= +0)", dst_prefix=ATOMIC_SLOTS
     ),

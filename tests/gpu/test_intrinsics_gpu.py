@@ -448,29 +448,36 @@ def _contended_slots(g, per_slot: int) -> torch.Tensor:
     return slots[torch.randperm(slots.numel(), generator=g)]
 
 
-@pytest.mark.parametrize("probe,dtype", [(Probe.RED_ADD_BF16X2, torch.bfloat16),
-                                          (Probe.RED_ADD_F16X2, torch.float16)], ids=["bf16x2", "f16x2"])
-def test_red_add_pairs(bundle, capsys, probe, dtype):
+@pytest.mark.parametrize("probe,dtype", [(Probe.RED_ADD_V4_BF16X2, torch.bfloat16),
+                                          (Probe.RED_ADD_V4_F16X2, torch.float16)], ids=["bf16x2", "f16x2"])
+def test_red_add_chunks(bundle, capsys, probe, dtype):
+    """The 16-byte vector reduction (eight 16-bit floats at once) the top-k sum in FC2 adds with."""
     g = torch.Generator().manual_seed(9)
-    # (1) one update per slot: the sum of two 16-bit floats, rounded once (exact in float32 first)
+    chunks = ATOMIC_SLOTS // 4
+
+    def src(targets: torch.Tensor, words: torch.Tensor) -> torch.Tensor:  # (n,), (n, 4) -> n items of 5 words
+        return _i32(torch.cat([targets[:, None], words & 0xFFFFFFFF], dim=1).flatten())
+
+    # (1) one update per chunk: each element the sum of two 16-bit floats, rounded once (exact in float32 first)
     init, upd = _finite_16(g, 2 * ATOMIC_SLOTS, dtype), _finite_16(g, 2 * ATOMIC_SLOTS, dtype)
     to_f = lambda bits: _from_bits16(bits, dtype).float()  # noqa: E731
     summed = _bits16((to_f(init) + to_f(upd)).to(dtype))
-    slots = torch.arange(ATOMIC_SLOTS, dtype=torch.int64)
     dst = _i32(_pair(init[0::2], init[1::2]))
-    got = _run(bundle, probe, _slots_src(slots, _pair(upd[0::2], upd[1::2])), ATOMIC_SLOTS, dst=dst)
+    words = _pair(upd[0::2], upd[1::2])
+    got = _run(bundle, probe, src(torch.arange(chunks), words.reshape(chunks, 4)), chunks, dst=dst)
     _check(capsys, f"{probe.value} (rounding)", got, _pair(summed[0::2], summed[1::2]),
-           inputs=torch.stack([_u32(dst), _pair(upd[0::2], upd[1::2])], dim=1))
-    # (2) 128 updates per slot from 8192 threads: small integers, every partial sum exact in any order
-    per_slot = 128
-    slots = _contended_slots(g, per_slot)
-    vals = torch.randint(-1, 3, (slots.numel(), 2), generator=g)  # partial sums within [-128, 256]: exact
-    words = _pair(_bits16(vals[:, 0].to(dtype)), _bits16(vals[:, 1].to(dtype)))
-    total = torch.zeros(ATOMIC_SLOTS, 2, dtype=torch.int64).index_add_(0, slots, vals)
+           inputs=torch.stack([_u32(dst), words], dim=1))
+    # (2) 128 updates per chunk from 2048 threads: small integers, every partial sum exact in any order
+    per_chunk = 128
+    targets = torch.arange(chunks, dtype=torch.int64).repeat(per_chunk)
+    targets = targets[torch.randperm(targets.numel(), generator=g)]
+    vals = torch.randint(-1, 3, (targets.numel(), 8), generator=g)  # partial sums within [-128, 256]: exact
+    words = _pair(_bits16(vals[:, 0::2].to(dtype)), _bits16(vals[:, 1::2].to(dtype)))
+    total = torch.zeros(chunks, 8, dtype=torch.int64).index_add_(0, targets, vals).reshape(-1, 2)
     want = _pair(_bits16(total[:, 0].to(dtype)), _bits16(total[:, 1].to(dtype)))
     zero = torch.zeros(ATOMIC_SLOTS, dtype=torch.int32)
-    got = _run(bundle, probe, _slots_src(slots, words), slots.numel(), dst=zero)
-    _check(capsys, f"{probe.value} (contended, {per_slot} per slot)", got, want)
+    got = _run(bundle, probe, src(targets, words), targets.numel(), dst=zero)
+    _check(capsys, f"{probe.value} (contended, {per_chunk} per chunk)", got, want)
 
 
 def test_red_max_f32_nonnegative(bundle, capsys):

@@ -30,11 +30,12 @@ class EpilogueMixin:
         return I.pack_f32x2_bf16x2(x0, x1)
 
     @cute.jit
-    def _red_pair(self, addr: Int64, v: Uint32):
+    def _red_chunk(self, addr: Int64, q0: Uint32, q1: Uint32, q2: Uint32, q3: Uint32):
+        """Add a 16-byte chunk of dtype pairs into global memory: one vector reduction (sm_90+)."""
         if cutlass.const_expr(self.is_fp16):
-            I.red_add_f16x2(addr, v)
+            I.red_add_v4_f16x2(addr, q0, q1, q2, q3)
         else:
-            I.red_add_bf16x2(addr, v)
+            I.red_add_v4_bf16x2(addr, q0, q1, q2, q3)
 
     @cute.jit
     def _unpack_pair(self, x: Uint32):
@@ -82,10 +83,7 @@ class EpilogueMixin:
             if cutlass.const_expr(s.sum_topk > 0):
                 # fused top-k sum: add this route's row into its token's row (zeroed before)
                 addr = ops.out + (Int64(route // Int32(s.sum_topk)) * Int64(s.out_width // 8) + Int64(col)) * Int64(16)
-                self._red_pair(addr, q0)
-                self._red_pair(addr + Int64(4), q1)
-                self._red_pair(addr + Int64(8), q2)
-                self._red_pair(addr + Int64(12), q3)
+                self._red_chunk(addr, q0, q1, q2, q3)
             else:
                 out_int4 = Int64(route) * Int64(s.out_width // 8) + Int64(col)
                 I.st_global_v4_u32(ops.out + out_int4 * Int64(16), q0, q1, q2, q3)
