@@ -52,6 +52,7 @@ class ProbeLayout:
     dst_words: int  # per item
     doc: str
     dst_prefix: int = 0  # words of dst before the per-item results (reduction targets)
+    target_words: int = 1  # reduction probes: dst words one target spans (src word 0 of an item names it)
     smem_bytes: int = 0  # dynamic shared memory per CTA
 
     @property
@@ -152,8 +153,10 @@ LAYOUTS: dict[Probe, ProbeLayout] = {
         "src[i] = x (u32); dst = (*bf16x2_to_f32x2(x), *f16x2_to_f32x2(x), "
         "pair_broadcast_lane(x, 0), pair_broadcast_lane(x, 1)), floats as f32 bits",
     ),
-    Probe.RED_ADD_V4_BF16X2: ProbeLayout(_T, 5, 0, _REDUCE_CHUNK + " with red_add_v4_bf16x2", dst_prefix=ATOMIC_SLOTS),
-    Probe.RED_ADD_V4_F16X2: ProbeLayout(_T, 5, 0, _REDUCE_CHUNK + " with red_add_v4_f16x2", dst_prefix=ATOMIC_SLOTS),
+    Probe.RED_ADD_V4_BF16X2: ProbeLayout(_T, 5, 0, _REDUCE_CHUNK + " with red_add_v4_bf16x2", dst_prefix=ATOMIC_SLOTS,
+                                         target_words=4),
+    Probe.RED_ADD_V4_F16X2: ProbeLayout(_T, 5, 0, _REDUCE_CHUNK + " with red_add_v4_f16x2", dst_prefix=ATOMIC_SLOTS,
+                                        target_words=4),
     Probe.RED_MAX_F32: ProbeLayout(
         _T, 2, 0, _REDUCE + " with red_max_f32_nonnegative (values and slots >= +0)", dst_prefix=ATOMIC_SLOTS
     ),
@@ -215,8 +218,9 @@ def run_probe(bundle: Bundle, probe: Probe | str, src: torch.Tensor, dst: torch.
 
     src and dst must be 1-D int32, contiguous, 16-byte aligned, on the bundle's
     device, with exactly `probe_words(probe, items)` words; the reduction probes
-    also need every slot in src[0::2] to be in [0, ATOMIC_SLOTS).  Launches are
-    asynchronous, as every kernel's.
+    also need every item's target (its first src word) to lie in the ATOMIC_SLOTS
+    prefix: a slot below ATOMIC_SLOTS, a 16-byte chunk below ATOMIC_SLOTS / 4.
+    Launches are asynchronous, as every kernel's.
     """
     spec = ProbeSpec(probe)
     if not isinstance(items, int) or items < 1:
@@ -226,13 +230,13 @@ def run_probe(bundle: Bundle, probe: Probe | str, src: torch.Tensor, dst: torch.
         raise BadInputError(f"{items} items need {max(src_words, dst_words)} words; at most {MAX_WORDS} fit")
     check_tensor(src, "src", dtype=torch.int32, shape=(src_words,), device=bundle.device)
     check_tensor(dst, "dst", dtype=torch.int32, shape=(dst_words,), device=bundle.device)
-    if spec.layout.dst_prefix:
-        slots = src[0::2]
-        if bool(((slots < 0) | (slots >= ATOMIC_SLOTS)).any()):
-            raise BadInputError(f"{spec.probe.value}: every slot src[0::2] must be in [0, {ATOMIC_SLOTS})")
+    lay = spec.layout
+    if lay.dst_prefix:
+        targets, bound = src[0::lay.src_words], ATOMIC_SLOTS // lay.target_words
+        if bool(((targets < 0) | (targets >= bound)).any()):
+            raise BadInputError(f"{spec.probe.value}: every target src[0::{lay.src_words}] must be in [0, {bound})")
     kernel = bundle.kernel(spec.key())
     kernel.bind(spec.SIGNATURE)
-    lay = spec.layout
     if tuple(kernel.block) != (lay.threads, 1, 1):
         raise BundleError(f"{spec.probe.value}: built with block {kernel.block}, this runtime launches "
                           f"{lay.threads} threads; rebuild the bundle")
