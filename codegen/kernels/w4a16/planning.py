@@ -233,7 +233,8 @@ WGMMA_WIDE_MIN_K = 1024
 # narrower tiles and spreads over more SMs (fused_planning._decode_grid); a seventh, "topksum", has a
 # packed plan's FC2 add the routes' rows into the output itself (no top-k sum kernel), and an eighth,
 # "splitsum", the FC2 GEMM of a layer run as two GEMMs (with 16-byte vector reductions: 0.90-0.98x the time
-# from ~1500 tokens on most 128-expert shapes, docs/benchmarks.md "fourteenth session"); a ninth, "tallwide", the standalone GEMMs' 128-row blocks on the 256-wide tile (WGMMA_TALL_WIDE_TILE).
+# from ~1500 tokens on most 128-expert shapes, docs/benchmarks.md "fourteenth session"); a ninth,
+# "tallwide", the standalone GEMMs' 128-row blocks on the 256-wide tile (WGMMA_TALL_WIDE_TILE).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
 MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide")
 
