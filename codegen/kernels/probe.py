@@ -163,13 +163,16 @@ class ProbeKernel:
 
     # ------------------------------------------------------------------ global reductions
 
-    def _slot_address(self, s, d, i) -> Int64:
-        return d.address + Int64(s.i32[2 * i]) * 4
+    def _target(self, s, d, i) -> tuple[Int64, int]:
+        """Reduction item i: the dst address its first src word names (a slot of `target_words` words, the
+        layout's), and the index of its first value word."""
+        lay = self.layout
+        base = lay.src_words * i
+        return d.address + Int64(s.i32[base]) * (4 * lay.target_words), base + 1
 
     def _red_chunk(self, s, d, i, red):
-        """src item i = (chunk, four words): `red` adds the words into dst words 4 chunk .. 4 chunk + 3."""
-        base = 5 * i
-        red(d.address + Int64(s.i32[base]) * 16, s.u32[base + 1], s.u32[base + 2], s.u32[base + 3], s.u32[base + 4])
+        addr, v = self._target(s, d, i)  # four value words into the 16-byte chunk
+        red(addr, s.u32[v], s.u32[v + 1], s.u32[v + 2], s.u32[v + 3])
 
     def _red_add_v4_bf16x2(self, s, d, i):
         self._red_chunk(s, d, i, I.red_add_v4_bf16x2)
@@ -178,10 +181,12 @@ class ProbeKernel:
         self._red_chunk(s, d, i, I.red_add_v4_f16x2)
 
     def _red_max_f32(self, s, d, i):
-        I.red_max_f32_nonnegative(self._slot_address(s, d, i), s.f32[2 * i + 1])
+        addr, v = self._target(s, d, i)
+        I.red_max_f32_nonnegative(addr, s.f32[v])
 
     def _atom_add_i32(self, s, d, i):
-        d.i32[ATOMIC_SLOTS + i] = I.atom_add_i32(self._slot_address(s, d, i), s.i32[2 * i + 1])
+        addr, v = self._target(s, d, i)
+        d.i32[ATOMIC_SLOTS + i] = I.atom_add_i32(addr, s.i32[v])
 
     # ------------------------------------------------------------------ tensor cores (one warp, one item)
     #

@@ -439,12 +439,13 @@ def test_unpack_pairs(bundle, capsys):
 
 
 def _slots_src(slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    return _i32(torch.stack([slots, values & 0xFFFFFFFF], dim=1).flatten())
+    """Reduction probe items: each target slot followed by its value word(s), values (n,) or (n, words)."""
+    return _i32(torch.cat([slots[:, None], (values & 0xFFFFFFFF).reshape(slots.numel(), -1)], dim=1).flatten())
 
 
-def _contended_slots(g, per_slot: int) -> torch.Tensor:
-    """per_slot updates to each of the ATOMIC_SLOTS slots, shuffled across threads and CTAs."""
-    slots = torch.arange(ATOMIC_SLOTS, dtype=torch.int64).repeat(per_slot)
+def _contended_slots(g, per_slot: int, count: int = ATOMIC_SLOTS) -> torch.Tensor:
+    """per_slot updates to each of `count` targets, shuffled across threads and CTAs."""
+    slots = torch.arange(count, dtype=torch.int64).repeat(per_slot)
     return slots[torch.randperm(slots.numel(), generator=g)]
 
 
@@ -453,30 +454,25 @@ def _contended_slots(g, per_slot: int) -> torch.Tensor:
 def test_red_add_chunks(bundle, capsys, probe, dtype):
     """The 16-byte vector reduction (eight 16-bit floats at once) the top-k sum in FC2 adds with."""
     g = torch.Generator().manual_seed(9)
-    chunks = ATOMIC_SLOTS // 4
-
-    def src(targets: torch.Tensor, words: torch.Tensor) -> torch.Tensor:  # (n,), (n, 4) -> n items of 5 words
-        return _i32(torch.cat([targets[:, None], words & 0xFFFFFFFF], dim=1).flatten())
-
+    chunks = ATOMIC_SLOTS // 4  # items: (chunk, four words)
     # (1) one update per chunk: each element the sum of two 16-bit floats, rounded once (exact in float32 first)
     init, upd = _finite_16(g, 2 * ATOMIC_SLOTS, dtype), _finite_16(g, 2 * ATOMIC_SLOTS, dtype)
     to_f = lambda bits: _from_bits16(bits, dtype).float()  # noqa: E731
     summed = _bits16((to_f(init) + to_f(upd)).to(dtype))
     dst = _i32(_pair(init[0::2], init[1::2]))
     words = _pair(upd[0::2], upd[1::2])
-    got = _run(bundle, probe, src(torch.arange(chunks), words.reshape(chunks, 4)), chunks, dst=dst)
+    got = _run(bundle, probe, _slots_src(torch.arange(chunks), words.reshape(chunks, 4)), chunks, dst=dst)
     _check(capsys, f"{probe.value} (rounding)", got, _pair(summed[0::2], summed[1::2]),
            inputs=torch.stack([_u32(dst), words], dim=1))
     # (2) 128 updates per chunk from 2048 threads: small integers, every partial sum exact in any order
     per_chunk = 128
-    targets = torch.arange(chunks, dtype=torch.int64).repeat(per_chunk)
-    targets = targets[torch.randperm(targets.numel(), generator=g)]
+    targets = _contended_slots(g, per_chunk, chunks)
     vals = torch.randint(-1, 3, (targets.numel(), 8), generator=g)  # partial sums within [-128, 256]: exact
     words = _pair(_bits16(vals[:, 0::2].to(dtype)), _bits16(vals[:, 1::2].to(dtype)))
     total = torch.zeros(chunks, 8, dtype=torch.int64).index_add_(0, targets, vals).reshape(-1, 2)
     want = _pair(_bits16(total[:, 0].to(dtype)), _bits16(total[:, 1].to(dtype)))
     zero = torch.zeros(ATOMIC_SLOTS, dtype=torch.int32)
-    got = _run(bundle, probe, src(targets, words), targets.numel(), dst=zero)
+    got = _run(bundle, probe, _slots_src(targets, words), targets.numel(), dst=zero)
     _check(capsys, f"{probe.value} (contended, {per_chunk} per chunk)", got, want)
 
 
