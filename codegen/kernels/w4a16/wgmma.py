@@ -566,13 +566,13 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     # ------------------------------------------------------------------ one tile
 
     @cute.jit
-    def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, n_tile: Int32,
-              k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+    def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
+              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         scale_index = Int64(expert)
         if cutlass.const_expr(self.s.split_global_scale):  # (E, 2): [gate, up], by this warp's slab's half
             scale_index = self._split_scale_index(expert, self._source_slab(n_tile, self._column_group(tid)))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
-        valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
+        valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
         acc.fill(0.0)
         self._wg_mainloop_for_rows(ops, smem, tid, expert, n_tile, valid_rows, acc, k_start, k_count)

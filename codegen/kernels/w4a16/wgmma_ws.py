@@ -105,14 +105,22 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
         W4A16GemmKernel._persistent(self, *args)
 
     @cute.jit
-    def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, n_tile: Int32,
-              k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+    def _block_route(self, ops, tid: Int32, route_block: Int32) -> Int32:
+        """The compute threads' route (gemm.py); the producer reads the block's rows itself."""
+        route = Int32(0)
+        if cutlass.const_expr(not self.producing):
+            route = W4A16GemmKernel._block_route(self, ops, tid, route_block)
+        return route
+
+    @cute.jit
+    def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
+              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
         if cutlass.const_expr(self.producing):
             self._produce_tile(ops, smem, tid - Int32(self.compute), tokens, route_block, expert, n_tile, k_start,
                                k_count)
         else:
-            self._compute_tile(ops, smem, tid, tokens, route_block, expert, n_tile, k_count, slice_count, slice_idx,
-                               lock_slot)
+            self._compute_tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, k_count, slice_count,
+                               slice_idx, lock_slot)
 
     @cute.jit
     def _stage_bases(self, smem: Int32):
@@ -297,9 +305,10 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
 
     @cute.jit
     def _compute_tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32,
-                      n_tile: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+                      route: Int32, n_tile: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32,
+                      lock_slot: Int32):
         global_scale = I.ld_global_nc_f32(ops.global_scale + Int64(expert) * Int64(4))
-        valid_rows = self._read_block(ops, smem, tid, route_block, tokens)
+        valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens)
         # uniform as ptxas sees them (the main loop branches on them around wgmma).  Added while chasing
         # C7520 (wgmma serialized "in divergent path"); what removed it was the order of the remainder
         # loop (_ws_rows_mainloop), but this is the code the H200 runs verified
