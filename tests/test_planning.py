@@ -25,11 +25,13 @@ from cuteaot.codegen.kernels.w4a16.planning import (
 from cuteaot.runtime.kernels.w4a16.geometry import (
     ScaleFormat,
     TileConfig,
+    aligned_split_iters,
     lock_slots,
     max_packed_route_slots,
     max_route_blocks,
     shared_memory_footprint,
     simulate_partition,
+    split_span_cost,
     splitk_scratch_floats,
 )
 
@@ -134,9 +136,9 @@ def test_slot_bound_covers_every_routing():
 # ------------------------------------------------------------------ partition
 
 
-def _check_partition(route_blocks, n_tiles, k_tiles, grid_x, m8):
+def _check_partition(route_blocks, n_tiles, k_tiles, grid_x, m8, span_cost=None):
     """Assert the split-K contract of one simulated launch; return max(lock_slot) + 1."""
-    items = simulate_partition(route_blocks, n_tiles, k_tiles, grid_x, m8)
+    items = simulate_partition(route_blocks, n_tiles, k_tiles, grid_x, m8, span_cost)
     coverage = defaultdict(int)
     by_tile = defaultdict(list)
     for it in items:
@@ -144,7 +146,7 @@ def _check_partition(route_blocks, n_tiles, k_tiles, grid_x, m8):
         for kt in range(it.k_start, it.k_start + it.k_count):
             coverage[(it.route_block, it.n_tile, kt)] += 1
         by_tile[(it.route_block, it.n_tile)].append(it)
-    case = (route_blocks, n_tiles, k_tiles, grid_x, m8)
+    case = (route_blocks, n_tiles, k_tiles, grid_x, m8, span_cost)
     # every (route block, n tile, k tile) exactly once
     assert len(coverage) == route_blocks * n_tiles * k_tiles, case
     assert set(coverage.values()) <= {1}, case
@@ -175,6 +177,7 @@ def test_partition_exhaustive_small():
     # route_blocks * n_tiles is all that shapes the schedule; cover it densely
     for grid_x, mn, k_tiles, m8 in itertools.product(range(1, 14), range(31), range(1, 10), (False, True)):
         _check_partition(mn, 1, k_tiles, grid_x, m8)
+        _check_partition(mn, 1, k_tiles, grid_x, m8, span_cost=3)
     for route_blocks, n_tiles, grid_x in itertools.product(range(7), range(1, 5), (1, 3, 5, 8, 13)):
         _check_partition(route_blocks, n_tiles, 7, grid_x, False)
 
@@ -184,6 +187,42 @@ def test_partition_random():
     for _ in range(250):
         case = (rng.randint(0, 48), rng.randint(1, 20), rng.randint(1, 48), rng.randint(1, 400), rng.random() < 0.3)
         _check_partition(*case)
+        _check_partition(*case, span_cost=rng.choice((1, 3, 6)))
+
+
+def test_aligned_split_iters_hand_worked():
+    assert (split_span_cost(64), split_span_cost(128)) == (6, 3)
+    # Qwen3-30B FC1 at M = 8: 600 tiles x 32 k-tiles over 528 CTAs, 37 each: 12.5 % of the ranges meet three
+    # tiles (cost 37 + 6 * 3 = 55); 40 = 32 + 8 meets two (52)
+    assert aligned_split_iters(37, 32, 6) == 40
+    assert aligned_split_iters(30, 32, 6) == 32  # whole tiles: 32 + 6 against 30 + 12
+    assert aligned_split_iters(26, 45, 6) == 26  # the next form, 45, costs more than it saves
+    assert aligned_split_iters(59, 45, 6) == 60  # 45 + 15
+    assert aligned_split_iters(8, 16, 3) == 8 and aligned_split_iters(16, 16, 3) == 16  # already aligned
+    for k_tiles, span in itertools.product(range(1, 40), (1, 3, 6)):
+        for iters in range(1, 3 * k_tiles + 2):
+            chosen = aligned_split_iters(iters, k_tiles, span)
+            d = chosen % k_tiles
+            assert chosen == iters or d == 0 or k_tiles % d == 0, (iters, k_tiles, span)
+            assert iters <= chosen < iters + k_tiles + span, (iters, k_tiles, span)
+
+
+def test_aligned_partition_meets_fewer_tiles():
+    # the same launches: with the span cost no CTA's tail range meets more tiles than the cost allows
+    for mn, k_tiles, grid_x in ((600, 32, 528), (690, 45, 528), (480, 32, 528), (96, 16, 264)):
+        before = simulate_partition(mn, 1, k_tiles, grid_x, True)
+        after = simulate_partition(mn, 1, k_tiles, grid_x, True, split_span_cost(64 if k_tiles != 16 else 128))
+
+        def worst(items):
+            per_cta = defaultdict(lambda: [0, 0])
+            for it in items:
+                per_cta[it.cta][0] += it.k_count
+                per_cta[it.cta][1] += 1
+            return max(per_cta.values(), key=lambda v: v[0] + 6 * v[1])
+
+        _check_partition(mn, 1, k_tiles, grid_x, True, split_span_cost(64))
+        assert worst(after)[1] <= worst(before)[1], (mn, k_tiles, grid_x)
+    assert max(it.k_count for it in simulate_partition(600, 1, 32, 528, True, 6)) == 32
 
 
 def test_partition_realistic_launches():

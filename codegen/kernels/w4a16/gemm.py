@@ -9,6 +9,8 @@ tiles, each tile_n wide and reduced over K in k-tiles of tile_k:
   (`iters` each), so a tile may be reduced by several CTAs ("split-K slices")
   that merge in order through `c_tmp` and a per-tile lock slot.  If the tail
   would leave most CTAs idle (<= 1/3 of a wave), one more full wave joins it.
+  The mma.sync loop may take a few more k-iterations a CTA where its range then
+  meets one tile fewer (`_aligned_iters`: a tile start and a merge cost more).
 * M <= 8 (`moe_block_size == 8`): when every tile fits in the grid each CTA
   takes one whole tile and there is no split-K at all.
 
@@ -24,8 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
-from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Routes
-from cuteaot.runtime.kernels.w4a16.geometry import ScaleFormat
+from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
+from cuteaot.runtime.kernels.w4a16.geometry import ScaleFormat, split_span_cost
 from cuteaot.runtime.nf3 import SLAB_ROW_WORDS, X2_BASE
 from cuteaot.runtime.types import DType
 
@@ -127,6 +129,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             full_grid_mn_iters = (global_mn_tiles - tail_mn_tiles) // grid_x
 
         iters = (k_tiles * tail_mn_tiles + grid_x - Int32(1)) // grid_x
+        if cutlass.const_expr(s.mainloop is Mainloop.MMA_SYNC):
+            if iters > Int32(0):
+                iters = self._aligned_iters(iters)
         lock_slot = Int32(0)
         if tail_mn_tiles >= grid_x:
             lock_slot = cta
@@ -228,6 +233,26 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     if n_tile == n_tiles:
                         n_tile = Int32(0)
                         route_block += Int32(1)
+
+    @cute.jit
+    def _aligned_iters(self, iters: Int32) -> Int32:
+        """The tail's k-tiles per CTA: `iters` (the fewest that cover it) or more, where the CTAs' ranges then
+        meet fewer tiles, each of which costs a tile start and a split-K merge besides its k-tiles
+        (runtime/kernels/w4a16/geometry.py `aligned_split_iters`, the same choice in Python, says how);
+        the CTAs past the tail's end then have nothing to do.
+        """
+        k = self.s.k_tiles
+        span = Int32(split_span_cost(self.s.tile_k))
+        best = iters
+        best_cost = iters + span * (iters // Int32(k) + Int32(2))
+        for d in cutlass.range_constexpr(1, k + 1):
+            if cutlass.const_expr(k % d == 0):
+                q = (iters - Int32(d) + Int32(k - 1)) // Int32(k)  # the smallest q with q k + d >= iters
+                cost = q * Int32(k) + Int32(d) + span * (q + Int32(1))
+                if cost < best_cost:
+                    best = q * Int32(k) + Int32(d)
+                    best_cost = cost
+        return best
 
     # ------------------------------------------------------------------ barriers
 

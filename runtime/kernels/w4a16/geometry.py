@@ -277,13 +277,44 @@ class _Partition(NamedTuple):
     full_grid_mn_iters: int  # rounds in which every CTA owns whole tiles
     iters: int  # K iterations per CTA in the tail
 
-def _partition(route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool) -> _Partition:
+# What one more tile in a CTA's split-K tail range costs the mma.sync loop, in 64-deep k-tiles of its main
+# loop: a tile start (route reads, the first stage's round trip) and a split-K merge, ~3.2 us against ~0.5 us a
+# k-tile (Nsight warp samples of the Qwen3-30B fused kernel at M = 8, docs/benchmarks.md, fifteenth session).
+SPLIT_SPAN_COST_K64 = 6
+
+
+def split_span_cost(tile_k: int) -> int:
+    """SPLIT_SPAN_COST_K64 in k-tiles of `tile_k` (a 128-deep k-tile moves twice the bytes)."""
+    return max(1, SPLIT_SPAN_COST_K64 * 64 // tile_k)
+
+
+def aligned_split_iters(iters: int, k_tiles: int, span_cost: int) -> int:
+    """The tail's K iterations per CTA when a CTA's every tile costs `span_cost` iterations besides its own.
+
+    CTA c's range [iters c, iters c + iters) of the tail's tiles laid end to end meets at most q + 2 tiles for
+    iters = q k_tiles + d, or q + 1 where d divides k_tiles (every range then starts at a multiple of d; d = 0:
+    whole tiles, no split-K merge).  The answer is `iters` or the smallest larger count of such a form, whichever
+    has the lowest iterations + span_cost x tiles met (the first on a tie).  The mma.sync kernel's scheduler
+    (codegen/kernels/w4a16/gemm.py `_aligned_iters`) computes the same on the GPU.
+    """
+    best, best_cost = iters, iters + span_cost * (iters // k_tiles + 2)
+    for d in range(1, k_tiles + 1):
+        if k_tiles % d == 0:
+            q = (iters - d + k_tiles - 1) // k_tiles
+            cost = q * k_tiles + d + span_cost * (q + 1)
+            if cost < best_cost:
+                best, best_cost = q * k_tiles + d, cost
+    return best
+
+def _partition(route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool,
+               span_cost: int | None = None) -> _Partition:
     """The seed's split of the mn tiles into whole-tile rounds and a split-K tail.
 
     Whole rounds give each CTA one full tile; the remaining tiles' K iterations are
     cut into grid_x equal contiguous ranges.  A small remainder (at most a third of
     the grid) is merged with one whole round so the tail is never mostly idle.
     Block size 8 with no more tiles than CTAs gives one whole tile per CTA instead.
+    With span_cost (the mma.sync loop) the ranges may be longer (`aligned_split_iters`).
     """
     mn_tiles = route_blocks * n_tiles
     tail, full = mn_tiles, 0
@@ -295,6 +326,8 @@ def _partition(route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_
             tail += grid_x
         full = (mn_tiles - tail) // grid_x
     iters = (k_tiles * tail + grid_x - 1) // grid_x
+    if span_cost is not None and iters > 0:
+        iters = aligned_split_iters(iters, k_tiles, span_cost)
     return _Partition(mn_tiles, tail, full, iters)
 
 def _slice_of(tile: int, cta: int, k_tiles: int, iters: int) -> tuple[int, int]:
@@ -344,9 +377,11 @@ def _cta_items(cta: int, route_blocks: int, n_tiles: int, k_tiles: int, grid_x: 
     return items
 
 def simulate_partition(
-    route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool
+    route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool,
+    span_cost: int | None = None,
 ) -> list[WorkItem]:
-    """Every work item of the persistent GEMM, CTA by CTA, as the seed's kernel schedules it.
+    """Every work item of the persistent GEMM, CTA by CTA, as the kernel schedules it (span_cost: the
+    mma.sync loop's, `split_span_cost`; None: the wgmma loop's, the seed's split).
 
     A pure-Python replay of the kernel's persistent loop, used to prove coverage
     and lock-slot bounds in tests and to size scratch; nothing here is launched.
@@ -354,7 +389,7 @@ def simulate_partition(
     check_positive(n_tiles=n_tiles, k_tiles=k_tiles, grid_x=grid_x)
     if not isinstance(route_blocks, int) or route_blocks < 0:
         raise BadInputError(f"route_blocks must be a non-negative int, got {route_blocks!r}")
-    p = _partition(route_blocks, n_tiles, k_tiles, grid_x, uses_m_block_8)
+    p = _partition(route_blocks, n_tiles, k_tiles, grid_x, uses_m_block_8, span_cost)
     items = []
     for cta in range(grid_x):
         items.extend(_cta_items(cta, route_blocks, n_tiles, k_tiles, grid_x, p))
