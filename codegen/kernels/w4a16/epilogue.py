@@ -268,13 +268,18 @@ class EpilogueMixin:
 
     @cute.jit
     def _wait_slice_turn(self, ops, tid: Int32, lock_slot: Int32, slice_idx: Int32) -> Int64:
-        """Block until the tile's lock reaches this slice's index; returns the lock's address."""
+        """Block until the tile's lock reaches this slice's index; returns the lock's address.
+
+        Slice 0 goes first without reading it: a launch gives each split tile a lock slot of its own
+        (runtime/kernels/w4a16/geometry.py `lock_slots`; the partition tests check it), and finds it at 0
+        (the last slice of its previous user reset it; in the fused kernel before the grid barrier)."""
         lock = ops.locks + Int64(lock_slot) * Int64(4)
-        if tid == Int32(0):
-            state = Int32(-1)
-            while state != slice_idx:
-                state = I.ld_global_acquire_i32(lock)
-        self._sync()
+        if slice_idx != Int32(0):
+            if tid == Int32(0):
+                state = Int32(-1)
+                while state != slice_idx:
+                    state = I.ld_global_acquire_i32(lock)
+            self._sync()
         return lock
 
     @cute.jit
