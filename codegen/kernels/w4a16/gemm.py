@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
-from cuteaot.runtime.kernels.w4a16.geometry import ScaleFormat, split_span_cost
+from cuteaot.runtime.kernels.w4a16.geometry import ScaleFormat, split_range_forms, split_span_cost
 from cuteaot.runtime.nf3 import SLAB_ROW_WORDS, X2_BASE
 from cuteaot.runtime.types import DType
 
@@ -245,13 +245,12 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         span = Int32(split_span_cost(self.s.tile_k))
         best = iters
         best_cost = iters + span * (iters // Int32(k) + Int32(2))
-        for d in cutlass.range_constexpr(1, k + 1):
-            if cutlass.const_expr(k % d == 0):
-                q = (iters - Int32(d) + Int32(k - 1)) // Int32(k)  # the smallest q with q k + d >= iters
-                cost = q * Int32(k) + Int32(d) + span * (q + Int32(1))
-                if cost < best_cost:
-                    best = q * Int32(k) + Int32(d)
-                    best_cost = cost
+        for d in split_range_forms(k):  # unrolled: one candidate per divisor of k_tiles
+            q = (iters - Int32(d) + Int32(k - 1)) // Int32(k)  # the smallest q with q k + d >= iters
+            cost = q * Int32(k) + Int32(d) + span * (q + Int32(1))
+            if cost < best_cost:
+                best = q * Int32(k) + Int32(d)
+                best_cost = cost
         return best
 
     # ------------------------------------------------------------------ barriers

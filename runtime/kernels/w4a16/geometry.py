@@ -288,6 +288,12 @@ def split_span_cost(tile_k: int) -> int:
     return max(1, SPLIT_SPAN_COST_K64 * 64 // tile_k)
 
 
+def split_range_forms(k_tiles: int) -> tuple[int, ...]:
+    """The remainders d (ascending, k_tiles last) of the range lengths q k_tiles + d that meet one tile fewer
+    than others: the divisors of k_tiles (`aligned_split_iters`; the kernel unrolls one candidate each)."""
+    return tuple(d for d in range(1, k_tiles + 1) if k_tiles % d == 0)
+
+
 def aligned_split_iters(iters: int, k_tiles: int, span_cost: int) -> int:
     """The tail's K iterations per CTA when a CTA's every tile costs `span_cost` iterations besides its own.
 
@@ -298,12 +304,11 @@ def aligned_split_iters(iters: int, k_tiles: int, span_cost: int) -> int:
     (codegen/kernels/w4a16/gemm.py `_aligned_iters`) computes the same on the GPU.
     """
     best, best_cost = iters, iters + span_cost * (iters // k_tiles + 2)
-    for d in range(1, k_tiles + 1):
-        if k_tiles % d == 0:
-            q = (iters - d + k_tiles - 1) // k_tiles
-            cost = q * k_tiles + d + span_cost * (q + 1)
-            if cost < best_cost:
-                best, best_cost = q * k_tiles + d, cost
+    for d in split_range_forms(k_tiles):
+        q = (iters - d + k_tiles - 1) // k_tiles  # the smallest q with q k_tiles + d >= iters
+        cost = q * k_tiles + d + span_cost * (q + 1)
+        if cost < best_cost:
+            best, best_cost = q * k_tiles + d, cost
     return best
 
 def _partition(route_blocks: int, n_tiles: int, k_tiles: int, grid_x: int, uses_m_block_8: bool,
