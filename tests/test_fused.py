@@ -85,6 +85,24 @@ def test_onewave_decode_grid_covers_the_larger_gemm_in_whole_tiles():
     assert plan_fused(1, *GPT_OSS, True, H200, onewave=True) == gpt_oss
 
 
+def test_splitk_decode_splits_one_wave_plans_over_every_co_resident_cta():
+    """The "splitk" knob: a decode plan whose whole tiles fit one wave (the rule's whole-tile grid) splits K
+    over the grid instead; plans the rule splits already, and packed plans, do not change."""
+    gpt_oss = plan_fused(1, *GPT_OSS, True, H200)
+    assert gpt_oss.whole_tiles_m8 and gpt_oss.grid_x == 180  # 180 FC1 tiles on 132 SMs
+    split = plan_fused(1, *GPT_OSS, True, H200, splitk=True)
+    assert split.decode and not split.whole_tiles_m8 and split.grid_x == split.max_grid_x == gpt_oss.max_grid_x
+    assert (split.fc1_tile, split.fc2_tile, split.blocks_per_sm) == (gpt_oss.fc1_tile, gpt_oss.fc2_tile,
+                                                                      gpt_oss.blocks_per_sm)
+    spec = spec_of(split, *GPT_OSS, "swigluoai")
+    assert not spec.fc1_gemm.whole_tiles_m8 and not spec.fc2_gemm.whole_tiles_m8
+    assert split.c_tmp_floats >= gpt_oss.c_tmp_floats  # split-K scratch for the whole grid
+    glm = (4096, 1408, 128, 8)  # the rule splits already
+    assert plan_fused(1, *glm, True, H200, splitk=True) == plan_fused(1, *glm, True, H200)
+    packed = plan_fused(64, *QWEN3_30B, True, H200)
+    assert plan_fused(64, *QWEN3_30B, True, H200, splitk=True) == packed
+
+
 def test_topk_sum_folds_into_packed_plans_only():
     """The "topksum" knob: a packed plan's FC2 adds the routes' rows into the output (the decode
     regime's red.add), so no top-k sum kernel runs; never where the order must be fixed

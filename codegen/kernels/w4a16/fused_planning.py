@@ -186,6 +186,7 @@ def plan_fused(
     onewave: bool | None = None,
     topk_sum: bool | None = None,
     stored_as_is: bool = False,
+    splitk: bool | None = None,
 ) -> FusedPlan:
     """Plan the fused MoE launch for m tokens (num_experts = the routing's expert count).
 
@@ -196,6 +197,8 @@ def plan_fused(
     DECODE_MEASURED_MAX_M tokens (None: up to DECODE_MAX_M).  `short`: 16- to 48-row blocks on the wgmma
     loop (None: planning.WGMMA_SHORT).  `promote`: 16-row wgmma blocks where the rule packs 8-row ones.
     `onewave`: a decode grid sized to the larger GEMM's whole tiles (None: to FC1's, `_decode_grid`).
+    `splitk`: a decode launch splits K over every co-resident CTA even where one wave of whole tiles fits
+    (None: the rule, `_decode_grid`; takes precedence over `onewave`).
     `topk_sum`: packed plans whose FC2 adds the routes' rows into the output (bf16 red.add, no fixed
     order: not with `deterministic`; not with expert_map or calibration) instead of a top-k sum kernel.
     `stored_as_is`: weights read as ModelOpt stores them (the modelopt layout): the mma.sync loop only (its
@@ -260,7 +263,7 @@ def plan_fused(
     grid_x, whole_tiles = cap, block == 8
     if decode:
         grid_x, whole_tiles = _decode_grid(routes * tile_count(n1, t1.tile_n), routes * tile_count(n2, t2.tile_n), cap,
-                                           bool(onewave))
+                                           bool(onewave), bool(splitk))
         slots, blocks = routes * block, routes
     else:
         slots = max_packed_route_slots(routes, block, num_experts)
@@ -272,13 +275,17 @@ def plan_fused(
     )
 
 
-def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int, onewave: bool = False) -> tuple[int, bool]:
+def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int, onewave: bool = False,
+                 splitk: bool = False) -> tuple[int, bool]:
     """(grid, whole tiles) of a decode launch: one whole tile per CTA while one wave covers both GEMMs
     (the grid right-sized to FC1's tiles), else split K over all `cap` co-resident CTAs (DECODE_ONE_WAVE).
 
     `onewave` (the measured knob): the grid is right-sized to the larger GEMM's tiles wherever both fit
     in one wave of co-resident CTAs, so a GEMM with more tiles than FC1 is not split (CTAs past a
-    GEMM's tile count sit that phase out)."""
+    GEMM's tile count sit that phase out).  `splitk` (the measured knob): split K over all `cap` CTAs
+    always, so that every SM streams an equal share of both GEMMs' k-tiles."""
+    if splitk:
+        return cap, False
     if onewave and max(fc1_tiles, fc2_tiles) <= cap:
         return max(fc1_tiles, fc2_tiles), True
     waves = -(-fc1_tiles // cap)
@@ -435,7 +442,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       promote=layer_choice("promote", m, facts, profile),
                       onewave=layer_choice("onewave", m, facts, profile),
                       topk_sum=layer_choice("topksum", m, facts, profile),
-                      stored_as_is=facts.weights.layout == "modelopt")
+                      stored_as_is=facts.weights.layout == "modelopt",
+                      splitk=layer_choice("splitk", m, facts, profile))
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the

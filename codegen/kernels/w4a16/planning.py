@@ -234,15 +234,22 @@ WGMMA_WIDE_MIN_K = 1024
 # packed plan's FC2 add the routes' rows into the output itself (no top-k sum kernel), and an eighth,
 # "splitsum", the FC2 GEMM of a layer run as two GEMMs (with 16-byte vector reductions: 0.90-0.98x the time
 # from ~1500 tokens on most 128-expert shapes, docs/benchmarks.md "fourteenth session"); a ninth,
-# "tallwide", the standalone GEMMs' 128-row blocks on the 256-wide tile (WGMMA_TALL_WIDE_TILE).
+# "tallwide", the standalone GEMMs' 128-row blocks on the 256-wide tile (WGMMA_TALL_WIDE_TILE); a tenth,
+# "splitk", splits a decode launch's K over every co-resident CTA where the rule keeps one whole tile per
+# CTA because one wave of them covers both GEMMs (fused_planning._decode_grid): the whole-tile plan leaves
+# SMs idle or doubled (gpt-oss-120b M = 1: 180 FC1 tiles on 132 SMs, 92 FC2 tiles).  Measured on the H200
+# (2026-12-04, docs/results/tune-splitk-2026-12-04.json) at M = 1, 2 on every shipped shape: 0.97-1.28x the
+# rule's time, no win past noise, so the table records none (the split-K merges cost more than the balance buys).
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
-MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide")
+MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide",
+                  "splitk")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
-          "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured"}
+          "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured",
+          "splitk": "measured"}
 
 
 @functools.cache
