@@ -70,7 +70,7 @@ from cuteaot.runtime.kernels.route_pack import (
 from .. import intrinsics as I
 from .common import after_prior_grids, fake_arguments, grid_barrier
 
-__all__ = ["RoutePackKernel", "build", "SMEM_BYTES"]  # SMEM_BYTES: the build records it per kernel
+__all__ = ["RoutePackKernel", "build", "SMEM_BYTES", "ld_global_if_i32", "same_id_lanes"]  # SMEM_BYTES: the build records it per kernel
 
 BATCH = 8  # steps (32 routes) a warp loads per batch; the single stage's routes fit in one
 SEARCH_STEPS = MAX_EXPERTS.bit_length() - 1  # binary search over the expert ends
@@ -105,6 +105,24 @@ def ld_global_if_i64(address: Int64, pred: Int32, fallback: Int64, *, loc=None, 
             Int64(fallback).ir_value(loc=loc, ip=ip)]
     return Int64(llvm.inline_asm(T.i64(), args, ptx, "=l,l,r,l", has_side_effects=True, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def same_id_lanes(e: Int32, valid: Int32, bits: cutlass.Constexpr[int]) -> Int32:
+    """Mask of the lanes holding the same id as this lane (a "multisplit"; meaningful for e >= 0, ids
+    below 2**bits), among `valid` (the lanes with e >= 0): one ballot per bit of the id, narrowing `valid`.
+
+    This replaces `match.any.sync`, whose latency grows with the number of distinct values
+    in the warp: on the H200, 512 tokens x top-8 of 128 experts pack in 8.9 us
+    instead of 11.9 us, 65536 x 8 of 256 in 24.5 us instead of 34.5 us (only
+    routing onto very few experts, e.g. 8, is faster with `match.any`).
+    """
+    peers = valid
+    for bit in cutlass.range_constexpr(bits):
+        mine = (e >> bit) & Int32(1)
+        ones = cute.arch.vote_ballot_sync(mine != Int32(0))
+        peers = peers & ~(ones ^ -mine)  # lanes whose bit equals mine
+    return peers
 
 
 class _Operands:
@@ -206,23 +224,6 @@ class RoutePackKernel:
                     experts[u] = Int32(-1)
 
     @cute.jit
-    def _peers(self, e: Int32, valid: Int32) -> Int32:
-        """Mask of the lanes holding the same expert as this lane (meaningful for e >= 0).
-
-        One ballot per bit of the id, narrowing `valid` (the lanes with e >= 0).  This
-        replaces `match.any.sync`, whose latency grows with the number of distinct values
-        in the warp: on the H200, 512 tokens x top-8 of 128 experts pack in 8.9 us
-        instead of 11.9 us, 65536 x 8 of 256 in 24.5 us instead of 34.5 us (only
-        routing onto very few experts, e.g. 8, is faster with `match.any`).
-        """
-        peers = valid
-        for bit in cutlass.range_constexpr(SEARCH_STEPS):  # ids < MAX_EXPERTS = 2^SEARCH_STEPS
-            mine = (e >> bit) & Int32(1)
-            ones = cute.arch.vote_ballot_sync(mine != Int32(0))
-            peers = peers & ~(ones ^ -mine)  # lanes whose bit equals mine
-        return peers
-
-    @cute.jit
     def _process_batch(self, op: _Operands, hist, experts, lo: Int32, first_step: Int32, scatter: cutlass.Constexpr):
         """Count the batch into this warp's row of hist, or scatter it from the cursors there."""
         lane = cute.arch.lane_idx()
@@ -233,7 +234,7 @@ class RoutePackKernel:
             e = experts[u]
             valid = cute.arch.vote_ballot_sync(e >= Int32(0))
             if valid != Int32(0):  # warp-uniform: skips the segment's tail and all-dropped steps
-                peers = self._peers(e, valid)
+                peers = same_id_lanes(e, valid, SEARCH_STEPS)
                 rank = Int32(cute.arch.popc(peers & below_mask))
                 cursor = Int32(0)
                 if e >= Int32(0):
