@@ -33,9 +33,10 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from .bundle import Bundle, PreparedLaunch, RecordedLaunch, ZeroFill, current_stream_handle, recording_launches
-from .errors import BadInputError, UnknownSpecializationError
+from .errors import BadInputError, BundleError, UnknownSpecializationError
 from .kernels.w4a16.gemm import PersistentLaunch, check_stored_sizes, persistent_launch
 from .kernels.w4a16.gemm_spec import Epilogue
+from .kernels.w4a16.fused_spec import PACK_MAX_ROUTES
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
     MAX_EXPERTS, IdsDType, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace,
@@ -102,7 +103,7 @@ class _PackedSteps:
     """The prepared launches around the GEMMs of one token count on the packed path."""
 
     ws: MoeWorkspace  # held: the cache key's id(ws) stays unique while the entry lives
-    route_pack: PreparedRoutePack
+    route_pack: PreparedRoutePack | None  # None where the fused kernel packs the routes itself (pack_experts)
     topk_sum: PreparedTopkSum | None  # None where the fused kernel sums the routes itself (topk_sum)
 
 
@@ -120,6 +121,8 @@ class Resolved:
     # FC2 adds each route's row into the (M, H) output (decode; packed routes with FusedSpec.topk_sum,
     # or GemmSpec.sum_topk when split): no top-k sum kernel after it
     sums_topk: bool = dataclasses.field(init=False)
+    # the fused kernel packs the routes from topk_ids itself (FusedSpec.pack_experts): no route-pack launch
+    packs_routes: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode", self.launch.direct)  # read several times per call
@@ -127,6 +130,8 @@ class Resolved:
                            self.launch.split and self.kernels["fc1"].spec.epilogue is Epilogue.NONE)
         object.__setattr__(self, "sums_topk", self.kernels["fc2"].spec.sum_topk > 0 if self.launch.split
                            else self.kernels["fused"].spec.sums_topk)
+        object.__setattr__(self, "packs_routes",
+                           not self.launch.split and self.kernels["fused"].spec.pack_experts is not None)
 
     def describe(self) -> str:
         launch = self.launch
@@ -138,6 +143,7 @@ class Resolved:
                     f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
         f = self.kernels["fused"].spec
         path = "decode" if self.decode else f"packed b{launch.route_block}" + (" +sum" if self.sums_topk else "")
+        path += " +pack" if self.packs_routes else ""
         act = f"+{f.activation.value}" if f.gated_epilogue else ""
         return (f"{path} {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
                 f"grid {launch.grid_x}")
@@ -287,6 +293,15 @@ class MoeLayer:
                                     f"vectors), got address {b.data_ptr():#x}; pass a fresh .clone()")
         return pair[0], pair[1]
 
+    def _check_packing(self, kernel: PersistentLaunch, m: int) -> None:
+        """A kernel that packs the routes in shared memory holds PACK_MAX_ROUTES routes of pack_experts experts."""
+        experts = kernel.spec.pack_experts
+        if m * self.top_k > PACK_MAX_ROUTES or experts != self.route_experts or self.expert_map is not None:
+            raise BundleError(f"the bundle's fused kernel for {m} tokens packs at most {PACK_MAX_ROUTES} routes of "
+                              f"{experts} experts itself; this layer routes {m} x {self.top_k} onto "
+                              f"{self.route_experts}{' through an expert map' if self.expert_map is not None else ''}:"
+                              f" rebuild the bundle")
+
     def _check_accumulate(self, accumulate: object) -> bool:
         if not isinstance(accumulate, bool):
             raise BadInputError(f"accumulate must be True or False, got {accumulate!r}")
@@ -339,7 +354,10 @@ class MoeLayer:
             if collect_amax:  # the calibration table's kernels: not loaded (nor checked) when the layer was built
                 for role, kernel in kernels.items():
                     self._check_stored_sizes(role, kernel)
-            r = self._resolved[(m, collect_amax)] = Resolved(launch, kernels)
+            r = Resolved(launch, kernels)
+            if r.packs_routes:
+                self._check_packing(r.kernels["fused"], m)
+            self._resolved[(m, collect_amax)] = r
         return r
 
     # ------------------------------------------------------------------ memory
@@ -398,12 +416,14 @@ class MoeLayer:
         m = x.shape[0]
         r = self.resolve(m, amax is not None)
         routes = m * self.top_k
-        if r.decode:  # int64 ids are narrowed through the workspace: a call never allocates
+        if r.decode or r.packs_routes:  # int64 ids are narrowed through the workspace: a call never allocates
             ids = topk_ids
             if ids.dtype is not torch.int32:
                 ids = direct_route_ids(topk_ids, self.route_experts, wide=ws.ids64[:routes].view(m, self.top_k),
                                        out=ws.ids32[:routes].view(m, self.top_k))
             route_indices = block_experts = route_count = ids
+            if not r.sums_topk:
+                steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out, pack=False)
         else:
             steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out, r.sums_topk)
             route_indices, block_experts, route_count = steps.route_pack(topk_ids, stream)
@@ -419,12 +439,12 @@ class MoeLayer:
     _STEPS_CACHE = 64  # token counts whose packed-path launches a layer keeps prepared
 
     def _packed_steps(self, ws: MoeWorkspace, m: int, block: int, topk_ids: torch.Tensor,
-                      out: torch.Tensor, summed: bool = False) -> "_PackedSteps":
-        """The route packing and top-k sum (none where the fused kernel sums: `summed`) of an m-token
-        call on the packed path, with the workspace slices they read and write packed in: prepared (and
-        checked) once per (workspace, M, ids dtype), kept for the most recent token counts.  A call's
-        own inputs were checked by _check."""
-        key = (id(ws), m, block, topk_ids.dtype, summed)
+                      out: torch.Tensor, summed: bool = False, pack: bool = True) -> "_PackedSteps":
+        """The route packing (none where the fused kernel packs: not `pack`) and top-k sum (none where it
+        sums: `summed`) of an m-token call on the packed path, with the workspace slices they read and
+        write packed in: prepared (and checked) once per (workspace, M, ids dtype), kept for the most
+        recent token counts.  A call's own inputs were checked by _check."""
+        key = (id(ws), m, block, topk_ids.dtype, summed, pack)
         found = self._steps.get(key)
         if found is not None and found.ws is ws:
             return found
@@ -436,7 +456,8 @@ class MoeLayer:
             PreparedRoutePack(self.bundle, topk_ids, self.route_experts, block, expert_map=self.expert_map,
                               packed=ws.route_indices[:slots], block_ids=ws.block_experts[: slots // block],
                               count=ws.route_count,
-                              workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)]),
+                              workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)])
+            if pack else None,
             None if summed else PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts,
                                                 accumulate=self.accumulate),
         )

@@ -4,6 +4,7 @@ custom op's fake implementation."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -15,7 +16,8 @@ from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import BadInputError, SpecError
-from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import PACK_MAX_ROUTES, FusedSpec, RoutePackLayout
+from cuteaot.runtime.kernels.route_pack import max_packed_route_slots
 from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS, TileConfig
 import cuteaot.runtime.moe as moe_module
 from cuteaot.runtime.moe import MoeLayer
@@ -405,10 +407,91 @@ def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeyp
                     assert calls[1] == ("zero", out.data_ptr(), m * 512 // 2)
     finally:
         stubs._planned.cache_clear()
-    assert seen["always", 8] == (["pack_routes", "fused"], True, True)
-    assert seen["rule", 8] == (["pack_routes", "fused", "topk_sum"], False, False)
+    # M = 8: 32 routes, packed by the fused kernel itself (pack_experts)
+    assert seen["always", 8] == (["fused"], True, True)
+    assert seen["rule", 8] == (["fused", "topk_sum"], False, False)
     assert seen["always", 4096] == (["pack_routes", "zero", "fused", "fused"], True, True)
     assert seen["rule", 4096] == (["pack_routes", "fused", "fused", "topk_sum"], False, False)
+
+
+def test_packed_mma_sync_plans_pack_their_routes_in_the_kernel():
+    """Packed plans of the mma.sync loop up to PACK_MAX_ROUTES routes pack them in the fused kernel
+    (pack_experts = the routing's expert count); decode, wgmma, expert maps and calibration do not; the
+    packing's tables follow the GEMM arena in shared memory and still fit the plan's CTAs per SM."""
+    for m in (8, 64, 115):  # (Qwen3-30B takes the wgmma loop from 116 tokens)
+        p = plan_fused(m, *QWEN3_30B, True, H200)
+        assert p.pack_routes and p.mainloop == "mma_sync" and not p.decode
+        spec = spec_of(p, *QWEN3_30B, "silu")
+        lay = spec.pack_layout
+        assert spec.pack_experts == 128 and lay == RoutePackLayout(-(-spec.gemm_shared_bytes // 16) * 16, 128,
+                                                                   p.moe_block_size, spec.threads // 32)
+        assert lay.capacity >= max_packed_route_slots(m * 8, p.moe_block_size, 128)
+        assert lay.hist < lay.slots < lay.blocks < lay.count < lay.sums < lay.end == spec.shared_bytes
+        assert spec.shared_bytes * p.blocks_per_sm <= H200.shared_memory_per_sm
+        assert spec.key() != dataclasses.replace(spec, pack_experts=None).key()  # a key fact
+    assert not plan_fused(1, *QWEN3_30B, True, H200).pack_routes  # decode reads topk_ids directly
+    assert not plan_fused(64, *QWEN3_30B, True, H200, expert_map=True).pack_routes
+    assert not plan_fused(64, *QWEN3_30B, True, H200, collect_amax=True).pack_routes
+    assert not plan_fused(1024, *QWEN3_30B, True, H200).pack_routes  # 8192 routes, wgmma
+    assert not plan_fused(PACK_MAX_ROUTES // 2 + 1, 2880, 2880, 128, 2, True, H200).pack_routes  # > 1024 routes
+    for plan in (plan_fused(1, *QWEN3_30B, True, H200), plan_fused(1024, *QWEN3_30B, True, H200)):  # decode, wgmma
+        with pytest.raises(BadInputError, match="pack_experts"):
+            dataclasses.replace(spec_of(plan, *QWEN3_30B, "silu"), pack_experts=128)
+
+
+def test_every_shipped_packing_plan_fits_shared_memory():
+    """The shared-memory packing tables of every fused kernel of specs/moe-models.yaml leave the plan's CTAs
+    per SM co-resident, on every target (the runtime would refuse the launch otherwise)."""
+    from cuteaot.codegen.kernels.w4a16.fused_planning import plan_layer
+    from cuteaot.codegen.kernels.w4a16.planning import _RESIDENT_SHARED_MEMORY_PER_BLOCK as RESIDENT
+
+    spec, packing = load_spec("specs/moe-models.yaml"), 0
+    for profile in spec.targets:
+        for problem in spec.moe:
+            for facts in problem.layer_facts():
+                for m in range(1, min(problem.tokens[-1], PACK_MAX_ROUTES // facts.top_k) + 1):
+                    plan = plan_layer(m, facts, profile)
+                    if not plan.pack_routes:
+                        continue
+                    packing += 1
+                    fused = fused_spec_for(plan, facts)
+                    assert (fused.shared_bytes + RESIDENT) * fused.blocks_per_sm <= profile.shared_memory_per_sm, (profile.name, m)
+                    assert fused.shared_bytes <= profile.max_shared_memory_per_block_optin, (profile.name, m)
+    assert packing
+
+
+def test_a_call_whose_kernel_packs_launches_no_route_packing(monkeypatch):
+    """Where the fused kernel packs the routes, the call passes the (narrowed) topk_ids and launches no
+    route-pack kernel; with PACK_IN_KERNEL off the same call packs first, as before."""
+    import tests.stub_bundle as stubs
+    from cuteaot.codegen.kernels.w4a16 import fused_planning
+
+    g = torch.Generator().manual_seed(5)
+    w13 = prepare_w13(*quantize_nvfp4(torch.randn(16, 512, 512, generator=g) * 0.05), "bf16")
+    w2 = prepare_w2(*quantize_nvfp4(torch.randn(16, 512, 256, generator=g) * 0.05), "bf16")
+    seen = {}
+    try:
+        for packs in (True, False):
+            monkeypatch.setattr(fused_planning, "PACK_IN_KERNEL", packs)
+            stubs._planned.cache_clear()
+            calls = stubs.stub_launches(monkeypatch)
+            layer = MoeLayer(stubs.stub_bundle(), w13, w2, top_k=4, activation="silu")
+            for dtype in (torch.int32, torch.int64):
+                calls.clear()
+                x, w, ids = _inputs(m=16)
+                ids = ids.to(dtype)
+                layer(x, w, ids, out=torch.empty(16, 512, dtype=torch.bfloat16))
+                fused = [c[2] for c in calls if c[0] == "fused"][0]
+                r = layer.resolve(16)
+                narrowed = layer.workspace().ids32.data_ptr() if dtype is torch.int64 else ids.data_ptr()
+                seen[packs, dtype] = ([c[0] for c in calls], r.packs_routes,
+                                      fused["route_indices"] == narrowed, "+pack" in r.describe())
+    finally:
+        stubs._planned.cache_clear()
+    summed = seen[True, torch.int32][0][1:]  # the top-k sum kernel, or nothing where FC2 sums (measured table)
+    assert seen[True, torch.int32] == (["fused"] + summed, True, True, True)
+    assert seen[True, torch.int64] == (["fused"] + summed, True, True, True)
+    assert seen[False, torch.int32][:2] == (["pack_routes", "fused"] + summed, False)
 
 
 def test_custom_op_fake_shapes():

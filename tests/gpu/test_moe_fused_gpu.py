@@ -274,6 +274,37 @@ def test_functional_api_and_bad_ids(bundle, check):
         model.layer(bundle, validate_ids=True)(x, w, bad)
 
 
+def test_in_kernel_route_packing(bundle, check):
+    """Packed plans that group the routes inside the fused kernel (FusedSpec.pack_experts): skewed routing,
+    int64 ids, ids out of range dropped on the device, the largest M whose routes fit the kernel's tables,
+    graph replay, and a bound call that launches no route-pack kernel."""
+    model = Model("silu-bf16", seed=37)
+    layer = model.layer(bundle)
+    packing = [m for m in (3, 8, 37, 64, 255, 256) if layer.resolve(m).packs_routes]
+    assert packing, "tiny-fused builds no in-kernel packing plan"
+    for m in packing:
+        x, w, _ = model.inputs(m)
+        ids = skewed_topk_ids(m, model.e, model.top_k, model.g).cuda()
+        ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, "silu")
+        check(layer(x, w, ids, out=poisoned(m, model.h, model.dtype)), ref, f"M={m} skewed", "in-kernel packing")
+        check(layer(x, w, ids.long(), out=poisoned(m, model.h, model.dtype)), ref, f"M={m} int64", "in-kernel packing")
+        eager, replay = replayed(layer, x, w, ids)
+        assert rel_err(replay, eager.float()) <= 5e-3, f"M={m}: graph replay differs from eager"
+        bound = layer.bind(x, w, ids, poisoned(m, model.h, model.dtype))
+        assert "moe_route_pack" not in repr(bound) and "w4a16_fused_moe" in repr(bound), repr(bound)
+        check(bound(), ref, f"M={m} bound", "in-kernel packing")
+    m = packing[-1]
+    x, w, ids = model.inputs(m)
+    bad = ids.clone()
+    bad[0, 0], bad[m // 2, 1], bad[m - 1, model.top_k - 1] = -1, model.e, 1 << 20
+    dropped = w.clone()
+    dropped[0, 0] = dropped[m // 2, 1] = dropped[m - 1, model.top_k - 1] = 0
+    ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, dropped, ids, "silu")
+    out = run_w4a16_moe(bundle, x, model.w13, model.w2, w, bad, activation="silu")
+    check(out, ref, f"M={m}, three routes out of range dropped", "in-kernel packing")
+    assert_clean(layer.workspace())
+
+
 def test_torch_compile(bundle, check):
     model = Model("silu-bf16", seed=31)
     layer = model.layer(bundle)

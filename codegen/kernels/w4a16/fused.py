@@ -17,12 +17,13 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64
 
 from cuteaot.runtime.kernels.activation import VECTOR
-from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import PACK_MAX_ROUTES, FusedSpec
 from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..activation import ActivationKernel
 from ..common import after_prior_grids, grid_barrier, store_clocks
+from ..route_pack import ld_global_if_i32, same_id_lanes
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
@@ -39,8 +40,9 @@ class W4A16FusedMoeKernel:
         self.s = spec
         self.timeline = TIMELINE and spec.decode
         # the wgmma loop when the plan chose it for both phases; FC1's tile probes are slots 2-5, FC2's 7-10
-        self.fc1 = gemm_kernel(spec.fc1_gemm, 2 if self.timeline else None)
-        self.fc2 = gemm_kernel(spec.fc2_gemm, 7 if self.timeline else None)
+        packs = spec.pack_experts is not None  # both phases read the kernel's own route packing
+        self.fc1 = gemm_kernel(spec.fc1_gemm, 2 if self.timeline else None, packs)
+        self.fc2 = gemm_kernel(spec.fc2_gemm, 7 if self.timeline else None, packs)
         self.act = ActivationKernel(spec.activation_spec)
         self.threads = spec.threads
         self.elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
@@ -81,6 +83,11 @@ class W4A16FusedMoeKernel:
             route_count=I.gmem_address(route_count), topk_weights=I.gmem_address(topk_weights),
             c_tmp=I.gmem_address(c_tmp), locks=barrier + Int64(s.barrier_words * 4), num_experts=num_experts,
         )
+        if cutlass.const_expr(s.pack_experts is not None):  # the routes packed into this CTA's shared memory
+            pack = s.pack_layout
+            self._pack_routes(I.gmem_address(route_indices), tokens * Int32(s.top_k), num_experts, smem, tid)
+            routing.update(route_indices=smem + Int32(pack.slots), block_experts=smem + Int32(pack.blocks),
+                           route_count=smem + Int32(pack.count))
         # relu2, or the gated activation with gated_epilogue, is FC1's epilogue
         activates = not s.gated or bool(s.gated_epilogue)
         fc1_target = activated if activates else fc1_out
@@ -125,6 +132,115 @@ class W4A16FusedMoeKernel:
         if cutlass.const_expr(self.timeline):
             if tid == Int32(0):
                 store_clocks(routing["c_tmp"], 11, I.read_timers())
+
+    # ------------------------------------------------------------------ route packing
+
+    @cute.jit
+    def _pack_routes(self, ids: Int64, routes: Int32, num_experts: Int32, smem: Int32, tid: Int32):
+        """Group the routes (flat topk_ids at `ids`) by expert into this CTA's shared-memory tables
+        (FusedSpec.pack_layout), in route_pack.py's order: warp w takes the w-th contiguous segment of the
+        routes and ranks each route among the earlier ones of its expert in the segment (a ballot per id
+        bit: the lanes with the same expert), counting per (warp, expert); a scan over the experts' padded
+        counts turns the counts into each (warp, expert)'s first slot; every route then lands at that slot
+        plus its rank, so each expert's routes are in increasing route index.  Ids outside [0, num_experts)
+        are dropped (num_experts <= pack_experts: the runtime checks it)."""
+        s, lay = self.s, self.s.pack_layout
+        warps, experts, block = self.threads // 32, lay.experts, s.moe_block_size
+        steps = -(-PACK_MAX_ROUTES // (32 * warps))  # 32-route steps of a warp's segment, at most
+        bits = max(1, (experts - 1).bit_length())
+        lane = tid & Int32(31)
+        warp = tid // Int32(32)
+        hist_row = smem + Int32(lay.hist) + warp * Int32(4 * experts)
+        i = tid
+        while i < Int32(warps * experts):
+            I.st_shared_i32(smem + Int32(lay.hist) + i * Int32(4), Int32(0))
+            i += Int32(self.threads)
+        seg = (routes + Int32(32 * warps - 1)) // Int32(32 * warps) * Int32(32)
+        lo = warp * seg
+        hi = cutlass.min(lo + seg, routes)
+        expert = cute.make_rmem_tensor(steps, Int32)
+        for u in cutlass.range_constexpr(steps):  # predicated loads, all in flight at once
+            r = lo + Int32(32 * u) + lane
+            expert[u] = ld_global_if_i32(ids + Int64(r) * Int64(4), Int32(r < hi), Int32(-1))
+        for u in cutlass.range_constexpr(steps):
+            if expert[u] < Int32(0) or expert[u] >= num_experts or expert[u] >= Int32(experts):
+                expert[u] = Int32(-1)
+        cute.arch.sync_threads()  # the counts are zero
+        rank = cute.make_rmem_tensor(steps, Int32)
+        below = Int32(cute.arch.lanemask_lt())
+        for u in cutlass.range_constexpr(steps):
+            e = expert[u]
+            valid = cute.arch.vote_ballot_sync(e >= Int32(0))
+            rank[u] = Int32(0)
+            if valid != Int32(0):
+                peers = same_id_lanes(e, valid, bits)
+                ahead = Int32(cute.arch.popc(peers & below))
+                count = Int32(0)
+                if e >= Int32(0):
+                    count = I.ld_shared_i32(hist_row + e * Int32(4))
+                    rank[u] = count + ahead
+                cute.arch.sync_warp()  # every equal lane has read the count before the first one moves it
+                if e >= Int32(0) and ahead == Int32(0):
+                    I.st_shared_i32(hist_row + e * Int32(4), count + Int32(cute.arch.popc(peers)))
+                cute.arch.sync_warp()
+        cute.arch.sync_threads()
+        # experts [first, first + per_thread) of this thread: their padded sizes, scanned over the CTA
+        per_thread = -(-experts // self.threads)
+        first = tid * Int32(per_thread)
+        mine = Int32(0)
+        for j in cutlass.range_constexpr(per_thread):
+            e = first + Int32(j)
+            if e < Int32(experts):
+                total = Int32(0)
+                for w in cutlass.range_constexpr(warps):
+                    total += I.ld_shared_i32(smem + Int32(lay.hist) + (Int32(w * experts) + e) * Int32(4))
+                mine += (total + Int32(block - 1)) // Int32(block) * Int32(block)
+        start = self._exclusive_scan(mine, smem + Int32(lay.sums), lane, warp)
+        if tid == Int32(self.threads - 1):
+            I.st_shared_i32(smem + Int32(lay.count), start + mine)
+        for j in cutlass.range_constexpr(per_thread):
+            e = first + Int32(j)
+            if e < Int32(experts):
+                slot = start
+                for w in cutlass.range_constexpr(warps):  # counts -> each warp's first slot of e
+                    at = smem + Int32(lay.hist) + (Int32(w * experts) + e) * Int32(4)
+                    c = I.ld_shared_i32(at)
+                    I.st_shared_i32(at, slot)
+                    slot += c
+                end = (slot - start + Int32(block - 1)) // Int32(block) * Int32(block) + start
+                pad = slot
+                while pad < end:  # the expert's last block: the sentinel after its routes
+                    I.st_shared_i32(smem + Int32(lay.slots) + pad * Int32(4), routes)
+                    pad += Int32(1)
+                b = start // Int32(block)
+                while b < end // Int32(block):
+                    I.st_shared_i32(smem + Int32(lay.blocks) + b * Int32(4), e)
+                    b += Int32(1)
+                start = end
+        cute.arch.sync_threads()  # the first slots are in place
+        for u in cutlass.range_constexpr(steps):
+            e = expert[u]
+            if e >= Int32(0):
+                slot = I.ld_shared_i32(hist_row + e * Int32(4)) + rank[u]
+                I.st_shared_i32(smem + Int32(lay.slots) + slot * Int32(4), lo + Int32(32 * u) + lane)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _exclusive_scan(self, v: Int32, sums: Int32, lane: Int32, warp: Int32) -> Int32:
+        """The CTA-wide exclusive prefix sum of one value per thread (`sums`: one shared-memory word per warp)."""
+        x = v
+        for d in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, 1 << d)
+            if lane >= Int32(1 << d):
+                x = x + y
+        if lane == Int32(31):
+            I.st_shared_i32(sums + warp * Int32(4), x)
+        cute.arch.sync_threads()
+        prefix = Int32(0)
+        for w in cutlass.range_constexpr(self.threads // 32):
+            if Int32(w) < warp:
+                prefix += I.ld_shared_i32(sums + Int32(4 * w))
+        return prefix + x - v
 
     # ------------------------------------------------------------------ grid-wide passes
 

@@ -27,11 +27,11 @@ Two regimes, as in the seed:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
-from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import PACK_MAX_EXPERTS, PACK_MAX_ROUTES, FusedSpec
 from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop, modelopt_scale_exponent, stored_w13_facts
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.types import WeightFormat
@@ -64,6 +64,7 @@ from .planning import (
     WGMMA_WIDE_MIN_ROUTES,
     _MAX_BLOCKS_PER_SM_MULTI_M_BLOCK,
     _MAX_BLOCKS_PER_SM_ONE_M_BLOCK,
+    _RESIDENT_SHARED_MEMORY_PER_BLOCK,
     blocks_per_sm,
     estimated_registers,
     measured_choice,
@@ -90,6 +91,12 @@ DECODE_MAX_M = 2
 # The largest M a measured table (planning.MEASURED_BLOCKS, knob "decode") may give the decode regime:
 # the seed's bound, and what benchmarks/tune_blocks.py's "always" candidate plans.
 DECODE_MEASURED_MAX_M = 8
+# Packed plans of the mma.sync loop with at most PACK_MAX_ROUTES routes pack them inside the fused kernel
+# (FusedSpec.pack_experts: every CTA groups the topk_ids by expert into its shared memory before FC1) instead
+# of a route-pack launch before it (~6 us of a layer call at M = 8-64 on the H200, docs/benchmarks.md "Route
+# packing's share of a layer call").  A/B on the H200 (compare_layer, 2026-12-04, every shipped shape, M = 3-128):
+# 0.95-0.99x the time where it packs (Qwen3-30B-A3B M = 8: 57.6 -> 54.6 us), nothing slower past noise (<= 1.004x).
+PACK_IN_KERNEL = True
 # Decode keeps whole-K tiles on a right-sized grid only while one wave of them covers FC1 and FC2;
 # otherwise K is split over every co-resident CTA.  A/B on the H200 (benchmarks/compare_layer.py,
 # docs/benchmarks.md "Decode: split K over the grid"): splitting took 0.76-0.94x the time wherever
@@ -154,6 +161,8 @@ class FusedPlan:
     whole_tiles_m8: bool = False
     # packed routes: FC2 adds each route's row into the output (FusedSpec.topk_sum)
     topk_sum: bool = False
+    # packed routes: the kernel packs them itself, no route-pack launch before it (FusedSpec.pack_experts)
+    pack_routes: bool = False
 
     @property
     def lock_words(self) -> int:
@@ -272,6 +281,8 @@ def plan_fused(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
         grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks, whole_tiles_m8=whole_tiles,
         topk_sum=summed,
+        pack_routes=PACK_IN_KERNEL and not (decode or expert_map or collect_amax) and routes <= PACK_MAX_ROUTES
+        and num_experts <= PACK_MAX_EXPERTS,
     )
 
 
@@ -390,6 +401,7 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         mainloop=Mainloop(plan.mainloop), bias=facts.bias, weights=facts.weights,
         scale_exponent=_scale_exponent(facts), gated_epilogue=True if fused_gated_epilogue(plan, facts) else None,
         topk_sum=True if plan.topk_sum else None,
+        pack_experts=facts.num_experts if plan.pack_routes else None,
     )
 
 
@@ -434,8 +446,9 @@ def layer_choice(knob: str, m: int, facts: MoeLayerFacts, profile: DeviceProfile
 
 
 def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPlan:
-    """plan_fused for a layer described by its facts."""
-    return plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
+    """plan_fused for a layer described by its facts; a plan whose in-kernel route packing would not leave
+    its CTAs per SM co-resident (the tables cost shared memory: sm_120's 100 KiB per SM) packs before it."""
+    plan = plan_fused(m, facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated,
                       profile, expert_map=facts.expert_map, collect_amax=facts.calibration,
                       deterministic=facts.deterministic, scale_format=ScaleFormat(facts.weights.scale_format),
                       tall=layer_choice("tall", m, facts, profile), decode=layer_choice("decode", m, facts, profile),
@@ -444,6 +457,12 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       topk_sum=layer_choice("topksum", m, facts, profile),
                       stored_as_is=facts.weights.layout == "modelopt",
                       splitk=layer_choice("splitk", m, facts, profile))
+    if plan.pack_routes:
+        shared = fused_spec_for(plan, facts).shared_bytes
+        if (shared > profile.max_shared_memory_per_block_optin
+                or (shared + _RESIDENT_SHARED_MEMORY_PER_BLOCK) * plan.blocks_per_sm > profile.shared_memory_per_sm):
+            plan = replace(plan, pack_routes=False)
+    return plan
 
 
 # Where FC1 runs as its own grouped GEMM (split_layer) on a gated layer, its epilogue applies the

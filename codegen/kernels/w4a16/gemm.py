@@ -42,7 +42,8 @@ NF3_SLAB_ROW_BYTES = 4 * SLAB_ROW_WORDS  # one slab (64 columns) of one 32-k NF3
 
 
 class _Operands:
-    """64-bit base addresses of the kernel operands and the expert count (read-only inside the kernel)."""
+    """64-bit base addresses of the kernel operands and the expert count (read-only inside the kernel); with
+    `shared_routes`, route_indices / block_experts / route_count are 32-bit shared-memory addresses."""
 
     def __init__(self, **addresses):
         self.__dict__.update(addresses)
@@ -56,7 +57,7 @@ class _Tile:
 
 
 class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
-    def __init__(self, spec: GemmSpec, timeline_slot: int | None = None):
+    def __init__(self, spec: GemmSpec, timeline_slot: int | None = None, shared_routes: bool = False):
         self.s = spec
         self.is_fp16 = spec.dtype is DType.FP16
         self.m8 = spec.moe_block_size == 8
@@ -67,6 +68,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         self.nf3 = spec.nf3
         self.scale_group = ScaleFormat(spec.scale_format).group_size
         self.timeline_slot = timeline_slot  # fused.TIMELINE: this phase's first timeline slot (None: no probes)
+        # the fused kernel packed the routes into shared memory itself (FusedSpec.pack_experts)
+        self.shared_routes = shared_routes
+        assert not (shared_routes and self.direct), "direct routes are read from topk_ids"
 
     @cute.jit
     def __call__(self, a: cute.Pointer, qweight: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
@@ -110,7 +114,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         k_tiles = Int32(s.k_tiles)
         route_blocks = tokens * Int32(s.top_k)
         if cutlass.const_expr(not self.direct):
-            route_blocks = I.ld_global_nc_i32(ops.route_count) // Int32(s.moe_block_size)
+            route_blocks = self._route_word(ops.route_count, Int32(0)) // Int32(s.moe_block_size)
         global_mn_tiles = route_blocks * n_tiles
 
         tail_mn_tiles = global_mn_tiles
@@ -207,12 +211,12 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 elif cutlass.const_expr(s.packing_block is not None):
                     # a block of a taller packing (GemmSpec.packing_block): its packing block's expert, and
                     # -1 for a block of padding only (routes fill a packing block from its start)
-                    expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block // Int32(s.packing_ratio)) * Int64(4))
-                    first = I.ld_global_nc_i32(ops.route_indices + Int64(route_block * Int32(s.moe_block_size)) * Int64(4))
+                    expert = self._route_word(ops.block_experts, route_block // Int32(s.packing_ratio))
+                    first = self._route_word(ops.route_indices, route_block * Int32(s.moe_block_size))
                     if first >= tokens * Int32(s.top_k):
                         expert = Int32(-1)
                 else:
-                    expert = I.ld_global_nc_i32(ops.block_experts + Int64(route_block) * Int64(4))
+                    expert = self._route_word(ops.block_experts, route_block)
                 # this thread's route of the block, loaded beside the expert rather than after it (one
                 # dependent L2 round trip less before the tile's first copies)
                 route = self._block_route(ops, tid, route_block)
@@ -287,9 +291,16 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         if cutlass.const_expr(not self.direct):
             assert self.s.moe_block_size <= self.s.threads, "one thread per route of the block"
             if tid < Int32(self.s.moe_block_size):
-                route = I.ld_global_nc_i32(ops.route_indices
-                                           + Int64(route_block * Int32(self.s.moe_block_size) + tid) * Int64(4))
+                route = self._route_word(ops.route_indices, route_block * Int32(self.s.moe_block_size) + tid)
         return route
+
+    @cute.jit
+    def _route_word(self, table, index: Int32) -> Int32:
+        """Word `index` of a route-packing table (route_indices, block_experts, route_count): from global
+        memory, or from the fused kernel's shared-memory packing (`shared_routes`)."""
+        if cutlass.const_expr(self.shared_routes):
+            return I.ld_shared_i32(table + index * Int32(4))
+        return I.ld_global_nc_i32(table + Int64(index) * Int64(4))
 
     @cute.jit
     def _read_block(self, ops, smem: Int32, tid: Int32, route_block: Int32, route: Int32, tokens: Int32) -> Int32:

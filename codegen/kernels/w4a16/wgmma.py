@@ -583,15 +583,17 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
 
 
-def gemm_kernel(spec, timeline_slot: int | None = None) -> W4A16GemmKernel:
+def gemm_kernel(spec, timeline_slot: int | None = None, shared_routes: bool = False) -> W4A16GemmKernel:
     """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a), with or
     without a producer warpgroup.  `timeline_slot`: the mma.sync loop's first timeline probe (fused.TIMELINE;
-    decode plans, the only ones probed, run that loop)."""
+    decode plans, the only ones probed, run that loop).  `shared_routes`: the mma.sync loop reads the route
+    packing from shared memory (FusedSpec.pack_experts)."""
     if spec.mainloop is Mainloop.WGMMA:
         assert timeline_slot is None, "timeline probes are in the mma.sync loop only"
+        assert not shared_routes, "the in-kernel route packing feeds the mma.sync loop only"
         if spec.producer_warp:
             from .wgmma_ws import W4A16WgmmaWsGemmKernel  # it subclasses this module's kernel
 
             return W4A16WgmmaWsGemmKernel(spec)
         return W4A16WgmmaGemmKernel(spec)
-    return W4A16GemmKernel(spec, timeline_slot)
+    return W4A16GemmKernel(spec, timeline_slot, shared_routes)

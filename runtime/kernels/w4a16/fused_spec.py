@@ -3,7 +3,7 @@
 The kernel (codegen/kernels/w4a16/fused.py, ported from the seed's
 `W4A16FusedMoeKernel`) is a persistent grid that runs
 
-    [decode: zero out]  FC1 GEMM  |barrier|  activation  |barrier|
+    [pack_experts: pack the routes]  [decode, topk_sum: zero out]  FC1 GEMM  |barrier|  activation  |barrier|
     [expert_map: zero FC2 rows |barrier|]  [amax]  FC2 GEMM
 
 where the two GEMMs are the grouped GEMM of gemm_spec.py, specialised by
@@ -19,6 +19,12 @@ Buffers (row = route = token * top_k + k; widths are the logical sizes):
     activated (routes, I)        activation output = FC2 input (relu2: FC1 writes it directly)
     fc2_out   (routes, H)        FC2 output rows (packed path; may alias fc1_out), or
               (M, H)             the final output, summed over top-k in the kernel (decode, topk_sum)
+
+With `pack_experts` (packed routes, at most PACK_MAX_ROUTES of them) the kernel packs the routes itself:
+`route_indices` is the (M, top_k) int32 topk_ids, and every CTA groups them by expert into its own shared
+memory (the layout and order of `runtime/kernels/route_pack.py`: experts in increasing order, each one's
+routes in increasing route index, padded to the block with the sentinel M * top_k) before FC1, so no
+route-pack launch runs before the layer; `block_experts` and `route_count` are not read.
 
 Expert ids are bounds-checked on the device against the `num_experts` argument: a
 decode route (raw topk_ids) or a packed block whose expert is outside [0, E) is
@@ -47,7 +53,7 @@ class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 2  # 2: the bias parameter(s) joined the ABI
     # NVFP4 kernels: the keys they had before NF3 (and kernels without the facts added since)
-    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue", "topk_sum"})
+    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue", "topk_sum", "pack_experts"})
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -61,7 +67,7 @@ class FusedSpec(SpecKey):
             ptr("w2_scales", Pointee.U8, "FC2 uint8 S0E5M3 block scales, permuted; modelopt: e4m3 as stored"),
             ptr("w13_global_scale", Pointee.F32, "(E,) float32; modelopt gated: (E, 2) [gate, up]"),
             ptr("w2_global_scale", Pointee.F32, "(E,) float32"),
-            ptr("route_indices", Pointee.I32, "int32 packed route slots, or flat topk_ids (decode)"),
+            ptr("route_indices", Pointee.I32, "int32 packed route slots, or flat topk_ids (decode, pack_experts)"),
             ptr("block_experts", Pointee.I32, "int32 expert per packed block (-1 = none/remote)"),
             ptr("route_count", Pointee.I32, "int32[1] packed slot count"),
             ptr("topk_weights", Pointee.F32, "(M, top_k) float32 router weights"),
@@ -113,6 +119,9 @@ class FusedSpec(SpecKey):
     # output row with red.add (the decode regime's top-k sum; the output is zeroed in the prologue), so
     # no top-k sum kernel runs after the layer.  None: FC2 writes route rows for that kernel.
     topk_sum: Optional[bool] = None
+    # The expert count E of the routing when the kernel packs the (at most PACK_MAX_ROUTES) routes itself,
+    # into shared memory, from topk_ids (see the module doc); None: it reads a route packing from memory.
+    pack_experts: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -156,6 +165,11 @@ class FusedSpec(SpecKey):
                     f"{self.weight_format.value} weights are read as stored, without the zero padding other layouts "
                     f"get: hidden_size={self.hidden_size} and intermediate_size={self.intermediate_size} must be "
                     f"multiples of {STORED_MULTIPLE}")
+        if self.pack_experts is not None and (
+                not isinstance(self.pack_experts, int) or not 1 <= self.pack_experts <= PACK_MAX_EXPERTS
+                or self.decode or self.expert_map or self.collect_amax or self.mainloop is not Mainloop.MMA_SYNC):
+            raise BadInputError(f"pack_experts must be None, or 1..{PACK_MAX_EXPERTS} experts for packed routes on "
+                                f"the mma.sync loop without expert_map or amax; got {self.pack_experts!r}")
         self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
 
     # --------------------------------------------------------------- parts
@@ -224,8 +238,22 @@ class FusedSpec(SpecKey):
         return self.fc1_gemm.threads
 
     @property
-    def shared_bytes(self) -> int:
+    def gemm_shared_bytes(self) -> int:
+        """The GEMM phases' arena (stages, staged routes, epilogue), at the start of shared memory."""
         return max(self.fc1_gemm.shared_bytes, self.fc2_gemm.shared_bytes)
+
+    @property
+    def pack_layout(self) -> Optional["RoutePackLayout"]:
+        """Where the in-kernel route packing lives in shared memory (after the GEMM arena); None without it."""
+        if self.pack_experts is None:
+            return None
+        return RoutePackLayout(-(-self.gemm_shared_bytes // 16) * 16, self.pack_experts, self.moe_block_size,
+                               self.threads // 32)
+
+    @property
+    def shared_bytes(self) -> int:
+        layout = self.pack_layout
+        return self.gemm_shared_bytes if layout is None else layout.end
 
     @property
     def dynamic_smem_bytes(self) -> int:
@@ -234,3 +262,54 @@ class FusedSpec(SpecKey):
     @property
     def barrier_words(self) -> int:
         return BARRIER_WORDS
+
+
+# The most routes (M * top_k) and experts a kernel with pack_experts packs: its shared-memory tables hold them.
+PACK_MAX_ROUTES = 1024
+PACK_MAX_EXPERTS = 512
+
+
+@dataclass(frozen=True)
+class RoutePackLayout:
+    """The in-kernel route packing's shared-memory tables (byte offsets), from `base`:
+
+        hist    (warps, experts) int32  each warp's route count per expert, then its first slot per expert
+        slots   (capacity,) int32       the packed route indices (route_pack.py's packed_route_indices)
+        blocks  (capacity / block,)     the expert of each block (only blocks below the count are written)
+        count   (1,) int32              the packed slot count, a multiple of the block
+        sums    (warps,) int32          the scan's per-warp totals
+    """
+
+    base: int
+    experts: int
+    block: int
+    warps: int
+
+    @property
+    def capacity(self) -> int:
+        """Slots for PACK_MAX_ROUTES routes, each expert's padded to whole blocks."""
+        return PACK_MAX_ROUTES + self.experts * (self.block - 1)
+
+    @property
+    def hist(self) -> int:
+        return self.base
+
+    @property
+    def slots(self) -> int:
+        return self.hist + 4 * self.warps * self.experts
+
+    @property
+    def blocks(self) -> int:
+        return self.slots + 4 * self.capacity
+
+    @property
+    def count(self) -> int:
+        return self.blocks + 4 * (self.capacity // self.block + 1)
+
+    @property
+    def sums(self) -> int:
+        return self.count + 4
+
+    @property
+    def end(self) -> int:
+        return -(-(self.sums + 4 * self.warps) // 16) * 16
