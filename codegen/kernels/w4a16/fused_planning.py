@@ -91,7 +91,7 @@ DECODE_MAX_M = 2
 # The largest M a measured table (planning.MEASURED_BLOCKS, knob "decode") may give the decode regime:
 # the seed's bound, and what benchmarks/tune_blocks.py's "always" candidate plans.
 DECODE_MEASURED_MAX_M = 8
-# Packed plans of the mma.sync loop with at most PACK_MAX_ROUTES routes pack them inside the fused kernel
+# Packed plans with at most PACK_MAX_ROUTES routes pack them inside the fused kernel
 # (FusedSpec.pack_experts: every CTA groups the topk_ids by expert into its shared memory before FC1) instead
 # of a route-pack launch before it (~6 us of a layer call at M = 8-64 on the H200, docs/benchmarks.md "Route
 # packing's share of a layer call").  A/B on the H200 (compare_layer, 2026-12-04, every shipped shape, M = 3-128):
@@ -253,7 +253,8 @@ def plan_fused(
         slots = max_packed_route_slots(routes, block, num_experts)
         return FusedPlan(m=m, decode=False, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
                          grid_x=cap, max_grid_x=cap, max_route_slots=slots, max_route_blocks=slots // block,
-                         mainloop="wgmma", whole_tiles_m8=False, topk_sum=summed)
+                         mainloop="wgmma", whole_tiles_m8=False, topk_sum=summed,
+                         pack_routes=_packs_in_kernel(routes, num_experts, expert_map, collect_amax))
 
     def per_sm(n: int, tile: TileConfig) -> int:
         cap = None if decode else FUSED_PACKED_BLOCKS_PER_SM.get(profile.arch, {}).get(block)
@@ -281,9 +282,14 @@ def plan_fused(
         m=m, decode=decode, moe_block_size=block, fc1_tile=t1, fc2_tile=t2, blocks_per_sm=bps,
         grid_x=grid_x, max_grid_x=cap, max_route_slots=slots, max_route_blocks=blocks, whole_tiles_m8=whole_tiles,
         topk_sum=summed,
-        pack_routes=PACK_IN_KERNEL and not (decode or expert_map or collect_amax) and routes <= PACK_MAX_ROUTES
-        and num_experts <= PACK_MAX_EXPERTS,
+        pack_routes=not decode and _packs_in_kernel(routes, num_experts, expert_map, collect_amax),
     )
+
+
+def _packs_in_kernel(routes: int, num_experts: int, expert_map: bool, collect_amax: bool) -> bool:
+    """Whether a packed plan packs its routes in the fused kernel (PACK_IN_KERNEL): its tables hold them."""
+    return (PACK_IN_KERNEL and not (expert_map or collect_amax) and routes <= PACK_MAX_ROUTES
+            and num_experts <= PACK_MAX_EXPERTS)
 
 
 def _decode_grid(fc1_tiles: int, fc2_tiles: int, cap: int, onewave: bool = False,

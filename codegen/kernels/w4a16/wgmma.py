@@ -100,8 +100,8 @@ GROUPS_IN_FLIGHT = 2
 
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
-    def __init__(self, spec):
-        super().__init__(spec)
+    def __init__(self, spec, shared_routes: bool = False):
+        super().__init__(spec, None, shared_routes)
         # 64-column weight slabs of a tile; warpgroups of the CTA (each takes slabs / wgs of them)
         self.slabs = spec.tile_n // 64
         self.wgs = spec.compute_threads // WGMMA_THREADS
@@ -586,14 +586,14 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 def gemm_kernel(spec, timeline_slot: int | None = None, shared_routes: bool = False) -> W4A16GemmKernel:
     """The device code of a GEMM spec: the mma.sync loop, or the warpgroup-MMA loop (sm_90a), with or
     without a producer warpgroup.  `timeline_slot`: the mma.sync loop's first timeline probe (fused.TIMELINE;
-    decode plans, the only ones probed, run that loop).  `shared_routes`: the mma.sync loop reads the route
-    packing from shared memory (FusedSpec.pack_experts)."""
+    decode plans, the only ones probed, run that loop).  `shared_routes`: the kernel reads the route packing
+    from shared memory (FusedSpec.pack_experts; not the producer warpgroup's loop, which no fused kernel runs)."""
     if spec.mainloop is Mainloop.WGMMA:
         assert timeline_slot is None, "timeline probes are in the mma.sync loop only"
-        assert not shared_routes, "the in-kernel route packing feeds the mma.sync loop only"
         if spec.producer_warp:
+            assert not shared_routes, "the producer warpgroup reads the routes from global memory"
             from .wgmma_ws import W4A16WgmmaWsGemmKernel  # it subclasses this module's kernel
 
             return W4A16WgmmaWsGemmKernel(spec)
-        return W4A16WgmmaGemmKernel(spec)
+        return W4A16WgmmaGemmKernel(spec, shared_routes)
     return W4A16GemmKernel(spec, timeline_slot, shared_routes)

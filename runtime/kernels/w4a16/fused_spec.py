@@ -167,9 +167,9 @@ class FusedSpec(SpecKey):
                     f"multiples of {STORED_MULTIPLE}")
         if self.pack_experts is not None and (
                 not isinstance(self.pack_experts, int) or not 1 <= self.pack_experts <= PACK_MAX_EXPERTS
-                or self.decode or self.expert_map or self.collect_amax or self.mainloop is not Mainloop.MMA_SYNC):
-            raise BadInputError(f"pack_experts must be None, or 1..{PACK_MAX_EXPERTS} experts for packed routes on "
-                                f"the mma.sync loop without expert_map or amax; got {self.pack_experts!r}")
+                or self.decode or self.expert_map or self.collect_amax):
+            raise BadInputError(f"pack_experts must be None, or 1..{PACK_MAX_EXPERTS} experts for packed routes "
+                                f"without expert_map or amax; got {self.pack_experts!r}")
         self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
 
     # --------------------------------------------------------------- parts
