@@ -154,19 +154,25 @@ def test_prepared_fused_launch_passes_this_calls_pointers(stubbed):
     w13, w2 = _weights()
     layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)
     ws = layer.workspace()
-    for m in (1, 1, 20, 1):  # the decode kernel twice on new tensors, the packed path (8-row blocks), decode again
+    paths = set()
+    # the decode kernel twice on new tensors, routes packed by the fused kernel (this problem's only packed fused
+    # plans: above 24 tokens it splits), decode again
+    for m in (1, 1, 20, 1):
         x, w, ids = _inputs(m, torch.int32, seed=m + len(stubbed))
         out = torch.empty(m, H, dtype=torch.bfloat16)
         stubbed.clear()
         layer(x, w, ids, out=out)
         (values,) = [c[2] for c in stubbed if c[0] == "fused"]
-        decode = layer.resolve(m).decode
+        r = layer.resolve(m)
+        direct = r.decode or r.packs_routes  # the kernel reads topk_ids itself
+        paths.add((r.decode, r.packs_routes))
         assert values["a"] == x.data_ptr() and values["topk_weights"] == w.data_ptr() and values["tokens"] == m
-        assert values["fc2_out"] == (out if decode else ws.fc13).data_ptr()
-        assert values["route_indices"] == (ids if decode else ws.route_indices).data_ptr()
-        assert values["block_experts"] == (ids if decode else ws.block_experts).data_ptr()
+        assert values["fc2_out"] == (out if r.decode else ws.fc13).data_ptr()
+        assert values["route_indices"] == (ids if direct else ws.route_indices).data_ptr()
+        assert values["block_experts"] == (ids if direct else ws.block_experts).data_ptr()
         assert values["w13"] == w13.qweight.data_ptr() and values["w2_scales"] == w2.scales.data_ptr()
         assert values["locks"] == ws.locks.data_ptr() and values["num_experts"] == E
+    assert paths == {(True, False), (False, True)}, paths
 
 
 def test_prepared_launch_names_every_parameter_once():
