@@ -10,7 +10,8 @@ planning.WGMMA_WIDE_MIN_K), "promote" (16-row wgmma route blocks where the rule 
 (packed plans of the fused kernel whose FC2 adds the routes' rows into the output: no top-k sum
 kernel), "splitsum" (the same for the FC2 GEMM of a layer run as two GEMMs) and "tallwide" (the two
 GEMMs' 128-row blocks on the 256-wide tile of two warpgroups, planning.WGMMA_TALL_WIDE_TILE), "splitk"
-(decode launches that split K over every co-resident CTA where one wave of whole tiles would do).
+(decode launches that split K over every co-resident CTA where one wave of whole tiles would do) and
+"fusepack" (the fused kernel, packing its routes itself, where the rule runs two GEMM launches).
 
     # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
     python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
@@ -38,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
 # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
-KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide", "splitk")
+KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide", "splitk",
+         "fusepack")
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:

@@ -125,6 +125,24 @@ def test_topk_sum_folds_into_packed_plans_only():
         FusedSpec(**{**{f: getattr(decode, f) for f in FusedSpec.__dataclass_fields__}, "topk_sum": True})
 
 
+def test_fusepack_keeps_the_fused_kernel_where_it_packs_its_routes(monkeypatch):
+    """The "fusepack" knob: where the rule splits the layer into two GEMM launches, the fused kernel runs
+    instead if it packs the routes itself (at most PACK_MAX_ROUTES of them); more routes still split."""
+    from cuteaot.codegen.kernels.w4a16 import planning
+    from cuteaot.codegen.kernels.w4a16.fused_planning import plan_layer, split_layer
+
+    facts = MoeLayerFacts(dtype="bf16", hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
+                          activation="silu")
+    monkeypatch.setitem(planning.POLICY, "fusepack", "rule")
+    assert split_layer(128, facts, H200) is not None and split_layer(129, facts, H200) is not None
+    monkeypatch.setitem(planning.POLICY, "fusepack", "always")
+    assert split_layer(128, facts, H200) is None  # 1024 routes
+    fused = plan_layer(128, facts, H200)
+    assert fused.pack_routes and fused.mainloop == "wgmma"
+    assert split_layer(129, facts, H200) is not None  # 1032 routes: the fused kernel would need a packing launch
+    assert split_layer(64, facts, H200) is None and plan_layer(64, facts, H200).mainloop == "mma_sync"  # as before
+
+
 def test_split_layer_fc2_sums_the_topk_rows_where_the_knob_says(monkeypatch):
     from cuteaot.codegen.kernels.w4a16 import planning
     from cuteaot.codegen.kernels.w4a16.fused_planning import split_layer

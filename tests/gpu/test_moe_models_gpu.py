@@ -133,3 +133,21 @@ def test_tall_blocks_on_two_warpgroups_match_reference(bundle, name):
         pytest.skip(f"{name}: no token count of {TALL_TOKENS} takes the two-warpgroup 128-row tile")
     _assert_matches_reference(layer, f"{name} two warpgroups", g, h, e, top_k, act, w13_f, w2_f, tokens=ms,
                               skewed=(False, True))
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_every_in_kernel_packing_kernel_matches_reference(bundle, name):
+    """Each fused kernel that packs its routes itself (FusedSpec.pack_experts, mma.sync and wgmma loops) at the
+    largest M it serves up to the packing limit: skewed and uniform routing, output poisoned, float32 reference."""
+    h, i, e, top_k, act = PROBLEMS[name]
+    g = torch.Generator(device="cuda").manual_seed(11 * len(name))
+    layer, w13_f, w2_f = _nvfp4_layer(bundle, name, g)
+    largest = {}  # kernel digest -> the largest M it packs
+    for m in range(1, 1024 // top_k + 1):
+        r = layer.resolve(m)
+        if r.packs_routes:
+            largest[r.launch.kernels["fused"]] = m
+    if not largest:
+        pytest.skip(f"{name}: no plan packs its routes in the kernel")
+    _assert_matches_reference(layer, f"{name} in-kernel packing", g, h, e, top_k, act, w13_f, w2_f,
+                              tokens=sorted(set(largest.values())), skewed=(False, True))

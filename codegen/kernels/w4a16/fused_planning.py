@@ -496,12 +496,15 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
     256-row packing (WGMMA_MIXED_MAX_ROUTES).  Expert maps and
     calibration keep the fused kernel (it zeroes remote experts' rows and collects amax).
     NVFP4 read as stored (modelopt) splits where packed NVFP4 does: the wgmma loop reads it too.
+    The measured "fusepack" choice keeps the fused kernel where it packs the routes itself.
     """
     if facts.expert_map or facts.calibration or facts.weights is WeightFormat.NF3:
         return None  # (NF3 has no wgmma loop, the split's reason to exist)
     fc1_n = facts.activation.fc1_width(facts.intermediate_size)
     if layer_choice("decode", m, facts, profile):
         return None  # the fused decode regime serves this M
+    if layer_choice("fusepack", m, facts, profile) and plan_layer(m, facts, profile).pack_routes:
+        return None  # measured: the fused kernel, packing its routes itself, beats two launches and a packing
     (_, k1_stored), (_, k2_stored) = (stored_dims(fc1_n, facts.hidden_size),
                                               stored_dims(facts.hidden_size, facts.intermediate_size))
     tall = layer_choice("tall", m, facts, profile)

@@ -240,16 +240,19 @@ WGMMA_WIDE_MIN_K = 1024
 # SMs idle or doubled (gpt-oss-120b M = 1: 180 FC1 tiles on 132 SMs, 92 FC2 tiles).  Measured on the H200
 # (2026-12-04, docs/results/tune-splitk-2026-12-04.json) at M = 1, 2 on every shipped shape: 0.97-1.28x the
 # rule's time, no win past noise, so the table records none (the split-K merges cost more than the balance buys).
+# An eleventh, "fusepack", keeps a layer the rule would split into two GEMM launches (split_layer) on the fused
+# kernel where that packs its routes itself (at most PACK_MAX_ROUTES of them): no route-pack launch, no
+# intermediate through HBM, against the fused kernel's grid barriers.
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
 MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide",
-                  "splitk")
+                  "splitk", "fusepack")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
           "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured",
-          "splitk": "measured"}
+          "splitk": "measured", "fusepack": "measured"}
 
 
 @functools.cache
