@@ -70,7 +70,8 @@ from cuteaot.runtime.kernels.route_pack import (
 from .. import intrinsics as I
 from .common import after_prior_grids, fake_arguments, grid_barrier
 
-__all__ = ["RoutePackKernel", "build", "SMEM_BYTES", "ld_global_if_i32", "same_id_lanes"]  # SMEM_BYTES: the build records it per kernel
+__all__ = ["RoutePackKernel", "build", "SMEM_BYTES", "ld_global_if_i32", "same_id_lanes",
+           "warp_inclusive_sum"]  # SMEM_BYTES: the build records it per kernel
 
 BATCH = 8  # steps (32 routes) a warp loads per batch; the single stage's routes fit in one
 SEARCH_STEPS = MAX_EXPERTS.bit_length() - 1  # binary search over the expert ends
@@ -123,6 +124,18 @@ def same_id_lanes(e: Int32, valid: Int32, bits: cutlass.Constexpr[int]) -> Int32
         ones = cute.arch.vote_ballot_sync(mine != Int32(0))
         peers = peers & ~(ones ^ -mine)  # lanes whose bit equals mine
     return peers
+
+
+@cute.jit
+def warp_inclusive_sum(v: Int32, lane: Int32) -> Int32:
+    """The sum of `v` over this lane and the lanes below it (five shuffles up); the block scans of this
+    kernel and of the fused kernel's in-kernel packing build on it."""
+    x = v
+    for d in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_up(x, 1 << d)
+        if lane >= Int32(1 << d):
+            x = x + y
+    return x
 
 
 class _Operands:
@@ -279,11 +292,7 @@ class RoutePackKernel:
         """Block-wide exclusive prefix sum of one value per thread."""
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        x = v
-        for d in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(x, 1 << d)
-            if lane >= Int32(1 << d):
-                x = x + y
+        x = warp_inclusive_sum(v, lane)
         if lane == Int32(31):
             sums[warp] = x
         cute.arch.sync_threads()

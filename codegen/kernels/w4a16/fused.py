@@ -23,7 +23,7 @@ from cuteaot.runtime.types import DType
 from ... import intrinsics as I
 from ..activation import ActivationKernel
 from ..common import after_prior_grids, grid_barrier, store_clocks
-from ..route_pack import ld_global_if_i32, same_id_lanes
+from ..route_pack import ld_global_if_i32, same_id_lanes, warp_inclusive_sum
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
@@ -228,11 +228,7 @@ class W4A16FusedMoeKernel:
     @cute.jit
     def _exclusive_scan(self, v: Int32, sums: Int32, lane: Int32, warp: Int32) -> Int32:
         """The CTA-wide exclusive prefix sum of one value per thread (`sums`: one shared-memory word per warp)."""
-        x = v
-        for d in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(x, 1 << d)
-            if lane >= Int32(1 << d):
-                x = x + y
+        x = warp_inclusive_sum(v, lane)
         if lane == Int32(31):
             I.st_shared_i32(sums + warp * Int32(4), x)
         cute.arch.sync_threads()
