@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cuteaot.runtime import load_bundle, prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
+from cuteaot.runtime.kernels.w4a16.fused_spec import PACK_MAX_ROUTES
 from cuteaot.runtime.moe import MoeLayer
 from tests.reference.moe import moe_reference, skewed_topk_ids
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
@@ -83,6 +84,16 @@ def _nvfp4_layer(bundle, name, g, **layer_args):
     return layer, dequantize_modelopt(*q13), dequantize_modelopt(*q2)
 
 
+def _packing_tokens(layer) -> tuple[int, ...]:
+    """For each fused kernel of the layer that packs its routes itself, the largest M it serves."""
+    largest = {}  # kernel digest -> the largest M it packs
+    for m in range(1, PACK_MAX_ROUTES // layer.top_k + 1):
+        r = layer.resolve(m)
+        if r.packs_routes:
+            largest[r.launch.kernels["fused"]] = m
+    return tuple(sorted(largest.values()))
+
+
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_model_layer_matches_reference(bundle, name):
     h, i, e, top_k, act = PROBLEMS[name]
@@ -108,7 +119,7 @@ def test_gpt_oss_mxfp4_with_biases_matches_reference(bundle, name):
     w13_f = dequantize_mxfp4(blocks13, scales13)
     w13_f = torch.cat((w13_f[:, 0::2], w13_f[:, 1::2]), dim=1)
     b13 = torch.cat((bias13[:, 0::2], bias13[:, 1::2]), dim=1)
-    tokens = sorted(set(TOKENS) | set(_packing_tokens(layer, top_k)))  # biased layers have their own kernels
+    tokens = sorted(set(TOKENS) | set(_packing_tokens(layer)))  # biased layers have their own kernels
     _assert_matches_reference(layer, f"{name} mxfp4+bias", g, h, e, top_k, act, w13_f,
                               dequantize_mxfp4(blocks2, scales2), tokens=tokens, b13=b13, b2=bias2)
 
@@ -146,18 +157,8 @@ def test_every_in_kernel_packing_kernel_matches_reference(bundle, name, determin
     h, i, e, top_k, act = PROBLEMS[name]
     g = torch.Generator(device="cuda").manual_seed(11 * len(name) + deterministic)
     layer, w13_f, w2_f = _nvfp4_layer(bundle, name, g, deterministic=deterministic)
-    tokens = _packing_tokens(layer, top_k)
+    tokens = _packing_tokens(layer)
     if not tokens:
         pytest.skip(f"{name}: no plan packs its routes in the kernel")
     _assert_matches_reference(layer, f"{name} in-kernel packing", g, h, e, top_k, act, w13_f, w2_f,
                               tokens=tokens, skewed=(False, True))
-
-
-def _packing_tokens(layer, top_k) -> tuple[int, ...]:
-    """For each fused kernel of the layer that packs its routes itself, the largest M it serves."""
-    largest = {}  # kernel digest -> the largest M it packs
-    for m in range(1, 1024 // top_k + 1):
-        r = layer.resolve(m)
-        if r.packs_routes:
-            largest[r.launch.kernels["fused"]] = m
-    return tuple(sorted(set(largest.values())))
