@@ -825,6 +825,15 @@ def _l2_prefetch(nbytes: int) -> str:
 
 
 @dsl_user_op
+def prefetch_l2_bulk(gmem_addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """Bring `nbytes` (a multiple of 16) from a 16-byte aligned global address into L2, nothing waited for
+    (`cp.async.bulk.prefetch.L2`, sm_90)."""
+    assert nbytes % 16 == 0 and nbytes > 0, nbytes
+    _asm(0, None, _ir([Int64(gmem_addr)], loc, ip), f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, l2_prefetch: int = 0, loc=None, ip=None) -> None:
     """16-byte global -> shared copy, bypassing L1 (`cp.async.cg`); `l2_prefetch` bytes (64, 128, 256) of the
     aligned block around the source are brought into L2 with it."""

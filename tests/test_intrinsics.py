@@ -78,6 +78,7 @@ class _AllIntrinsics:
         I.red_add_v4_bf16x2(go + 112, r, r, r, r); I.red_add_v4_f16x2(go + 128, r, r, r, r)
         I.red_max_f32_nonnegative(go + 76, y0)
         flip = I.atom_add_release_i32(go + 84, Int32(1))
+        I.prefetch_l2_bulk(g + Int64(256), 1024)
         g64, c64 = I.read_timers()
         I.st_global_v2_i64(go + 96, g64, c64 + Int64(flip))
         wr = I.warp_reduce(y1, "add") + I.warp_reduce(z1, "max") + Float32(I.sync_threads_count(Int32(tidx) & 1))
@@ -122,6 +123,7 @@ INSTRUCTIONS = [
     "mbarrier.arrive.expect_tx.shared::cta.b64",
     "mbarrier.try_wait.parity.shared::cta.b64",
     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+    "cp.async.bulk.prefetch.L2.global",
 ]
 
 
@@ -355,3 +357,29 @@ def test_masked_tails_only_where_a_loop_masks_them():
         GemmSpec(**base | dict(n=512, k=576, tile_k=128, layout="nf3", scale_format="e4m3_k32", moe_block_size=16))
     with pytest.raises(BadInputError, match="whole tiles of gate"):  # a gated tile stages whole gate | up pairs
         GemmSpec(**base | dict(n=640, tile_n=256, mainloop="wgmma", epilogue="silu", fast_math=True))
+
+
+def test_decode_kernel_reads_fc2s_first_route_while_waiting_at_the_grid_barrier():
+    """The fused decode kernel (direct routes) reads FC2's first route (expert id, router weight) and prefetches
+    its first tile's first stages into L2 between its arrival at the grid barrier and the spin on the release:
+    after the add, so the release fence does not wait for them, and before the spin.  The packed plan's kernel
+    (same shape) does neither: its barrier is as before."""
+    from cuteaot.codegen.compile import BUILDERS, compile_kernel
+    from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
+
+    decode = FusedSpec("bf16", 512, 256, 4, "silu", 128, 128, 128, 128, 8, 1, decode=True)
+    packed = dataclasses.replace(decode, decode=False)
+    for spec in (decode, packed):
+        record = compile_kernel(spec.key(), "sm_90a").record
+        assert record["local_bytes"] == 0 and record["stack_bytes"] == 0, record
+        obj, args = BUILDERS[spec.FAMILY](spec)
+        with tempfile.TemporaryDirectory() as d:
+            ptx = cute.compile(obj, *args, options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}").artifacts.PTX
+        arrive = ptx.index("atom.release.gpu.global.add.u32")
+        spin = ptx.index("ld.acquire.gpu.global.b32", arrive)
+        between = ptx[arrive:spin]
+        if spec.decode:
+            assert between.count("cp.async.bulk.prefetch.L2.global") == 2  # a weight row and a scale row
+            assert "ld.global.nc.b32" in between and "ld.global.nc.f32" in between  # expert, router weight
+        else:
+            assert "cp.async.bulk.prefetch.L2" not in ptx and "ld.global" not in between

@@ -65,7 +65,7 @@ def after_prior_grids(*, persistent: bool = False) -> None:
 
 
 @cute.jit
-def grid_barrier(barrier: Int64, tid: Int32, grid_x: Int32):
+def grid_barrier(barrier: Int64, tid: Int32, grid_x: Int32, while_waiting=None):
     """Every CTA of the (co-resident) grid meets here; each sees the writes the others made before it.
 
     One atomic a CTA on the word at `barrier` (its low 31 bits zero between barriers): after the CTA's own
@@ -77,18 +77,43 @@ def grid_barrier(barrier: Int64, tid: Int32, grid_x: Int32):
     arrived there, so no CTA can miss a flip.  (The sense-reversal barrier before it took one release
     fence, a load and an atomic on the way in, and a store, a fence and a release add to open: ~1.8 us on
     the H200 from the last arrival to the release, docs/benchmarks.md "thirteenth session".)
+
+    `while_waiting` (optional): a function every thread calls between its CTA's arrival and the release (thread
+    0 after its add, so the release fence does not wait for what it reads); its result is returned.  For reads
+    that do not depend on the other CTAs' writes: they then overlap the wait instead of following it.
     """
     cute.arch.sync_threads()
+    if cutlass.const_expr(while_waiting is None):
+        if tid == Int32(0):
+            _spin_until_released(barrier, _arrive(barrier, grid_x))
+        cute.arch.sync_threads()
+        return None
+    old = Int32(0)
     if tid == Int32(0):
-        add = Int32(1)
-        cta, _, _ = cute.arch.block_idx()
-        if cta == Int32(0):
-            add = Int32(-(1 << 31)) - (grid_x - Int32(1))  # 2**31 - (grid_x - 1), modulo 2**32
-        old = I.atom_add_release_i32(barrier, add)
-        flipped = Int32(0)
-        while flipped == Int32(0):
-            flipped = (I.ld_global_acquire_i32(barrier) ^ old) & Int32(-(1 << 31))
+        old = _arrive(barrier, grid_x)
+    result = while_waiting()
+    if tid == Int32(0):
+        _spin_until_released(barrier, old)
     cute.arch.sync_threads()
+    return result
+
+
+@cute.jit
+def _arrive(barrier: Int64, grid_x: Int32) -> Int32:
+    """grid_barrier's add (release): 1, or for CTA 0 2**31 - (grid_x - 1); the word's value before it."""
+    add = Int32(1)
+    cta, _, _ = cute.arch.block_idx()
+    if cta == Int32(0):
+        add = Int32(-(1 << 31)) - (grid_x - Int32(1))  # 2**31 - (grid_x - 1), modulo 2**32
+    return I.atom_add_release_i32(barrier, add)
+
+
+@cute.jit
+def _spin_until_released(barrier: Int64, old: Int32):
+    """Acquire loads of the barrier word until its top bit differs from the one `old` (this CTA's add) saw."""
+    flipped = Int32(0)
+    while flipped == Int32(0):
+        flipped = (I.ld_global_acquire_i32(barrier) ^ old) & Int32(-(1 << 31))
 
 
 TIMELINE_RECORD_BYTES = 256  # a CTA's timeline record in c_tmp: 16 slots of (%globaltimer, %clock64)

@@ -97,6 +97,9 @@ class W4A16FusedMoeKernel:
         fc2_ops = _Operands(a=I.gmem_address(activated), qweight=I.gmem_address(w2), out=I.gmem_address(fc2_out),
                             scales=I.gmem_address(w2_scales), global_scale=I.gmem_address(w2_global_scale),
                             bias=I.gmem_address(w2_bias), **routing)
+        fc1_first = None
+        if cutlass.const_expr(self.fc1.direct):  # the first tile's route read before the output is zeroed
+            fc1_first = self.fc1._guessed_first_reads(fc1_ops, cta, tokens)
         routes = tokens * Int32(s.top_k)
         first = cta * Int32(self.threads) + tid  # this thread's index in grid-strided passes
         stride = grid_x * Int32(self.threads)
@@ -109,8 +112,15 @@ class W4A16FusedMoeKernel:
             if tid == Int32(0):
                 store_clocks(routing["c_tmp"], 0, (g0, c0))
                 store_clocks(routing["c_tmp"], 1, I.read_timers())
-        self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens)
-        grid_barrier(barrier, tid, grid_x)
+        self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens, fc1_first)
+        # direct routes: while the other CTAs finish FC1, FC2's first route reads and its first tile's first
+        # stages into L2 (on packed plans the same prefetch measured no faster, docs/benchmarks.md)
+        fc2_first = None
+        if cutlass.const_expr(self.fc2.direct):
+            fc2_first = grid_barrier(barrier, tid, grid_x,
+                                     lambda: self.fc2._first_tile_reads(fc2_ops, tid, cta, grid_x, routes))
+        else:
+            grid_barrier(barrier, tid, grid_x)
         if cutlass.const_expr(self.timeline):
             if tid == Int32(0):
                 store_clocks(routing["c_tmp"], 6, I.read_timers())
@@ -128,7 +138,7 @@ class W4A16FusedMoeKernel:
             grid_barrier(barrier, tid, grid_x)
         if cutlass.const_expr(s.collect_amax):
             self._collect_amax(a, activated, routing, I.gmem_address(amax), layer, smem, tid, cta, grid_x, routes)
-        self.fc2._persistent(fc2_ops, smem, tid, cta, grid_x, routes)
+        self.fc2._persistent(fc2_ops, smem, tid, cta, grid_x, routes, fc2_first)
         if cutlass.const_expr(self.timeline):
             if tid == Int32(0):
                 store_clocks(routing["c_tmp"], 11, I.read_timers())

@@ -108,34 +108,14 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     # ------------------------------------------------------------------ scheduler
 
     @cute.jit
-    def _persistent(self, ops, smem: Int32, tid: Int32, cta: Int32, grid_x: Int32, tokens: Int32):
+    def _persistent(self, ops, smem: Int32, tid: Int32, cta: Int32, grid_x: Int32, tokens: Int32, first=None):
+        """This CTA's tiles, whole or split-K slices, one after another.  `first` (direct routes): its first
+        tile's route block, expert and router weight pair as `_first_tile_reads` loaded them, earlier."""
         s = self.s
         n_tiles = Int32(s.n_tiles)
         k_tiles = Int32(s.k_tiles)
-        route_blocks = tokens * Int32(s.top_k)
-        if cutlass.const_expr(not self.direct):
-            route_blocks = self._route_word(ops.route_count, Int32(0)) // Int32(s.moe_block_size)
-        global_mn_tiles = route_blocks * n_tiles
-
-        tail_mn_tiles = global_mn_tiles
-        full_grid_mn_iters = Int32(0)
-        one_tile_per_cta = Int32(0)
-        if cutlass.const_expr(self.m8 and self.s.whole_tiles_m8):
-            if global_mn_tiles <= grid_x:
-                one_tile_per_cta = Int32(1)
-        if one_tile_per_cta != Int32(0):
-            tail_mn_tiles = Int32(0)
-            full_grid_mn_iters = Int32(1)
-        elif global_mn_tiles > grid_x:
-            tail_mn_tiles = global_mn_tiles - (global_mn_tiles // grid_x) * grid_x
-            if tail_mn_tiles * Int32(3) <= grid_x:
-                tail_mn_tiles += grid_x
-            full_grid_mn_iters = (global_mn_tiles - tail_mn_tiles) // grid_x
-
-        iters = (k_tiles * tail_mn_tiles + grid_x - Int32(1)) // grid_x
-        if cutlass.const_expr(s.mainloop is Mainloop.MMA_SYNC):
-            if iters > Int32(0):
-                iters = self._aligned_iters(iters)
+        route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters = self._schedule(ops, cta, grid_x,
+                                                                                                 tokens)
         lock_slot = Int32(0)
         if tail_mn_tiles >= grid_x:
             lock_slot = cta
@@ -206,8 +186,15 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
 
             if has_work != Int32(0) and k_count > Int32(0) and route_block < route_blocks:
                 expert = Int32(0)
-                if cutlass.const_expr(self.direct):
-                    expert = I.ld_global_nc_i32(ops.route_indices + Int64(route_block) * Int64(4))
+                pair = Uint32(0)
+                if cutlass.const_expr(self.direct and first is not None):
+                    if route_block == first[0]:  # read before this phase (the same for every n-tile of the block)
+                        expert = first[1]
+                        pair = first[2]
+                    else:
+                        expert, pair = self._direct_reads(ops, route_block, route_blocks)
+                elif cutlass.const_expr(self.direct):
+                    expert, pair = self._direct_reads(ops, route_block, route_blocks)
                 elif cutlass.const_expr(s.packing_block is not None):
                     # a block of a taller packing (GemmSpec.packing_block): its packing block's expert, and
                     # -1 for a block of padding only (routes fill a packing block from its start)
@@ -224,8 +211,12 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 # caller): a route outside [0, E) is dropped, never used to index the weights.  Every
                 # split-K slice of a tile reads the same id, so they all skip it and no lock is touched.
                 if expert >= Int32(0) and expert < ops.num_experts:
-                    self._tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, reduce_k_tile, k_count,
-                               slice_count, slice_idx, lock_slot)
+                    if cutlass.const_expr(self.direct):
+                        self._tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, reduce_k_tile, k_count,
+                                   slice_count, slice_idx, lock_slot, pair)
+                    else:
+                        self._tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, reduce_k_tile,
+                                   k_count, slice_count, slice_idx, lock_slot)
 
             if has_work != Int32(0):
                 if in_tail == Int32(0):
@@ -237,6 +228,133 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     if n_tile == n_tiles:
                         n_tile = Int32(0)
                         route_block += Int32(1)
+
+    @cute.jit
+    def _schedule(self, ops, cta: Int32, grid_x: Int32, tokens: Int32):
+        """(route blocks, m-n tiles, of them the split-K tail's, whole tiles a CTA takes before the tail, the
+        tail's k-tiles a CTA) of this launch: whole tiles grid-strided while they fill every CTA, then the
+        rest split over K (at most 1/3 of a wave on its own, else with one wave of whole tiles)."""
+        s = self.s
+        k_tiles = Int32(s.k_tiles)
+        route_blocks = tokens * Int32(s.top_k)
+        if cutlass.const_expr(not self.direct):
+            route_blocks = self._route_word(ops.route_count, Int32(0)) // Int32(s.moe_block_size)
+        global_mn_tiles = route_blocks * Int32(s.n_tiles)
+
+        tail_mn_tiles = global_mn_tiles
+        full_grid_mn_iters = Int32(0)
+        one_tile_per_cta = Int32(0)
+        if cutlass.const_expr(self.m8 and self.s.whole_tiles_m8):
+            if global_mn_tiles <= grid_x:
+                one_tile_per_cta = Int32(1)
+        if one_tile_per_cta != Int32(0):
+            tail_mn_tiles = Int32(0)
+            full_grid_mn_iters = Int32(1)
+        elif global_mn_tiles > grid_x:
+            tail_mn_tiles = global_mn_tiles - (global_mn_tiles // grid_x) * grid_x
+            if tail_mn_tiles * Int32(3) <= grid_x:
+                tail_mn_tiles += grid_x
+            full_grid_mn_iters = (global_mn_tiles - tail_mn_tiles) // grid_x
+
+        iters = (k_tiles * tail_mn_tiles + grid_x - Int32(1)) // grid_x
+        if cutlass.const_expr(s.mainloop is Mainloop.MMA_SYNC):
+            if iters > Int32(0):
+                iters = self._aligned_iters(iters)
+        return route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters
+
+    @cute.jit
+    def _direct_reads(self, ops, route_block: Int32, route_blocks: Int32):
+        """Direct routes: the route's expert (its topk_ids entry) and router weight pair, loaded together (the
+        weight does not wait for the expert)."""
+        expert = I.ld_global_nc_i32(ops.route_indices + Int64(route_block) * Int64(4))
+        pair = Uint32(0)
+        if cutlass.const_expr(self.s.mul_topk_weights):
+            pair = self._topk_pair(ops, route_block, route_blocks)
+        return expert, pair
+
+    @cute.jit
+    def _first_tile(self, ops, cta: Int32, grid_x: Int32, tokens: Int32):
+        """(route block, n-tile, first k-tile, route blocks) of this CTA's first tile of the launch `_persistent`
+        will run, by its arithmetic; route block -1 where the CTA has none."""
+        route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters = self._schedule(ops, cta, grid_x,
+                                                                                                 tokens)
+        n_tiles = Int32(self.s.n_tiles)
+        k_tiles = Int32(self.s.k_tiles)
+        block = Int32(-1)
+        work = cta
+        k0 = Int32(0)
+        if full_grid_mn_iters > Int32(0):
+            block = cta // n_tiles
+        elif iters > Int32(0):
+            work = iters * cta // k_tiles
+            k0 = iters * cta - work * k_tiles
+            work += global_mn_tiles - tail_mn_tiles
+            block = work // n_tiles
+        if block >= route_blocks:
+            block = Int32(-1)
+        return block, work - block * n_tiles, k0, route_blocks
+
+    @cute.jit
+    def _first_tile_reads(self, ops, tid: Int32, cta: Int32, grid_x: Int32, tokens: Int32):
+        """Direct routes: (route block, expert, router weight pair) of this CTA's first tile of a launch
+        `_persistent` will run, loaded now (route block -1 and nothing read where the CTA has none), and that
+        tile's first stages brought into L2 (`_prefetch_first_stages`).  The fused kernel calls it while it
+        waits at the grid barrier before FC2: the barrier's acquire empties L1, so these reads would
+        otherwise be a round trip to L2 after it, and the first copies one to HBM."""
+        assert self.direct, "packed routes are read per tile"
+        block, n_tile, k0, route_blocks = self._first_tile(ops, cta, grid_x, tokens)
+        expert = Int32(-1)
+        pair = Uint32(0)
+        if block >= Int32(0):
+            expert, pair = self._direct_reads(ops, block, route_blocks)
+            if expert >= Int32(0) and expert < ops.num_experts:
+                self._prefetch_first_stages(ops, tid, expert, n_tile, k0)
+        return block, expert, pair
+
+    def prefetches_first_stages(self) -> bool:
+        """`_prefetch_first_stages` has something to do: the mma.sync loop on the packed NVFP4 layout with whole N
+        and K tiles, not gated (a tile's 16-k weight row is one contiguous run of tile_n / 2 bytes, its scale
+        row one of tile_n bytes)."""
+        s = self.s
+        return (s.mainloop is Mainloop.MMA_SYNC and self.scale_group == 16
+                and not (s.modelopt or s.nf3 or s.n_tail or s.k_tail or s.epilogue.is_gated))
+
+    @cute.jit
+    def _prefetch_first_stages(self, ops, tid: Int32, expert: Int32, n_tile: Int32, k0: Int32):
+        """Bring the weights and scales of a tile's first `stages - 1` k-tiles (those `_prefetch_initial` copies
+        first, from k-tile k0) into L2, without waiting: one thread a 16-k row of weights, one a row of scales
+        (nothing where `prefetches_first_stages` is False)."""
+        s = self.s
+        if cutlass.const_expr(self.prefetches_first_stages()):
+            rows = (s.stages - 1) * s.k_blocks  # 16-k rows, each one weight run and (group 16) one scale run
+            if tid < Int32(2 * rows):
+                r = tid % Int32(rows)
+                row = k0 * Int32(s.k_blocks) + r
+                if row < Int32(s.k // 16):
+                    if tid < Int32(rows):
+                        run = (Int64(s.n * s.k // 32) * Int64(expert) + Int64(row) * Int64(s.n // 2)
+                               + Int64(s.b_sh_stride) * Int64(n_tile))
+                        I.prefetch_l2_bulk(ops.qweight + run * Int64(16), s.b_sh_stride * 16)
+                    else:
+                        run = (Int64(s.n * s.k // 256) * Int64(expert) + Int64(row) * Int64(s.n // 16)
+                               + Int64(s.s_sh_stride) * Int64(n_tile))
+                        I.prefetch_l2_bulk(ops.scales + run * Int64(16), s.s_sh_stride * 16)
+
+    @cute.jit
+    def _guessed_first_reads(self, ops, cta: Int32, tokens: Int32):
+        """Direct routes: `_first_tile_reads` for the launch's first phase, without its scheduling arithmetic:
+        the route block of the CTA's first whole tile (cta / n_tiles; `_persistent` checks it and reads
+        again where the CTA's first tile is another), so the reads start right after the prior-grid wait."""
+        assert self.direct, "packed routes are read per tile"
+        route_blocks = tokens * Int32(self.s.top_k)
+        block = cta // Int32(self.s.n_tiles)
+        expert = Int32(-1)
+        pair = Uint32(0)
+        if block >= route_blocks:
+            block = Int32(-1)
+        if block >= Int32(0):
+            expert, pair = self._direct_reads(ops, block, route_blocks)
+        return block, expert, pair
 
     @cute.jit
     def _aligned_iters(self, iters: Int32) -> Int32:
@@ -303,9 +421,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         return I.ld_global_nc_i32(table + Int64(index) * Int64(4))
 
     @cute.jit
-    def _read_block(self, ops, smem: Int32, tid: Int32, route_block: Int32, route: Int32, tokens: Int32) -> Int32:
+    def _read_block(self, ops, smem: Int32, tid: Int32, route_block: Int32, route: Int32, tokens: Int32,
+                    pair=None) -> Int32:
         """Stage the block's route indices (packed: `route`, this thread's, from `_block_route`), source rows
-        and router weights; return its valid row count."""
+        and router weights (direct: `pair`, from `_direct_reads`); return its valid row count."""
         s = self.s
         routes = tokens * Int32(s.top_k)
         route_sh = smem + Int32(s.sh_route_off * 16)
@@ -318,7 +437,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 I.st_shared_i32(route_sh, idx)
                 I.st_shared_i32(src_sh, idx // Int32(s.top_k))
                 if cutlass.const_expr(s.mul_topk_weights):
-                    I.st_shared_u32(topk_sh, self._topk_pair(ops, idx, routes))
+                    assert pair is not None, "direct routes: the router weight is read beside the expert"
+                    I.st_shared_u32(topk_sh, pair)
             self._sync()
         else:
             # one route per thread, already in a register; the barrier that publishes them also counts
@@ -402,7 +522,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
 
     @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
-              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32,
+              pair=None):
         s = self.s
         scale_index = Int64(expert)
         if cutlass.const_expr(bool(s.split_global_scale) and s.epilogue.is_gated):
@@ -412,7 +533,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the half of the tile's first slab
             scale_index = self._split_scale_index(expert, n_tile * Int32(s.tile_n // 64))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
-        valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens)
+        valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens, pair)
         self._stamp(ops, tid, 0)
 
         warp = tid // Int32(32)
