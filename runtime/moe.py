@@ -235,6 +235,7 @@ class MoeLayer:
         self._resolved: dict[tuple[int, bool], Resolved] = {}
         self._prepared: dict[tuple[int, int], tuple[MoeWorkspace, PreparedLaunch]] = {}
         self._steps: dict[tuple, _PackedSteps] = {}
+        self._last_workspace: tuple = (None, -1, None)  # (stream, pool generation, workspace) of the last call
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
                 for role, digest in launch.kernels.items():
@@ -402,7 +403,12 @@ class MoeLayer:
         if m == 0:
             return out
         stream = current_stream_handle(self.device_index)
-        ws = self.bundle.workspaces.get(self.shape, stream)
+        pool, last = self.bundle.workspaces, self._last_workspace
+        if last[0] == stream and last[1] == pool.generation:  # the previous call's stream: no pool lookup
+            ws = last[2]
+        else:
+            ws = pool.get(self.shape, stream)
+            self._last_workspace = (stream, pool.generation, ws)
         if m <= self.max_tokens:  # one launch sequence: no slicing (a view costs as much as a launch)
             self._launch(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx, ws, stream)
             return out

@@ -76,6 +76,7 @@ class WorkspacePool(Generic[W]):
         self._layers: dict[Hashable, int] = {}  # live layers per shape
         self._spaces: dict[tuple[Hashable, object], W] = {}
         self.allocations = 0  # workspaces allocated so far: a call must never move it
+        self.generation = 0  # moves whenever a (shape, stream) -> workspace entry is added or removed
 
     # ---------------------------------------------------------------- layers
 
@@ -94,6 +95,7 @@ class WorkspacePool(Generic[W]):
         self._layers.pop(shape, None)
         for key in [k for k in self._spaces if k[0] == shape]:
             del self._spaces[key]
+        self.generation += 1
 
     # ---------------------------------------------------------------- streams
 
@@ -127,4 +129,5 @@ class WorkspacePool(Generic[W]):
             )
         space = self._spaces[(shape, stream)] = allocate()
         self.allocations += 1
+        self.generation += 1
         return space

@@ -175,6 +175,34 @@ def test_prepared_fused_launch_passes_this_calls_pointers(stubbed):
     assert paths == {(True, False), (False, True)}, paths
 
 
+def test_a_call_uses_its_streams_workspace_after_every_reservation(stubbed, monkeypatch):
+    """A call remembers the last stream's workspace (no pool lookup when the stream repeats), and a reservation
+    for a stream, or a release, is seen by the very next call on it."""
+    bundle = stub_bundle()
+    w13, w2 = _weights()
+    layer = moe.MoeLayer(bundle, w13, w2, top_k=TOP_K)
+    x, w, ids = _inputs(1, torch.int32)
+    out = torch.empty(1, H, dtype=torch.bfloat16)
+
+    def locks_on(stream: int) -> int:
+        monkeypatch.setattr(moe, "current_stream_handle", lambda index: stream)
+        stubbed.clear()
+        layer(x, w, ids, out=out)
+        (values,) = [c[2] for c in stubbed if c[0] == "fused"]
+        return values["locks"]
+
+    default = layer.workspace(0).locks.data_ptr()
+    assert locks_on(7) == default and locks_on(7) == default  # no reservation: the shape's default
+    reserved = bundle.workspaces.reserve(layer.shape, 7, layer._allocate_workspace)
+    assert reserved.locks.data_ptr() != default
+    assert locks_on(7) == reserved.locks.data_ptr()  # the next call sees the reservation
+    assert locks_on(8) == default and locks_on(7) == reserved.locks.data_ptr()
+    lookups = []
+    monkeypatch.setattr(type(bundle.workspaces), "get", lambda pool, shape, stream: lookups.append(stream))
+    locks_on(7)
+    assert lookups == []  # the same stream again: the remembered workspace
+
+
 def test_prepared_launch_names_every_parameter_once():
     from cuteaot.runtime.errors import LaunchArgumentError
 
