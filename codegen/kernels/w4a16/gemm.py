@@ -391,15 +391,30 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     # ------------------------------------------------------------------ block metadata
 
     @cute.jit
-    def _topk_pair(self, ops, route: Int32, routes: Int32) -> Uint32:
-        """The route's router weight as a dtype pair (route clamped to 0 for padding rows)."""
+    def _topk_weight(self, ops, route: Int32, routes: Int32) -> Float32:
+        """The route's router weight (route clamped to 0 for padding rows)."""
         safe = route
         if route >= routes:
             safe = Int32(0)
-        w = I.ld_global_nc_f32(ops.topk_weights + Int64(safe) * Int64(4))
+        return I.ld_global_nc_f32(ops.topk_weights + Int64(safe) * Int64(4))
+
+    @cute.jit
+    def _weight_pair(self, w: Float32) -> Uint32:
+        """A router weight as a dtype pair."""
         if cutlass.const_expr(self.is_fp16):
             return I.f32_to_f16x2_broadcast(w)
         return I.f32_to_bf16x2_broadcast(w)
+
+    @cute.jit
+    def _topk_pair(self, ops, route: Int32, routes: Int32) -> Uint32:
+        """The route's router weight as a dtype pair (route clamped to 0 for padding rows)."""
+        return self._weight_pair(self._topk_weight(ops, route, routes))
+
+    def defers_router_weight(self) -> bool:
+        """Packed routes on the mma.sync loop: a block's router weights are loaded with its routes but stored
+        to shared memory only once the tile's first copies are issued (`_prefetch_initial`), so the copies do
+        not wait for that round trip; the epilogue reads them long after."""
+        return not self.direct and self.s.mul_topk_weights and self.s.mainloop is Mainloop.MMA_SYNC
 
     @cute.jit
     def _block_route(self, ops, tid: Int32, route_block: Int32) -> Int32:
@@ -444,15 +459,20 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             # one route per thread, already in a register; the barrier that publishes them also counts
             # the valid ones (bar.red.popc)
             in_block = Int32(0)
+            weight = Float32(0.0)
             if tid < Int32(s.moe_block_size):
                 idx = route
                 I.st_shared_i32(route_sh + tid * Int32(4), idx)
                 I.st_shared_i32(src_sh + tid * Int32(4), idx // Int32(s.top_k))
-                if cutlass.const_expr(s.mul_topk_weights):
+                if cutlass.const_expr(self.defers_router_weight()):
+                    weight = self._topk_weight(ops, idx, routes)
+                elif cutlass.const_expr(s.mul_topk_weights):
                     I.st_shared_u32(topk_sh + tid * Int32(4), self._topk_pair(ops, idx, routes))
                 if idx < routes:
                     in_block = Int32(1)
             valid = self._sync_count(in_block)
+            if cutlass.const_expr(self.defers_router_weight()):
+                return valid, weight
         return valid
 
     @cute.jit
@@ -533,7 +553,11 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the half of the tile's first slab
             scale_index = self._split_scale_index(expert, n_tile * Int32(s.tile_n // 64))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
-        valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens, pair)
+        weight = None
+        if cutlass.const_expr(self.defers_router_weight()):  # stored by _prefetch_initial
+            valid_rows, weight = self._read_block(ops, smem, tid, route_block, route, tokens)
+        else:
+            valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens, pair)
         self._stamp(ops, tid, 0)
 
         warp = tid // Int32(32)
@@ -560,6 +584,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             b_gl_rd=b_gl_rd,
             scales_base=Int64(s.n * s.k // (16 * self.scale_group)) * Int64(expert),
         )
+        if cutlass.const_expr(weight is not None):  # this thread's route's router weight, its shared slot
+            t.router_weight = weight
+            t.router_weight_sh = smem + Int32(s.sh_topk_off * 16) + tid * Int32(4)
+            t.router_weight_mine = tid < Int32(s.moe_block_size)
         # Shared-memory read addresses of this thread, hoisted out of the main loop (stage, row and
         # MMA row block only add constants to them): B words, scale pairs, swizzled A rows.
         warp_row = warp // Int32(s.n_warps)  # which K slice of the tile this warp consumes

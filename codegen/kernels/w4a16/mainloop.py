@@ -291,6 +291,9 @@ class MainloopMixin:
                 self._stage_k_tile(ops, t, pipe, k_start + Int32(pipe))
             else:
                 cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.defers_router_weight()):  # its load was issued with the block's routes
+            if t.router_weight_mine:
+                I.st_shared_u32(t.router_weight_sh, self._weight_pair(t.router_weight))
         cute.arch.cp_async_wait_group(self.s.stages - 2)
         cute.arch.sync_threads()
 
