@@ -108,8 +108,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     # ------------------------------------------------------------------ scheduler
 
     @cute.jit
-    def _persistent(self, ops, smem: Int32, tid: Int32, cta: Int32, grid_x: Int32, tokens: Int32, first=None):
-        """This CTA's tiles, whole or split-K slices, one after another.  `first` (direct routes): its first
+    def _persistent(self, ops, smem: Int32, tid: Int32, cta: Int32, grid_x: Int32, tokens: Int32, preread=None):
+        """This CTA's tiles, whole or split-K slices, one after another.  `preread` (direct routes): its first
         tile's route block, expert and router weight pair as `_first_tile_reads` loaded them, earlier."""
         s = self.s
         n_tiles = Int32(s.n_tiles)
@@ -187,10 +187,10 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             if has_work != Int32(0) and k_count > Int32(0) and route_block < route_blocks:
                 expert = Int32(0)
                 pair = Uint32(0)
-                if cutlass.const_expr(self.direct and first is not None):
-                    if route_block == first[0]:  # read before this phase (the same for every n-tile of the block)
-                        expert = first[1]
-                        pair = first[2]
+                if cutlass.const_expr(self.direct and preread is not None):
+                    if route_block == preread[0]:  # read before this phase (the same for every n-tile of the block)
+                        expert = preread[1]
+                        pair = preread[2]
                     else:
                         expert, pair = self._direct_reads(ops, route_block, route_blocks)
                 elif cutlass.const_expr(self.direct):
