@@ -114,8 +114,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         s = self.s
         n_tiles = Int32(s.n_tiles)
         k_tiles = Int32(s.k_tiles)
-        route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters = self._schedule(ops, cta, grid_x,
-                                                                                                 tokens)
+        route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters = self._schedule_tiles(
+            ops, cta, grid_x, tokens)
         lock_slot = Int32(0)
         if tail_mn_tiles >= grid_x:
             lock_slot = cta
@@ -230,7 +230,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                         route_block += Int32(1)
 
     @cute.jit
-    def _schedule(self, ops, cta: Int32, grid_x: Int32, tokens: Int32):
+    def _schedule_tiles(self, ops, cta: Int32, grid_x: Int32, tokens: Int32):
         """(route blocks, m-n tiles, of them the split-K tail's, whole tiles a CTA takes before the tail, the
         tail's k-tiles a CTA) of this launch: whole tiles grid-strided while they fill every CTA, then the
         rest split over K (at most 1/3 of a wave on its own, else with one wave of whole tiles)."""
@@ -276,8 +276,8 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     def _first_tile(self, ops, cta: Int32, grid_x: Int32, tokens: Int32):
         """(route block, n-tile, first k-tile, route blocks) of this CTA's first tile of the launch `_persistent`
         will run, by its arithmetic; route block -1 where the CTA has none."""
-        route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters = self._schedule(ops, cta, grid_x,
-                                                                                                 tokens)
+        route_blocks, global_mn_tiles, tail_mn_tiles, full_grid_mn_iters, iters = self._schedule_tiles(
+            ops, cta, grid_x, tokens)
         n_tiles = Int32(self.s.n_tiles)
         k_tiles = Int32(self.s.k_tiles)
         block = Int32(-1)
