@@ -303,13 +303,19 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         otherwise be a round trip to L2 after it, and the first copies one to HBM."""
         assert self.direct, "packed routes are read per tile"
         block, n_tile, k0, route_blocks = self._first_tile(ops, cta, grid_x, tokens)
+        expert, pair = self._reads_if_any(ops, block, route_blocks)
+        if expert >= Int32(0) and expert < ops.num_experts:
+            self._prefetch_first_stages(ops, tid, expert, n_tile, k0)
+        return block, expert, pair
+
+    @cute.jit
+    def _reads_if_any(self, ops, block: Int32, route_blocks: Int32):
+        """`_direct_reads` of route block `block`, or (-1, 0) and nothing read for block -1 (no tile)."""
         expert = Int32(-1)
         pair = Uint32(0)
         if block >= Int32(0):
             expert, pair = self._direct_reads(ops, block, route_blocks)
-            if expert >= Int32(0) and expert < ops.num_experts:
-                self._prefetch_first_stages(ops, tid, expert, n_tile, k0)
-        return block, expert, pair
+        return expert, pair
 
     def prefetches_first_stages(self) -> bool:
         """`_prefetch_first_stages` has something to do: the mma.sync loop on the packed NVFP4 layout with whole N
@@ -348,12 +354,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         assert self.direct, "packed routes are read per tile"
         route_blocks = tokens * Int32(self.s.top_k)
         block = cta // Int32(self.s.n_tiles)
-        expert = Int32(-1)
-        pair = Uint32(0)
         if block >= route_blocks:
             block = Int32(-1)
-        if block >= Int32(0):
-            expert, pair = self._direct_reads(ops, block, route_blocks)
+        expert, pair = self._reads_if_any(ops, block, route_blocks)
         return block, expert, pair
 
     @cute.jit
@@ -459,20 +462,15 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             # one route per thread, already in a register; the barrier that publishes them also counts
             # the valid ones (bar.red.popc)
             in_block = Int32(0)
-            weight = Float32(0.0)
             if tid < Int32(s.moe_block_size):
                 idx = route
                 I.st_shared_i32(route_sh + tid * Int32(4), idx)
                 I.st_shared_i32(src_sh + tid * Int32(4), idx // Int32(s.top_k))
-                if cutlass.const_expr(self.defers_router_weight()):
-                    weight = self._topk_weight(ops, idx, routes)
-                elif cutlass.const_expr(s.mul_topk_weights):
+                if cutlass.const_expr(s.mul_topk_weights and not self.defers_router_weight()):
                     I.st_shared_u32(topk_sh + tid * Int32(4), self._topk_pair(ops, idx, routes))
                 if idx < routes:
                     in_block = Int32(1)
             valid = self._sync_count(in_block)
-            if cutlass.const_expr(self.defers_router_weight()):
-                return valid, weight
         return valid
 
     @cute.jit
@@ -553,11 +551,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         elif cutlass.const_expr(s.split_global_scale):  # (E, 2): [gate, up], by the half of the tile's first slab
             scale_index = self._split_scale_index(expert, n_tile * Int32(s.tile_n // 64))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
-        weight = None
-        if cutlass.const_expr(self.defers_router_weight()):  # stored by _prefetch_initial
-            valid_rows, weight = self._read_block(ops, smem, tid, route_block, route, tokens)
-        else:
-            valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens, pair)
+        valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens, pair)
         self._stamp(ops, tid, 0)
 
         warp = tid // Int32(32)
@@ -584,10 +578,14 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             b_gl_rd=b_gl_rd,
             scales_base=Int64(s.n * s.k // (16 * self.scale_group)) * Int64(expert),
         )
-        if cutlass.const_expr(weight is not None):  # this thread's route's router weight, its shared slot
+        if cutlass.const_expr(self.defers_router_weight()):  # this thread's route's weight, for _prefetch_initial
+            mine = tid < Int32(s.moe_block_size)
+            weight = Float32(0.0)
+            if mine:
+                weight = self._topk_weight(ops, route, tokens * Int32(s.top_k))
+            t.router_weight_mine = mine
             t.router_weight = weight
             t.router_weight_sh = smem + Int32(s.sh_topk_off * 16) + tid * Int32(4)
-            t.router_weight_mine = tid < Int32(s.moe_block_size)
         # Shared-memory read addresses of this thread, hoisted out of the main loop (stage, row and
         # MMA row block only add constants to them): B words, scale pairs, swizzled A rows.
         warp_row = warp // Int32(s.n_warps)  # which K slice of the tile this warp consumes
