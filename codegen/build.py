@@ -62,13 +62,17 @@ RUNTIME_DIR = Path(runtime_pkg.__file__).parent
 # The sources that decide what a key compiles to (the spec reader, enumeration, this driver and the
 # CLI only decide *which* keys to compile, and the keys say that themselves).
 CODEGEN_SOURCES = ("compile.py", "intrinsics.py", "ptx.py", "resources.py", "kernels")
+# ... except the planners under kernels/: they choose which keys a bundle holds, never what a key compiles
+# to (no compiled module imports them: tests/test_build.py), so a planner edit re-plans without recompiling
+PLANNER_SOURCES = ("kernels/w4a16/planning.py", "kernels/w4a16/fused_planning.py")
 # every runtime module a compiled kernel depends on: the specs and their geometry (kernels/) and the
 # weight layout the decode follows (weights)
 RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "weights.py")
 # What else decides the resolution table (which kernel, grid and buffers serve each M): a bundle
 # whose plan fingerprint and spec are unchanged is up to date without re-planning.
 PLAN_SOURCES = (("codegen", "table.py"), ("codegen", "enumerate.py"), ("codegen", "spec.py"),
-                ("codegen", "kernels/w4a16/measured_blocks.json"), ("runtime", "resolution.py"))
+                ("codegen", "kernels/w4a16/measured_blocks.json"), ("runtime", "resolution.py"),
+                *(("codegen", name) for name in PLANNER_SOURCES))
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cuda-cuobjdump")
 INLINE_JOBS = 8  # below this many compilations, worker start-up costs more than it saves
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -91,7 +95,7 @@ def _source_files() -> list[tuple[str, Path]]:
             path = base / name
             found = path.rglob("*.py") if path.is_dir() else [path]
             files += [(top, f.relative_to(base)) for f in found]
-    return files
+    return [(top, rel) for top, rel in files if not (top == "codegen" and rel.as_posix() in PLANNER_SOURCES)]
 
 
 def source_fingerprint() -> str:

@@ -381,3 +381,25 @@ def test_a_spill_fails_a_build_whose_spec_refuses_spills(fake, tmp_path, monkeyp
     assert not (tmp_path / "gen" / "tiny").exists()  # nothing was written
     monkeypatch.delenv(SPILL_ENV)  # kernels that fit their registers: the same spec builds
     assert build(spec, tmp_path / "gen2", workers=1, progress=False).spills == []
+
+
+def test_planners_change_plans_not_kernels():
+    """The planners are outside the compile fingerprint (a planner edit re-plans, compiles nothing), which
+    is only sound while no compiled module imports them: every module the fingerprint covers is checked."""
+    import ast
+
+    planner_modules = {Path(name).stem for name in build_mod.PLANNER_SOURCES}
+    files = build_mod._source_files()
+    assert not {rel.as_posix() for top, rel in files if top == "codegen"} & set(build_mod.PLANNER_SOURCES)
+    for top, rel in files:
+        base = build_mod.CODEGEN_DIR if top == "codegen" else build_mod.RUNTIME_DIR
+        tree = ast.parse((base / rel).read_text(), str(rel))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or "", *(a.name for a in node.names)] if isinstance(node, ast.ImportFrom)
+                     else [])
+            hit = [n for n in names if set(n.split(".")) & planner_modules]
+            assert not hit, f"{top}/{rel} imports {hit}: a compiled module may not depend on the planners"
+    # and both fingerprints still see a planner edit where it matters: the plan's
+    plan_files = [name for top, name in build_mod.PLAN_SOURCES if top == "codegen"]
+    assert set(build_mod.PLANNER_SOURCES) <= set(plan_files)
