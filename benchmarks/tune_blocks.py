@@ -21,6 +21,9 @@ GEMMs' 128-row blocks on the 256-wide tile of two warpgroups, planning.WGMMA_TAL
     # 3. builder: the rows become the planner's table (the choice where it took <= 1 - margin of the
     #    rule's time); then rebuild the shipped bundles
     python -m benchmarks.tune_blocks record rows.json [more-rows.json ...] [--margin 0.02]
+    # 4. builder, any time: how a shape nobody measured fares borrowing the others' tables (each
+    #    recorded shape left out in turn, planning.borrowed_choice, the recorded ratios read off)
+    python -m benchmarks.tune_blocks holdout [--json summary.json]
 
 Each measured M stands for the token counts up to the geometric midpoints with its measured
 neighbours; where the choice did not win (or the rule already makes it) the rule decides.  Why a
@@ -163,6 +166,71 @@ def record(rows_paths: list[str], margin: float, table: Path = TABLE) -> dict:
     return out
 
 
+def _points_by_shape(rows: list[dict]) -> dict[tuple, list[tuple[int, float, bool]]]:
+    """Measured rows -> {(profile, hidden, intermediate, experts, top_k, gated): [(M, ratio, plans differ)]}."""
+    from cuteaot.runtime.types import Activation
+
+    out: dict[tuple, list] = {}
+    for row in rows:
+        f, new = row["facts"], row["new"]["always"]
+        key = (row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"],
+               Activation(f["activation"]).is_gated)
+        out.setdefault(key, []).append((row["M"], new["ratio"], new["plan"] != row["base_plan"]))
+    return out
+
+
+def holdout(margin: float, table: Path = TABLE) -> dict:
+    """Leave each measured shape out in turn and plan it from the other shapes' tables, as an unmeasured
+    shape is planned (planning.borrowed_choice), over the rows the table was recorded from.
+
+    Per knob: the geometric mean, over every recorded point whose two plans differ, of the time the
+    borrowed choice takes against the rule's (1 where it borrows nothing), the points borrowed faster and
+    slower, and the same mean for the shape's own table (in sample: what measuring the shape bought)."""
+    from cuteaot.codegen.kernels.w4a16 import planning
+
+    data = json.loads(table.read_text())
+    summary = {}
+    for knob, provenance in data["measured"].items():
+        for profile, prov in provenance.items():
+            rows = [r for run in prov["runs"] for r in json.loads((ROOT / run["rows"]).read_text())["rows"]]
+            by_shape = {k: v for k, v in _points_by_shape(rows).items() if k[0] == profile}
+            tables = {k[1:]: decide(v, margin) for k, v in by_shape.items()}
+            logs, own, faster, slower, lines = [], [], 0, 0, []
+            for key, points in sorted(by_shape.items()):
+                shape = key[1:]
+                others = {s: t for s, t in tables.items() if s != shape}
+                geo = {m: r for m, r, differs in _compared(points)}
+                for m, ratio in sorted(geo.items()):
+                    borrowed = knob not in planning.NOT_BORROWED and planning.borrowed_choice(m, shape, others)
+                    logs.append(math.log(ratio) if borrowed else 0.0)
+                    own.append(math.log(ratio) if any(lo <= m <= hi for lo, hi in tables[shape][1]) else 0.0)
+                    if borrowed:
+                        faster, slower = faster + (ratio < 1.0), slower + (ratio >= 1.0)
+                        lines.append(f"{m}:{ratio:.3f}")
+                if lines:
+                    print(f"  {knob} {profile} {shape}: borrowed at {' '.join(lines)}")
+                    lines = []
+            if not logs:
+                continue
+            result = {"points": len(logs), "borrowed": math.exp(sum(logs) / len(logs)),
+                      "own_table": math.exp(sum(own) / len(own)), "faster": faster, "slower": slower,
+                      "borrowed_at_all": knob not in planning.NOT_BORROWED}
+            summary[f"{knob}/{profile}"] = result
+            print(f"{knob:9s} {profile}: {len(logs)} points whose plans differ; borrowed {result['borrowed']:.4f}x "
+                  f"the rule's time ({faster} faster, {slower} slower), own table {result['own_table']:.4f}x"
+                  + ("" if result["borrowed_at_all"] else " (not borrowed: planning.NOT_BORROWED)"))
+    return summary
+
+
+def _compared(points: list[tuple[int, float, bool]]) -> list[tuple[int, float, bool]]:
+    """One point per M whose plans differ: the geometric mean of its runs' ratios (as `decide` counts them)."""
+    by_m: dict[int, list[float]] = {}
+    for m, ratio, differs in points:
+        if differs:
+            by_m.setdefault(m, []).append(ratio)
+    return [(m, math.prod(r) ** (1.0 / len(r)), True) for m, r in sorted(by_m.items())]
+
+
 def _dump(table: dict) -> str:
     """The table as JSON with one line per layer shape (a diff then shows which shapes changed)."""
     lines = ["{"]
@@ -203,11 +271,18 @@ def main(argv=None) -> int:
     r = sub.add_parser("record", help="builder: measured rows -> the planner's table")
     r.add_argument("rows", nargs="+", help="rows JSON of one or several measure runs")
     r.add_argument("--margin", type=float, default=0.02)
+    h = sub.add_parser("holdout", help="builder: how unmeasured shapes fare borrowing the others' tables")
+    h.add_argument("--margin", type=float, default=0.02)
+    h.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.cmd == "build":
         build(args.spec, args.knob, args.out, args.targets, args.jobs)
     elif args.cmd == "measure":
         measure(args.knob, args.rule, args.always, args.models, args.m, args.rounds, args.json, args.check)
+    elif args.cmd == "holdout":
+        summary = holdout(args.margin)
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     else:
         record(args.rows, args.margin)
     return 0

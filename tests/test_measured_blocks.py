@@ -4,6 +4,7 @@ layer planner reads them (codegen/kernels/w4a16/planning.py MEASURED_BLOCKS), an
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -26,9 +27,9 @@ def table(tmp_path, monkeypatch):
     path = tmp_path / "measured_blocks.json"
     path.write_text(json.dumps({"about": "test", "measured": {}}))
     monkeypatch.setattr(planning, "MEASURED_BLOCKS", path)
-    planning._measured.cache_clear()
+    planning.reload_measured()
     yield path
-    planning._measured.cache_clear()
+    planning.reload_measured()
 
 
 def _write(path, knob, profile, ranges, facts=QWEN3):
@@ -36,7 +37,7 @@ def _write(path, knob, profile, ranges, facts=QWEN3):
         "hidden_size": facts.hidden_size, "intermediate_size": facts.intermediate_size,
         "num_experts": facts.num_experts, "top_k": facts.top_k, "gated": facts.gated,
         "measured_m": [ranges[0][0], ranges[-1][1]] if ranges else [1, 1], "won_m": ranges}]}}))
-    planning._measured.cache_clear()
+    planning.reload_measured()
 
 
 def test_the_tool_and_the_planner_know_the_same_knobs():
@@ -69,7 +70,7 @@ def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(t
     # elsewhere the rule decides: where the 128-row plan lost, and where the rule's plan is that plan
     for m in (200, 800, 4096):
         assert planning.measured_choice("tall", m, *SHAPE, H200) is None
-    assert planning.measured_choice("tall", 512, 2048, 768, 128, 8, False, H200) is None  # another shape
+    assert planning.measured_choice("tall", 512, 7168, 256, 256, 8, False, H200) is None  # a shape too far to borrow
     assert planning.measured_choice("tall", 512, *SHAPE, PROFILES["h100"]) is None  # another profile
     assert planning.measured_choice("decode", 512, *SHAPE, H200) is None  # another knob
     # the layer plan: M = 512 by the rule is the fused kernel on 48-row blocks; measured, the wgmma split
@@ -90,6 +91,61 @@ def test_planner_extends_the_decode_regime_where_the_table_says(table):
     from dataclasses import replace
     for changed in (dict(expert_map=True), dict(calibration=True), dict(deterministic=True)):
         assert not plan_layer(4, replace(QWEN3, **changed), H200).decode
+
+
+OLMOE = (2048, 1024, 64, 8, True)  # unmeasured: 0.98 from QWEN3 (intermediate x 4/3, half the experts)
+
+
+def _rows(path, **knobs):
+    """Write tables {knob: [(shape, measured (lo, hi), won ranges), ...]} for h200."""
+    path.write_text(json.dumps({"about": "test", "measured": {}, **{knob: {"h200": [
+        {"hidden_size": h, "intermediate_size": i, "num_experts": e, "top_k": k, "gated": g,
+         "measured_m": list(measured), "won_m": [list(r) for r in won]}
+        for (h, i, e, k, g), measured, won in rows]} for knob, rows in knobs.items()}}))
+    planning.reload_measured()
+
+
+def test_an_unmeasured_shape_borrows_the_nearest_table_at_the_same_routes_per_expert(table):
+    far = (2880, 2880, 32, 4, True)  # 3.0 from OLMOE
+    _rows(table, tall=[(SHAPE, (48, 3072), [(400, 700)]), (far, (48, 3072), [(48, 3072)])])
+    assert planning.shape_distance(OLMOE, SHAPE) == pytest.approx(math.log(4 / 3) + math.log(2))
+    # OLMoE's 8 routes of 64 experts a token: m tokens fill blocks as 2m tokens of QWEN3 do
+    assert planning.measured_choice("tall", 256, *OLMOE, H200) is True  # QWEN3 at 512: won
+    assert planning.measured_choice("tall", 150, *OLMOE, H200) is None  # QWEN3 at 300: the rule
+    assert planning.measured_choice("tall", 2000, *OLMOE, H200) is None  # QWEN3 at 4000: never measured
+    # past BORROW_RADIUS nothing is borrowed, even where the nearest shape always won
+    assert planning.shape_distance((1024, 256, 512, 1, False), far) > planning.BORROW_RADIUS
+    assert planning.measured_choice("tall", 64, 1024, 256, 512, 1, False, H200) is None
+    # the layer plan follows: 128-row blocks on both GEMMs at 256 tokens, the rule's blocks at 150
+    facts = MoeLayerFacts(dtype=DType.BF16, hidden_size=2048, intermediate_size=1024, num_experts=64, top_k=8,
+                          activation=Activation.SILU)
+    assert split_layer(256, facts, H200)[0].plan.moe_block_size == 128
+    assert split_layer(150, facts, H200) is None or split_layer(150, facts, H200)[0].plan.moe_block_size < 128
+
+
+def test_borrowing_is_only_for_shapes_no_table_holds(table, monkeypatch):
+    _rows(table, tall=[(SHAPE, (48, 3072), [(400, 700)])], decode=[(OLMOE, (3, 8), [])],
+          fusepack=[(SHAPE, (8, 512), [(8, 512)])])
+    # OLMOE is in the decode table: a shape some table holds keeps the rule wherever its own tables are silent
+    assert planning.measured_choice("tall", 256, *OLMOE, H200) is None
+    other = (2048, 1024, 64, 6, True)  # known to no table, 0.29 from OLMOE and 1.27 from QWEN3
+    assert planning.measured_choice("tall", 342, *other, H200) is True  # QWEN3 at 342 * 6 / 64 * 16 = 513
+    assert planning.measured_choice("fusepack", 100, *other, H200) is None  # never borrowed (NOT_BORROWED)
+    assert planning.measured_choice("tall", 342, *other, PROFILES["h100"]) is None  # no h100 table to borrow
+    monkeypatch.setattr(planning, "BORROW", False)
+    assert planning.measured_choice("tall", 342, *other, H200) is None
+
+
+def test_the_shipped_tables_lend_to_unseen_models():
+    """With the shipped MEASURED_BLOCKS, an unseen 64-expert model takes the choices its neighbour won."""
+    planning.reload_measured()
+    olmoe = MoeLayerFacts(dtype=DType.BF16, hidden_size=2048, intermediate_size=1024, num_experts=64, top_k=8,
+                          activation=Activation.SILU)
+    borrowed = [k for k in planning.MEASURED_KNOBS for m in (1, 2, 3, 4, 8, 64, 512, 1024, 4096, 8192)
+                if planning.measured_choice(k, m, 2048, 1024, 64, 8, True, H200)]
+    assert {"tall", "wide", "splitsum"} <= set(borrowed)
+    assert "fusepack" not in borrowed
+    assert plan_layer(1, olmoe, H200).decode
 
 
 def test_policies_rule_and_always(table, monkeypatch):
@@ -248,3 +304,26 @@ def test_the_shipped_promote_entries():
         assert split is not None and split[0].plan.moe_block_size == 16, (facts.intermediate_size, m)
     for m in (16, 32, 64):
         assert split_layer(m, QWEN3, H200) is None, m  # the 8-row fused plans stay
+
+
+def test_holdout_plans_each_shape_from_the_others_tables(tmp_path):
+    """`tune_blocks holdout`: leave a shape out, borrow from the rest, read off the recorded ratios."""
+    from benchmarks.tune_blocks import holdout
+
+    def row(shape, m, ratio):
+        h, i, e, k, _ = shape
+        return {"model": f"{h}-{i}-{e}", "M": m, "base_plan": "rule", "profile": "h200", "knob": "tall",
+                "facts": {"hidden_size": h, "intermediate_size": i, "num_experts": e, "top_k": k, "activation": "silu"},
+                "new": {"always": {"ratio": ratio, "plan": "tall"}}}
+
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"rows": [row(SHAPE, 512, 0.9), row(SHAPE, 1024, 1.1),
+                                         row(OLMOE, 256, 0.8), row(OLMOE, 512, 1.2)]}))
+    path = tmp_path / "measured_blocks.json"
+    path.write_text(json.dumps({"about": "test", "measured": {"tall": {"h200": {"runs": [{"rows": str(rows)}]}}}}))
+    result = holdout(0.02, table=path)["tall/h200"]
+    # QWEN3 left out: OLMOE's table (won at 256-362) says tall at 512 (OLMOE's 256: 0.9), not at 1024;
+    # OLMOE left out: QWEN3's (won at 512-724) says tall at 256 (QWEN3's 512: 0.8), not at 512
+    assert result["points"] == 4 and (result["faster"], result["slower"]) == (2, 0)
+    assert result["borrowed"] == pytest.approx((0.9 * 0.8) ** 0.25)
+    assert result["own_table"] == pytest.approx((0.9 * 0.8) ** 0.25)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -257,27 +258,84 @@ POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote
           "splitk": "measured", "fusepack": "measured"}
 
 
+# A layer shape that no knob's table holds (a model nobody measured here) borrows, knob by knob, the
+# table of the nearest shape measured for that knob, read at the same routes per expert (m * top_k /
+# num_experts: how full the route blocks are, what most of these choices turn on).  Nearest: the
+# smallest shape_distance, and none past BORROW_RADIUS.  Checked by leaving each measured shape out in
+# turn and planning it from the others' tables (`python -m benchmarks.tune_blocks holdout`, docs/
+# design.md "Shapes nobody measured"): over the recorded points where a knob's choice changes the plan,
+# borrowing took 0.960-0.995x the rule's time for every knob that ever won, but "fusepack" 1.001x (3
+# points faster, 4 slower, up to 1.04x), so that one is never borrowed.  The radius keeps Mixtral (E = 8;
+# its nearest measured shape is 4.0 away) on the rule: borrowed across that distance its choices went
+# both ways (0.70-1.10x).  A shape that some table holds (every shipped one) keeps its own tables and
+# the rule elsewhere.
+BORROW = True
+BORROW_RADIUS = 2.0
+NOT_BORROWED = ("fusepack",)
+
+Shape = tuple[int, int, int, int, bool]  # hidden, intermediate, experts, top_k, gated
+
+
+def shape_distance(a: Shape, b: Shape) -> float:
+    """Sum of |log| ratios of hidden size, intermediate size, experts and top_k, plus 1 where one is
+    gated and the other not: 0.69 is one dimension doubled."""
+    return (sum(abs(math.log(x / y)) for x, y in zip(a[:4], b[:4])) + (0.0 if a[4] == b[4] else 1.0))
+
+
+def borrowed_choice(m: int, shape: Shape, tables: dict) -> bool | None:
+    """The choice an m-token layer of an unmeasured `shape` borrows from `tables` ({shape: ((lo, hi)
+    measured, ((lo, hi), ...) won)} of one knob and profile): the nearest shape's, at the m' with the
+    same routes per expert; None where nothing is within BORROW_RADIUS or m' is outside what it measured."""
+    near = min(tables, key=lambda t: (shape_distance(shape, t), t), default=None)
+    if near is None or shape_distance(shape, near) > BORROW_RADIUS:
+        return None
+    (lo, hi), won = tables[near]
+    at = m * shape[3] / shape[2] * near[2] / near[3]  # near's token count with this routes-per-expert
+    if not lo <= at <= hi:
+        return None
+    return True if any(a <= at <= b for a, b in won) else None
+
+
 @functools.cache
 def _measured(knob: str) -> dict:
-    """{(profile, hidden, intermediate, experts, top_k, gated): ((lo, hi), ...)}: the token ranges
-    where the knob's choice won (MEASURED_BLOCKS)."""
+    """{(profile, hidden, intermediate, experts, top_k, gated): ((lo, hi) measured, ((lo, hi), ...) won)}:
+    the token ranges measured and where the knob's choice won (MEASURED_BLOCKS)."""
     data = json.loads(MEASURED_BLOCKS.read_text())
     return {(profile, row["hidden_size"], row["intermediate_size"], row["num_experts"], row["top_k"], row["gated"]):
-            tuple(tuple(r) for r in row["won_m"])
+            (tuple(row["measured_m"]), tuple(tuple(r) for r in row["won_m"]))
             for profile, rows in data.get(knob, {}).items() for row in rows}
+
+
+@functools.cache
+def _known_shapes() -> frozenset:
+    """Every (profile, shape) some knob's table holds."""
+    return frozenset(key for knob in MEASURED_KNOBS for key in _measured(knob))
+
+
+def reload_measured() -> None:
+    """Read MEASURED_BLOCKS again on the next question (after the file or its path changed)."""
+    _measured.cache_clear()
+    _known_shapes.cache_clear()
 
 
 def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                     gated: bool, profile: DeviceProfile) -> bool | None:
     """True where an m-token layer of this shape takes the knob's choice by POLICY; None: the rule
-    decides (where the choice did not win, or the rule already makes it)."""
+    decides (where the choice did not win, or the rule already makes it).  A shape no table holds
+    borrows the nearest measured shape's choice (BORROW)."""
     policy = POLICY[knob]
     if policy == "always":
         return True
     if policy == "rule":
         return None
-    ranges = _measured(knob).get((profile.name, hidden_size, intermediate_size, num_experts, top_k, gated), ())
-    return True if any(lo <= m <= hi for lo, hi in ranges) else None
+    key = (profile.name, hidden_size, intermediate_size, num_experts, top_k, gated)
+    entries = _measured(knob)
+    if key in entries:
+        return True if any(lo <= m <= hi for lo, hi in entries[key][1]) else None
+    if not BORROW or knob in NOT_BORROWED or key in _known_shapes():
+        return None
+    tables = {k[1:]: v for k, v in entries.items() if k[0] == profile.name}
+    return borrowed_choice(m, key[1:], tables)
 
 
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
