@@ -267,8 +267,8 @@ POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote
 # borrowing took 0.960-0.995x the rule's time for every knob that ever won, but "fusepack" 1.001x (3
 # points faster, 4 slower, up to 1.04x) and "promote" 0.992x (3 of its 10 borrowed points slower, up to
 # 1.04x).  On five real models no table holds (specs/bench-unseen.yaml, H200, docs/benchmarks.md
-# "eighteenth session") every borrowed choice but "promote" took 0.82-1.00x the rule's time at every
-# point it changed; "promote" 0.92-1.06x, slower at 6 of 7.  So neither of those two is borrowed.  The
+# "eighteenth session") the borrowed choices but "promote" took 0.79-0.99x the rule's time at 75 of the
+# 76 points they changed (OLMoE at 896 tokens 1.11x); "promote" 0.92-1.06x, slower at 7 of 8.  So neither of those two is borrowed.  The
 # radius keeps Mixtral (E = 8; its nearest measured shape is 4.0 away) on the rule: borrowed across that
 # distance its choices went both ways (0.70-1.10x).  A shape that some table holds (every shipped one)
 # keeps its own tables and the rule elsewhere.
