@@ -21,7 +21,7 @@ from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch
 from cuteaot.runtime.types import Activation, DType
 
 from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer, split_layer
-from .kernels.w4a16.planning import gemm_spec_for, plan_for
+from .kernels.w4a16.planning import gemm_spec_for, plan_for, tables_of
 from .spec import BundleSpec, MoeProblem
 
 
@@ -75,8 +75,11 @@ def plan_bundle(spec: BundleSpec, progress: Optional[Callable[[str], None]] = No
                     continue
                 if progress:
                     kind = "fused" if op == MOE_LAYER else "gemm"
+                    lender = "" if op != MOE_LAYER else "; " + tables_of(
+                        problem.hidden_size, problem.intermediate_size, problem.num_experts, problem.top_k,
+                        problem.activation.is_gated, profile)
                     progress(f"planning {spec.bundle}: problem {next(count)}/{total} {kind} {problem.name} on "
-                             f"{profile.name}, 1..{problem.tokens[-1]} tokens")
+                             f"{profile.name}, 1..{problem.tokens[-1]} tokens{lender}")
                 for entry, keys in entries(problem, profile):
                     planned.add(entry, keys, profile.arch)
     return planned

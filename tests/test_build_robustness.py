@@ -340,8 +340,9 @@ def test_planning_progress_goes_to_stderr_during_a_build_only(fake, tmp_path, ca
     spec.write_text(textwrap.dedent(FUSED_SPEC))
     build(spec, tmp_path / "gen", workers=1, progress=True)
     captured = capsys.readouterr()
-    assert "planning demo: problem 1/2 fused demo-fused on h200, 1..64 tokens" in captured.err
-    assert "planning demo: problem 2/2 fused demo-fused on rtx-pro-6000" in captured.err
+    assert "planning demo: problem 1/2 fused demo-fused on h200, 1..64 tokens; " in captured.err
+    assert "planning demo: problem 2/2 fused demo-fused on rtx-pro-6000, 1..64 tokens; nothing measured on " \
+        "rtx-pro-6000: the rule alone" in captured.err
     assert "planning" not in captured.out
     build(spec, tmp_path / "gen", workers=1, progress=False)
     assert "planning" not in capsys.readouterr().err

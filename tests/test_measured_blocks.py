@@ -132,6 +132,12 @@ def test_borrowing_is_only_for_shapes_no_table_holds(table, monkeypatch):
     assert planning.measured_choice("tall", 342, *other, H200) is True  # QWEN3 at 342 * 6 / 64 * 16 = 513
     assert planning.measured_choice("fusepack", 100, *other, H200) is None  # never borrowed (NOT_BORROWED)
     assert planning.measured_choice("tall", 342, *other, PROFILES["h100"]) is None  # no h100 table to borrow
+    # what the build's planning line says of each
+    assert planning.tables_of(*OLMOE, H200) == "measured tables"
+    assert planning.tables_of(*other, H200) == ("tables borrowed from H 2048 I 1024 E 64 top-8 (0.29 away), "
+                                                "H 2048 I 768 E 128 top-8 (1.27 away)")  # decode's, tall's
+    assert planning.tables_of(7168, 256, 256, 8, False, H200).startswith("no measured shape within 2.0")
+    assert planning.tables_of(*other, PROFILES["b200"]) == "nothing measured on b200: the rule alone"
     monkeypatch.setattr(planning, "BORROW", False)
     assert planning.measured_choice("tall", 342, *other, H200) is None
 

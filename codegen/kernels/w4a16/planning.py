@@ -321,6 +321,30 @@ def reload_measured() -> None:
     _known_shapes.cache_clear()
 
 
+def tables_of(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, gated: bool,
+              profile: DeviceProfile) -> str:
+    """Where this shape's measured choices come from, for the build's planning line: its own tables,
+    the nearest measured shapes' (BORROW), or none (the rule alone)."""
+    shape = (hidden_size, intermediate_size, num_experts, top_k, gated)
+    if (profile.name, *shape) in _known_shapes():
+        return "measured tables"
+    lenders = set()
+    for knob in MEASURED_KNOBS:
+        tables = [k[1:] for k in _measured(knob) if k[0] == profile.name]
+        if not BORROW or knob in NOT_BORROWED or not tables:
+            continue
+        near = min(tables, key=lambda t: (shape_distance(shape, t), t))
+        if shape_distance(shape, near) <= BORROW_RADIUS:
+            lenders.add(near)
+    if not any(k[0] == profile.name for knob in MEASURED_KNOBS for k in _measured(knob)):
+        return f"nothing measured on {profile.name}: the rule alone"
+    if not lenders:
+        return f"no measured shape within {BORROW_RADIUS} (BORROW_RADIUS): the rule alone"
+    return "tables borrowed from " + ", ".join(
+        f"H {h} I {i} E {e} top-{k}{'' if g else ' ungated'} ({shape_distance(shape, (h, i, e, k, g)):.2f} away)"
+        for h, i, e, k, g in sorted(lenders, key=lambda t: shape_distance(shape, t)))
+
+
 def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                     gated: bool, profile: DeviceProfile) -> bool | None:
     """True where an m-token layer of this shape takes the knob's choice by POLICY; None: the rule
