@@ -195,21 +195,20 @@ def holdout(margin: float, table: Path = TABLE) -> dict:
             rows = [r for run in prov["runs"] for r in json.loads((ROOT / run["rows"]).read_text())["rows"]]
             by_shape = {k: v for k, v in _points_by_shape(rows).items() if k[0] == profile}
             tables = {k[1:]: decide(v, margin) for k, v in by_shape.items()}
-            logs, own, faster, slower, lines = [], [], 0, 0, []
+            logs, own, faster, slower = [], [], 0, 0
             for key, points in sorted(by_shape.items()):
                 shape = key[1:]
                 others = {s: t for s, t in tables.items() if s != shape}
-                geo = {m: r for m, r, differs in _compared(points)}
-                for m, ratio in sorted(geo.items()):
+                taken = []
+                for m, ratio in _compared(points):
                     borrowed = knob not in planning.NOT_BORROWED and planning.borrowed_choice(m, shape, others)
                     logs.append(math.log(ratio) if borrowed else 0.0)
                     own.append(math.log(ratio) if any(lo <= m <= hi for lo, hi in tables[shape][1]) else 0.0)
                     if borrowed:
                         faster, slower = faster + (ratio < 1.0), slower + (ratio >= 1.0)
-                        lines.append(f"{m}:{ratio:.3f}")
-                if lines:
-                    print(f"  {knob} {profile} {shape}: borrowed at {' '.join(lines)}")
-                    lines = []
+                        taken.append(f"{m}:{ratio:.3f}")
+                if taken:
+                    print(f"  {knob} {profile} {shape}: borrowed at {' '.join(taken)}")
             if not logs:
                 continue
             result = {"points": len(logs), "borrowed": math.exp(sum(logs) / len(logs)),
@@ -222,13 +221,13 @@ def holdout(margin: float, table: Path = TABLE) -> dict:
     return summary
 
 
-def _compared(points: list[tuple[int, float, bool]]) -> list[tuple[int, float, bool]]:
-    """One point per M whose plans differ: the geometric mean of its runs' ratios (as `decide` counts them)."""
+def _compared(points: list[tuple[int, float, bool]]) -> list[tuple[int, float]]:
+    """(M, ratio) for each M whose plans differ: the geometric mean of its runs' ratios, as `decide` counts them."""
     by_m: dict[int, list[float]] = {}
     for m, ratio, differs in points:
         if differs:
             by_m.setdefault(m, []).append(ratio)
-    return [(m, math.prod(r) ** (1.0 / len(r)), True) for m, r in sorted(by_m.items())]
+    return [(m, math.prod(r) ** (1.0 / len(r))) for m, r in sorted(by_m.items())]
 
 
 def _dump(table: dict) -> str:

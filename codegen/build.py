@@ -63,7 +63,8 @@ RUNTIME_DIR = Path(runtime_pkg.__file__).parent
 # CLI only decide *which* keys to compile, and the keys say that themselves).
 CODEGEN_SOURCES = ("compile.py", "intrinsics.py", "ptx.py", "resources.py", "kernels")
 # ... except the planners under kernels/: they choose which keys a bundle holds, never what a key compiles
-# to (no compiled module imports them: tests/test_build.py), so a planner edit re-plans without recompiling
+# to (no compiled module imports them: tests/test_build_robustness.py), so a planner edit re-plans without
+# recompiling
 PLANNER_SOURCES = ("kernels/w4a16/planning.py", "kernels/w4a16/fused_planning.py")
 # every runtime module a compiled kernel depends on: the specs and their geometry (kernels/) and the
 # weight layout the decode follows (weights)

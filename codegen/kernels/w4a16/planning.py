@@ -267,11 +267,11 @@ POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote
 # borrowing took 0.960-0.995x the rule's time for every knob that ever won, but "fusepack" 1.001x (3
 # points faster, 4 slower, up to 1.04x) and "promote" 0.992x (3 of its 10 borrowed points slower, up to
 # 1.04x).  On five real models no table holds (specs/bench-unseen.yaml, H200, docs/benchmarks.md
-# "eighteenth session") the borrowed choices but "promote" took 0.79-0.99x the rule's time at 75 of the
-# 76 points they changed (OLMoE at 896 tokens 1.11x); "promote" 0.92-1.06x, slower at 7 of 8.  So neither of those two is borrowed.  The
-# radius keeps Mixtral (E = 8; its nearest measured shape is 4.0 away) on the rule: borrowed across that
-# distance its choices went both ways (0.70-1.10x).  A shape that some table holds (every shipped one)
-# keeps its own tables and the rule elsewhere.
+# "eighteenth session") the other choices took 0.79-0.99x the rule's time at 75 of the 76 points they
+# changed (OLMoE at 896 tokens 1.11x), "promote" 0.92-1.06x (slower at 7 of 8).  So neither of those
+# two is borrowed.  The radius keeps Mixtral (E = 8; its nearest measured shape is 4.0 away) on the
+# rule: borrowed across that distance its choices went both ways (0.70-1.10x).  A shape that some
+# table holds (every shipped one) keeps its own tables and the rule elsewhere.
 BORROW = True
 BORROW_RADIUS = 2.0
 NOT_BORROWED = ("fusepack", "promote")
@@ -285,12 +285,18 @@ def shape_distance(a: Shape, b: Shape) -> float:
     return (sum(abs(math.log(x / y)) for x, y in zip(a[:4], b[:4])) + (0.0 if a[4] == b[4] else 1.0))
 
 
+def _lender(shape: Shape, measured) -> Shape | None:
+    """The nearest of the `measured` shapes, if it is within BORROW_RADIUS (ties: the smaller shape)."""
+    near = min(measured, key=lambda t: (shape_distance(shape, t), t), default=None)
+    return near if near is not None and shape_distance(shape, near) <= BORROW_RADIUS else None
+
+
 def borrowed_choice(m: int, shape: Shape, tables: dict) -> bool | None:
     """The choice an m-token layer of an unmeasured `shape` borrows from `tables` ({shape: ((lo, hi)
     measured, ((lo, hi), ...) won)} of one knob and profile): the nearest shape's, at the m' with the
     same routes per expert; None where nothing is within BORROW_RADIUS or m' is outside what it measured."""
-    near = min(tables, key=lambda t: (shape_distance(shape, t), t), default=None)
-    if near is None or shape_distance(shape, near) > BORROW_RADIUS:
+    near = _lender(shape, tables)
+    if near is None:
         return None
     (lo, hi), won = tables[near]
     at = m * shape[3] / shape[2] * near[2] / near[3]  # near's token count with this routes-per-expert
@@ -328,16 +334,13 @@ def tables_of(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
     shape = (hidden_size, intermediate_size, num_experts, top_k, gated)
     if (profile.name, *shape) in _known_shapes():
         return "measured tables"
-    lenders = set()
-    for knob in MEASURED_KNOBS:
-        tables = [k[1:] for k in _measured(knob) if k[0] == profile.name]
-        if not BORROW or knob in NOT_BORROWED or not tables:
-            continue
-        near = min(tables, key=lambda t: (shape_distance(shape, t), t))
-        if shape_distance(shape, near) <= BORROW_RADIUS:
-            lenders.add(near)
-    if not any(k[0] == profile.name for knob in MEASURED_KNOBS for k in _measured(knob)):
+    if not any(key[0] == profile.name for key in _known_shapes()):
         return f"nothing measured on {profile.name}: the rule alone"
+    lenders = set()
+    for knob in MEASURED_KNOBS if BORROW else ():
+        near = _lender(shape, [k[1:] for k in _measured(knob) if k[0] == profile.name])
+        if knob not in NOT_BORROWED and near is not None:
+            lenders.add(near)
     if not lenders:
         return f"no measured shape within {BORROW_RADIUS} (BORROW_RADIUS): the rule alone"
     return "tables borrowed from " + ", ".join(
