@@ -107,16 +107,7 @@ def decide(points: list[tuple[int, float, bool]], margin: float) -> tuple[tuple[
     that no token count between two 128-row plans falls back to a shorter block.  Several runs of the
     same M (routing drawn anew each run) count as one point: the geometric mean of the ratios of those
     whose plans differ (if none differ, one point whose plans are the same)."""
-    by_m: dict[int, list[tuple[float, bool]]] = {}
-    for m, ratio, differs in points:
-        by_m.setdefault(m, []).append((ratio, differs))
-    points = []
-    for m, runs in sorted(by_m.items()):
-        compared = [ratio for ratio, differs in runs if differs]
-        if compared:
-            points.append((m, math.prod(compared) ** (1.0 / len(compared)), True))
-        else:
-            points.append((m, runs[0][0], False))
+    points = _one_per_m(points)
     ms = [p[0] for p in points]
     bounds = [ms[0]] + [math.isqrt(a * b) + 1 for a, b in zip(ms, ms[1:])] + [ms[-1] + 1]
     kinds = ["win" if differs and ratio <= 1.0 - margin else "lose" if differs else "same"
@@ -133,19 +124,41 @@ def decide(points: list[tuple[int, float, bool]], margin: float) -> tuple[tuple[
     return (ms[0], ms[-1]), tall
 
 
+def _one_per_m(points: list[tuple[int, float, bool]]) -> list[tuple[int, float, bool]]:
+    """The runs of each M as one point, in M order: the geometric mean of the ratios of the runs whose plans
+    differ, or (none differ) the first run, whose plans are the same."""
+    by_m: dict[int, list[tuple[float, bool]]] = {}
+    for m, ratio, differs in points:
+        by_m.setdefault(m, []).append((ratio, differs))
+    out = []
+    for m, runs in sorted(by_m.items()):
+        compared = [ratio for ratio, differs in runs if differs]
+        if compared:
+            out.append((m, math.prod(compared) ** (1.0 / len(compared)), True))
+        else:
+            out.append((m, runs[0][0], False))
+    return out
+
+
+def _points_by_shape(rows: list[dict]) -> dict[tuple, list[tuple[int, float, bool]]]:
+    """Measured rows -> {(knob, profile, hidden, intermediate, experts, top_k, gated): [(M, ratio, plans
+    differ), ...]} (rows without a knob are the first knob's, "tall")."""
+    from cuteaot.runtime.types import Activation
+
+    out: dict[tuple, list] = {}
+    for row in rows:
+        f, new = row["facts"], row["new"]["always"]
+        key = (row.get("knob", "tall"), row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"],
+               f["top_k"], Activation(f["activation"]).is_gated)
+        out.setdefault(key, []).append((row["M"], new["ratio"], new["plan"] != row["base_plan"]))
+    return out
+
+
 def record(rows_paths: list[str], margin: float, table: Path = TABLE) -> dict:
     """Merge measured rows (one or several runs) into the planner's table (entries of the same
     profile and shape replaced)."""
-    from cuteaot.runtime.types import Activation
-
     runs = [json.loads(Path(p).read_text()) for p in rows_paths]
-    by_shape: dict[tuple, list] = {}
-    for row in (r for run in runs for r in run["rows"]):
-        f = row["facts"]
-        key = (row.get("knob", "tall"), row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"],
-               f["top_k"], Activation(f["activation"]).is_gated)
-        new = row["new"]["always"]
-        by_shape.setdefault(key, []).append((row["M"], new["ratio"], new["plan"] != row["base_plan"]))
+    by_shape = _points_by_shape([r for run in runs for r in run["rows"]])
     out = json.loads(table.read_text())
     for key, points in sorted(by_shape.items()):
         knob, profile, h, i, e, k, gated = key
@@ -166,19 +179,6 @@ def record(rows_paths: list[str], margin: float, table: Path = TABLE) -> dict:
     return out
 
 
-def _points_by_shape(rows: list[dict]) -> dict[tuple, list[tuple[int, float, bool]]]:
-    """Measured rows -> {(profile, hidden, intermediate, experts, top_k, gated): [(M, ratio, plans differ)]}."""
-    from cuteaot.runtime.types import Activation
-
-    out: dict[tuple, list] = {}
-    for row in rows:
-        f, new = row["facts"], row["new"]["always"]
-        key = (row["profile"], f["hidden_size"], f["intermediate_size"], f["num_experts"], f["top_k"],
-               Activation(f["activation"]).is_gated)
-        out.setdefault(key, []).append((row["M"], new["ratio"], new["plan"] != row["base_plan"]))
-    return out
-
-
 def holdout(margin: float, table: Path = TABLE) -> dict:
     """Leave each measured shape out in turn and plan it from the other shapes' tables, as an unmeasured
     shape is planned (planning.borrowed_choice), over the rows the table was recorded from.
@@ -193,14 +193,16 @@ def holdout(margin: float, table: Path = TABLE) -> dict:
     for knob, provenance in data["measured"].items():
         for profile, prov in provenance.items():
             rows = [r for run in prov["runs"] for r in json.loads((ROOT / run["rows"]).read_text())["rows"]]
-            by_shape = {k: v for k, v in _points_by_shape(rows).items() if k[0] == profile}
+            by_shape = {k[1:]: v for k, v in _points_by_shape(rows).items() if k[:2] == (knob, profile)}
             tables = {k[1:]: decide(v, margin) for k, v in by_shape.items()}
             logs, own, faster, slower = [], [], 0, 0
             for key, points in sorted(by_shape.items()):
                 shape = key[1:]
                 others = {s: t for s, t in tables.items() if s != shape}
                 taken = []
-                for m, ratio in _compared(points):
+                for m, ratio, differs in _one_per_m(points):
+                    if not differs:
+                        continue
                     borrowed = knob not in planning.NOT_BORROWED and planning.borrowed_choice(m, shape, others)
                     logs.append(math.log(ratio) if borrowed else 0.0)
                     own.append(math.log(ratio) if any(lo <= m <= hi for lo, hi in tables[shape][1]) else 0.0)
@@ -219,15 +221,6 @@ def holdout(margin: float, table: Path = TABLE) -> dict:
                   f"the rule's time ({faster} faster, {slower} slower), own table {result['own_table']:.4f}x"
                   + ("" if result["borrowed_at_all"] else " (not borrowed: planning.NOT_BORROWED)"))
     return summary
-
-
-def _compared(points: list[tuple[int, float, bool]]) -> list[tuple[int, float]]:
-    """(M, ratio) for each M whose plans differ: the geometric mean of its runs' ratios, as `decide` counts them."""
-    by_m: dict[int, list[float]] = {}
-    for m, ratio, differs in points:
-        if differs:
-            by_m.setdefault(m, []).append(ratio)
-    return [(m, math.prod(r) ** (1.0 / len(r))) for m, r in sorted(by_m.items())]
 
 
 def _dump(table: dict) -> str:

@@ -32,12 +32,19 @@ def table(tmp_path, monkeypatch):
     planning.reload_measured()
 
 
-def _write(path, knob, profile, ranges, facts=QWEN3):
-    path.write_text(json.dumps({"about": "test", "measured": {}, knob: {profile: [{
-        "hidden_size": facts.hidden_size, "intermediate_size": facts.intermediate_size,
-        "num_experts": facts.num_experts, "top_k": facts.top_k, "gated": facts.gated,
-        "measured_m": [ranges[0][0], ranges[-1][1]] if ranges else [1, 1], "won_m": ranges}]}}))
+def _rows(path, **knobs):
+    """Write h200 tables {knob: [(shape, measured (lo, hi), won ranges), ...]}."""
+    path.write_text(json.dumps({"about": "test", "measured": {}, **{knob: {"h200": [
+        {"hidden_size": h, "intermediate_size": i, "num_experts": e, "top_k": k, "gated": g,
+         "measured_m": list(measured), "won_m": [list(r) for r in won]}
+        for (h, i, e, k, g), measured, won in rows]} for knob, rows in knobs.items()}}))
     planning.reload_measured()
+
+
+def _write(path, knob, ranges, facts=QWEN3):
+    """One knob's h200 table for one shape: won at `ranges`, measured from the first to the last."""
+    shape = (facts.hidden_size, facts.intermediate_size, facts.num_experts, facts.top_k, facts.gated)
+    _rows(path, **{knob: [(shape, (ranges[0][0], ranges[-1][1]) if ranges else (1, 1), ranges)]})
 
 
 def test_the_tool_and_the_planner_know_the_same_knobs():
@@ -65,7 +72,7 @@ def test_decide_splits_at_geometric_midpoints_and_merges_neighbours():
 
 
 def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(table):
-    _write(table, "tall", "h200", [[400, 700]])
+    _write(table, "tall", [[400, 700]])
     assert planning.measured_choice("tall", 512, *SHAPE, H200) is True
     # elsewhere the rule decides: where the 128-row plan lost, and where the rule's plan is that plan
     for m in (200, 800, 4096):
@@ -81,7 +88,7 @@ def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(t
 
 
 def test_planner_extends_the_decode_regime_where_the_table_says(table):
-    _write(table, "decode", "h200", [[3, 5]])
+    _write(table, "decode", [[3, 5]])
     for m in range(1, 9):
         plan = plan_layer(m, QWEN3, H200)
         assert plan.decode == (m <= DECODE_MAX_M or 3 <= m <= 5), m
@@ -94,15 +101,6 @@ def test_planner_extends_the_decode_regime_where_the_table_says(table):
 
 
 OLMOE = (2048, 1024, 64, 8, True)  # unmeasured: 0.98 from QWEN3 (intermediate x 4/3, half the experts)
-
-
-def _rows(path, **knobs):
-    """Write tables {knob: [(shape, measured (lo, hi), won ranges), ...]} for h200."""
-    path.write_text(json.dumps({"about": "test", "measured": {}, **{knob: {"h200": [
-        {"hidden_size": h, "intermediate_size": i, "num_experts": e, "top_k": k, "gated": g,
-         "measured_m": list(measured), "won_m": [list(r) for r in won]}
-        for (h, i, e, k, g), measured, won in rows]} for knob, rows in knobs.items()}}))
-    planning.reload_measured()
 
 
 def test_an_unmeasured_shape_borrows_the_nearest_table_at_the_same_routes_per_expert(table):
@@ -155,7 +153,7 @@ def test_the_shipped_tables_lend_to_unseen_models():
 
 
 def test_policies_rule_and_always(table, monkeypatch):
-    _write(table, "tall", "h200", [[400, 700]])
+    _write(table, "tall", [[400, 700]])
     monkeypatch.setitem(planning.POLICY, "tall", "rule")
     assert planning.measured_choice("tall", 512, *SHAPE, H200) is None
     assert split_layer(512, QWEN3, H200)[0].plan.moe_block_size == 48  # the rule's short wgmma blocks
@@ -218,10 +216,10 @@ def test_wide_blocks_by_the_k_rule_and_where_measured(table):
     assert [block(m, GLM) for m in (2559, 2560, 16384)] == [128, 256, 256]
     assert [block(m, QWEN3) for m in (4096, 16384)] == [128, 128]
     # measured: where the table says so, whatever K
-    _write(table, "wide", "h200", [[11586, 16384]])
+    _write(table, "wide", [[11586, 16384]])
     assert [block(m, QWEN3) for m in (4096, 11585, 11586, 16384)] == [128, 128, 256, 256]
     # ... never below 160 routes per expert, and only where the wgmma loop runs
-    _write(table, "wide", "h200", [[2048, 16384]])
+    _write(table, "wide", [[2048, 16384]])
     assert block(2559, QWEN3) == 128
     assert plan_layer(16384, QWEN3, PROFILES["b200"]).moe_block_size != 256
 
@@ -241,7 +239,7 @@ def test_fc1_alone_on_wide_blocks_where_only_fc2_k_forbids_them(table):
     # both K >= 1024 (GLM-4.5-Air): one block size for both, nothing mixed
     assert blocks(2560, GLM) == (256, 256, None, None)
     # where the measured "wide" table gives both GEMMs 256-row blocks, it decides; elsewhere the rule above
-    _write(table, "wide", "h200", [[3000, 16384]])
+    _write(table, "wide", [[3000, 16384]])
     assert blocks(3000) == (256, 256, None, None) and blocks(2560) == (256, 128, 256, None)
 
 
@@ -273,7 +271,7 @@ def test_promote_gives_16_row_wgmma_blocks_where_the_rule_packs_8(table, monkeyp
     GEMMs instead (sm_90a, packed NVFP4 only); elsewhere, and outside its range, the rule's plan."""
     import dataclasses
 
-    _write(table, "promote", "h200", [[10, 40]])
+    _write(table, "promote", [[10, 40]])
     assert split_layer(8, QWEN3, H200) is None  # outside the range: the fused 8-row plan (or decode)
     promoted = split_layer(16, QWEN3, H200)
     assert promoted is not None

@@ -22,7 +22,7 @@ ab)
   tail -n 100 "$OUT/ab-unseen.txt"
   timeout 200 python3 -m benchmarks.check_layer "$BORROW" "$MODELS" "${CHECK_M:-3,16,48,128,768,1024,4096,12000}" \
     > "$OUT/check-unseen.txt" 2>&1; echo "check_layer rc=$?"
-  awk '{print}' "$OUT/check-unseen.txt" | grep -E "rel err" | awk '{e=$(NF-2); f=$NF; if (e+0 > w) w = e+0; if (f != "True") bad++} END {print "check_layer: worst rel err", w, "non-finite outputs", bad+0, "lines", NR}'
+  grep -E "rel err" "$OUT/check-unseen.txt" | awk '{e=$(NF-2); f=$NF; if (e+0 > w) w = e+0; if (f != "True") bad++} END {print "check_layer: worst rel err", w, "non-finite outputs", bad+0, "lines", NR}'
   grep -vE "rel err [0-9.e-]+ finite True" "$OUT/check-unseen.txt" | head -20
   ;;
 peers)

@@ -321,10 +321,16 @@ def _known_shapes() -> frozenset:
     return frozenset(key for knob in MEASURED_KNOBS for key in _measured(knob))
 
 
+@functools.cache
+def _profile_tables(knob: str, profile: str) -> dict:
+    """{shape: (measured, won)} of one knob on one profile: what a shape no table holds may borrow from."""
+    return {key[1:]: value for key, value in _measured(knob).items() if key[0] == profile}
+
+
 def reload_measured() -> None:
     """Read MEASURED_BLOCKS again on the next question (after the file or its path changed)."""
-    _measured.cache_clear()
-    _known_shapes.cache_clear()
+    for cached in (_measured, _known_shapes, _profile_tables):
+        cached.cache_clear()
 
 
 def tables_of(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, gated: bool,
@@ -338,7 +344,7 @@ def tables_of(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
         return f"nothing measured on {profile.name}: the rule alone"
     lenders = set()
     for knob in MEASURED_KNOBS if BORROW else ():
-        near = _lender(shape, [k[1:] for k in _measured(knob) if k[0] == profile.name])
+        near = _lender(shape, _profile_tables(knob, profile.name))
         if knob not in NOT_BORROWED and near is not None:
             lenders.add(near)
     if not lenders:
@@ -364,8 +370,7 @@ def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int,
         return True if any(lo <= m <= hi for lo, hi in entries[key][1]) else None
     if not BORROW or knob in NOT_BORROWED or key in _known_shapes():
         return None
-    tables = {k[1:]: v for k, v in entries.items() if k[0] == profile.name}
-    return borrowed_choice(m, key[1:], tables)
+    return borrowed_choice(m, key[1:], _profile_tables(knob, profile.name))
 
 
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
