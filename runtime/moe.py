@@ -68,6 +68,12 @@ class MoeWorkspace:
     route_pack: torch.Tensor
     ids64: torch.Tensor  # int64 topk_ids with out-of-range values pinned to -1 / E ...
     ids32: torch.Tensor  # ... then narrowed for the direct-route (decode) kernel
+    # the addresses every fused launch passes, read once (a data_ptr() per launch costs more than the rest)
+    fc13_address: int = dataclasses.field(init=False)
+    c_tmp_address: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fc13_address, self.c_tmp_address = self.fc13.data_ptr(), self.c_tmp.data_ptr()
 
     @classmethod
     def allocate(cls, shape: WorkspaceShape, device: torch.device) -> "MoeWorkspace":
@@ -199,6 +205,7 @@ class MoeLayer:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise BadInputError(f"top_k must be a positive int, got {top_k!r}")
         self.bundle, self.device, self.dtype = bundle, bundle.device, w13.dtype
+        self.torch_dtype: torch.dtype = w13.dtype.torch
         self.device_index: int = bundle.device_index
         self.w13, self.w2 = w13, w2
         self.hidden_size, self.intermediate_size, self.top_k = w13.k, inter, top_k
@@ -399,7 +406,7 @@ class MoeLayer:
             return out
         m = self._check(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx)
         if out is None:
-            out = torch.empty((m, self.hidden_size), dtype=self.dtype.torch, device=self.device)
+            out = torch.empty((m, self.hidden_size), dtype=self.torch_dtype, device=self.device)
         if m == 0:
             return out
         stream = current_stream_handle(self.device_index)
@@ -410,16 +417,16 @@ class MoeLayer:
             ws = pool.get(self.shape, stream)
             self._last_workspace = (stream, pool.generation, ws)
         if m <= self.max_tokens:  # one launch sequence: no slicing (a view costs as much as a launch)
-            self._launch(hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx, ws, stream)
+            self._launch(m, hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx, ws, stream)
             return out
         for start in range(0, m, self.max_tokens):
             stop = min(m, start + self.max_tokens)
-            self._launch(hidden_states[start:stop], topk_weights[start:stop], topk_ids[start:stop],
+            self._launch(stop - start, hidden_states[start:stop], topk_weights[start:stop], topk_ids[start:stop],
                          out[start:stop], activation_amax, layer_idx, ws, stream)
         return out
 
-    def _launch(self, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace, stream: int) -> None:
-        m = x.shape[0]
+    def _launch(self, m: int, x, topk_weights, topk_ids, out, amax, layer_idx, ws: MoeWorkspace, stream: int) -> None:
+        """One launch sequence of m <= max_tokens tokens (x's rows)."""
         r = self.resolve(m, amax is not None)
         routes = m * self.top_k
         if r.decode or r.packs_routes:  # int64 ids are narrowed through the workspace: a call never allocates
@@ -434,10 +441,10 @@ class MoeLayer:
             steps = self._packed_steps(ws, m, r.launch.route_block, topk_ids, out, r.sums_topk)
             route_indices, block_experts, route_count = steps.route_pack(topk_ids, stream)
         if r.launch.split:
-            self._launch_split(r, x, topk_weights, route_indices, block_experts, route_count, out, ws, stream)
+            self._launch_split(r, m, x, topk_weights, route_indices, block_experts, route_count, out, ws, stream)
         else:
-            self._launch_fused(r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
-                               ws, stream)
+            self._launch_fused(r, m, x, topk_weights, route_indices, block_experts, route_count, out, amax,
+                               layer_idx, ws, stream)
         if not r.sums_topk:
             # routes dropped by the packing (ids outside [0, E)) have no FC2 row: skip them by id
             steps.topk_sum(out, topk_ids, stream)
@@ -493,23 +500,22 @@ class MoeLayer:
         self._prepared[key] = (ws, prepared)  # holds ws, so its id is not reused while the entry lives
         return prepared
 
-    def _launch_fused(self, r, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
+    def _launch_fused(self, r, m, x, topk_weights, route_indices, block_experts, route_count, out, amax, layer_idx,
                       ws: MoeWorkspace, stream: int) -> None:
         routes = route_indices.data_ptr()
         self._prepared_fused(r.kernels["fused"], ws).launch(
             r.launch.grid_x, stream,
-            x.data_ptr(), (out if r.sums_topk else ws.fc13).data_ptr(),
+            x.data_ptr(), out.data_ptr() if r.sums_topk else ws.fc13_address,
             routes, routes if block_experts is route_indices else block_experts.data_ptr(),
             routes if route_count is route_indices else route_count.data_ptr(), topk_weights.data_ptr(),
-            (amax if amax is not None else ws.c_tmp).data_ptr(), 0 if layer_idx is None else layer_idx, x.shape[0],
+            ws.c_tmp_address if amax is None else amax.data_ptr(), 0 if layer_idx is None else layer_idx, m,
         )
 
-    def _launch_split(self, r, x, topk_weights, route_indices, block_experts, route_count, out, ws: MoeWorkspace,
-                      stream: int) -> None:
+    def _launch_split(self, r, m, x, topk_weights, route_indices, block_experts, route_count, out,
+                      ws: MoeWorkspace, stream: int) -> None:
         """FC1 and FC2 as grouped-GEMM launches on the packed routes; the activation in FC1's epilogue, or
         (zero-padded N, other archs) its own launch between them.  Where FC2 sums the routes itself
         (r.sums_topk) the output is zeroed first and FC2 adds into it."""
-        m = x.shape[0]
         if r.sums_topk:
             ZeroFill(out.data_ptr(), m * self.hidden_size * out.element_size() // 4).issue(stream)
         routes, on_input = m * self.top_k, self.facts.router_weight_on_input
@@ -563,7 +569,7 @@ class MoeLayer:
             raise BadInputError(f"bind() serves 1..max_tokens={self.max_tokens} tokens in one launch sequence, got {m}")
         stream = current_stream_handle(self.device.index)
         with recording_launches() as launches:
-            self._launch(hidden_states, topk_weights, topk_ids, out, None, None, self.workspace(stream), stream)
+            self._launch(m, hidden_states, topk_weights, topk_ids, out, None, None, self.workspace(stream), stream)
         return BoundMoeCall(self, tuple(launches), stream, (hidden_states, topk_weights, topk_ids, out))
 
     # ------------------------------------------------------------------ validation
@@ -575,12 +581,12 @@ class MoeLayer:
         except (AttributeError, IndexError, TypeError):
             m, ids_dtype = None, None
         if (m is not None and amax is None and layer_idx is None and not self.validate_ids
-                and (ids_dtype is torch.int32 or ids_dtype is torch.int64)
-                and conforms(x, self.dtype.torch, (m, self.hidden_size), self.device_index)
-                and conforms(topk_ids, ids_dtype, (m, self.top_k), self.device_index, 4)
-                and conforms(topk_weights, torch.float32, (m, self.top_k), self.device_index, 4)
-                and (out is None or conforms(out, self.dtype.torch, (m, self.hidden_size), self.device_index))):
-            return m
+                and (ids_dtype is torch.int32 or ids_dtype is torch.int64)):
+            rows, routes, device, dtype = (m, self.hidden_size), (m, self.top_k), self.device_index, self.torch_dtype
+            if (conforms(x, dtype, rows, device) and conforms(topk_ids, ids_dtype, routes, device, 4)
+                    and conforms(topk_weights, torch.float32, routes, device, 4)
+                    and (out is None or conforms(out, dtype, rows, device))):
+                return m
         return self._check_explained(x, topk_weights, topk_ids, out, amax, layer_idx)
 
     def _check_explained(self, x, topk_weights, topk_ids, out, amax, layer_idx) -> int:

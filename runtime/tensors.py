@@ -40,9 +40,9 @@ def check_tensor(
 def conforms(t: object, dtype: torch.dtype, shape: tuple[int, ...], device_index: int, align: int = 16) -> bool:
     """check_tensor's conditions as one cheap predicate, for per-call fast paths: True if they all
     hold (a CUDA tensor on `device_index`); when False, check_tensor names what is wrong."""
-    try:
+    try:  # `t.dtype is dtype` holds for torch tensors only: no isinstance test needed
         return (t.dtype is dtype and t.shape == shape and t.get_device() == device_index and t.is_contiguous()
-                and not t.data_ptr() % align and isinstance(t, torch.Tensor))
+                and not t.data_ptr() % align)
     except (AttributeError, TypeError):
         return False
 

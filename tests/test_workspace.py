@@ -203,7 +203,7 @@ def test_a_call_uses_its_streams_workspace_after_every_reservation(stubbed, monk
     assert lookups == []  # the same stream again: the remembered workspace
 
 
-def test_prepared_launch_names_every_parameter_once():
+def test_prepared_launch_names_every_parameter_once(monkeypatch):
     from cuteaot.runtime.errors import LaunchArgumentError
 
     names = StubLaunch._signature.names
@@ -212,9 +212,13 @@ def test_prepared_launch_names_every_parameter_once():
         kernel.prepare(("a",), **dict.fromkeys(names[2:], 0))
     with pytest.raises(LaunchArgumentError, match="named twice: \\['a'\\]"):
         kernel.prepare(("a",), **dict.fromkeys(names, 0))
-    prepared = kernel.prepare(("tokens", "a"), **dict.fromkeys(set(names) - {"a", "tokens"}, 7))
-    with pytest.raises(ValueError):  # one value per variable
+    prepared = kernel.prepare(("tokens", "a"), **{n: 100 + i for i, n in enumerate(names) if n not in ("a", "tokens")})
+    with pytest.raises(LaunchArgumentError, match="takes 2 values, got 1"):  # one value per variable
         prepared.launch(1, 0, 5)
+    calls = []
+    monkeypatch.setattr(StubLaunch, "calls", calls)
+    prepared.launch(1, 0, 5, 6)  # the variables land in their declared slots, the constants around them
+    assert calls[0][2] == {n: 6 if n == "a" else 5 if n == "tokens" else 100 + i for i, n in enumerate(names)}
 
 
 def test_int64_ids_out_of_int32_range_stay_dropped(stubbed):

@@ -12,6 +12,10 @@
 #                                                           # (tiny-modelopt, probes), memcheck of three layer
 #                                                           # tests (two with masked N tiles), modelopt vs packed
 #                                                           # (bench-modelopt), racecheck of a masked one
+#   OLD_RUNTIME=ab-old/runtime bash benchmarks/scripts/serving_session.sh host
+#                                                           # host cost of a layer call (moe-models), this runtime
+#                                                           # against an older copy of runtime/ (e.g. `git archive
+#                                                           # <rev> runtime | tar -x -C ab-old`), interleaved twice
 # Carry generated/ (tiny, probes, tiny-gemm, tiny-fused, tiny-modelopt, moe-models, bench-*). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -83,6 +87,19 @@ tails)
     -p no:cacheprovider -m gpu tests/gpu/test_moe_fused_gpu.py -k "matches_reference and relu2" \
     > "$OUT/memcheck_tails_fused.log" 2>&1
   echo "memcheck tails fused rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_tails_fused.log" | tail -3
+  ;;
+host)
+  for round in 1 2; do
+    for side in old new; do
+      root=/tmp/runtime-$side
+      mkdir -p $root/cuteaot
+      ln -sfn "$PWD/$([ $side = old ] && echo "${OLD_RUNTIME:?a copy of an older runtime/}" || echo runtime)" $root/cuteaot/runtime
+      ln -sfn "$PWD/codegen" $root/cuteaot/codegen
+      PYTHONPATH=$root:$PWD python3 -c "import cuteaot.runtime as r; print('$side runtime:', r.__file__)"
+      PYTHONPATH=$root:$PWD timeout 100 python3 -m benchmarks.layer_overhead --bundle generated/moe-models \
+        --json "$OUT/layer-overhead-$side-$round.json"
+    done
+  done
   ;;
 race)
   timeout 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
