@@ -8,7 +8,10 @@ programmatic-launch configuration for kernels that wait for their predecessors (
 median of interleaved rounds (benchmarks/common.host_us_per_call); small M, where the GPU keeps
 up and the host is the bottleneck.
 
-    python -m benchmarks.layer_overhead [--bundle generated/moe-models] [--json out.json]
+    python -m benchmarks.layer_overhead [--bundle generated/moe-models] [--json out.json] [--steps]
+
+--steps also times the parts of an eager M = 1 call on their own (the argument checks, the stream
+lookup, the resolution, the launch sequence, the prepared launch alone): where the host time goes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", default="generated/moe-models")
     ap.add_argument("--json")
+    ap.add_argument("--steps", action="store_true", help="also time the parts of an eager M = 1 call")
     args = ap.parse_args()
     bundle = load_bundle(args.bundle)
     layer = MoeLayer(bundle, random_packed(EXPERTS, 2 * INTER, HIDDEN), random_packed(EXPERTS, HIDDEN, INTER),
@@ -75,9 +79,38 @@ def main() -> None:
         print(f"M={m:3d} {len(recorded)} launches | eager {host['eager MoeLayer.__call__']:6.2f} us "
               f"({row['eager_vs_bare']:.2f}x) | bound {host['bound call (MoeLayer.bind)']:6.2f} us "
               f"({row['bound_vs_bare']:.2f}x) | bare {base:6.2f} us", flush=True)
+    steps = _steps(layer) if args.steps else None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "steps_m1": steps}, f, indent=1)
+
+
+def _steps(layer: MoeLayer) -> dict:
+    """Host µs of each part of an eager M = 1 call, timed alone (private methods: a diagnostic)."""
+    from cuteaot.runtime.bundle import current_stream_handle
+
+    x = torch.randn(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    ids = torch.arange(TOP_K, dtype=torch.int32, device="cuda").view(1, TOP_K)
+    w = torch.full((1, TOP_K), 1.0 / TOP_K, device="cuda")
+    out = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    stream = current_stream_handle(layer.device_index)
+    ws = layer.workspace(stream)
+    r = layer.resolve(1)
+    prepared = layer._prepared_fused(r.kernels["fused"], ws)
+    values = (x.data_ptr(), out.data_ptr(), ids.data_ptr(), ids.data_ptr(), ids.data_ptr(), w.data_ptr(),
+              ws.c_tmp.data_ptr(), 0, 1)
+    host = host_us_per_call({
+        "eager call": lambda: layer(x, w, ids, out=out),
+        "torch.compiler.is_compiling": torch.compiler.is_compiling,
+        "_check (4 tensors)": lambda: layer._check(x, w, ids, out, None, None),
+        "current_stream_handle": lambda: current_stream_handle(layer.device_index),
+        "resolve": lambda: layer.resolve(1),
+        "_launch (the launch sequence)": lambda: layer._launch(1, x, w, ids, out, None, None, ws, stream),
+        "prepared launch alone": lambda: prepared.launch(r.launch.grid_x, stream, *values),
+    }, calls=1000, reps=7)
+    for name, us in host.items():
+        print(f"  {name:32s} {us:6.2f} us", flush=True)
+    return host
 
 
 if __name__ == "__main__":

@@ -80,12 +80,16 @@ def _programmatic_config(kernel: "LoadedKernel") -> driver.CUlaunchConfig:
 def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) -> None:
     """One launch of `kernel` with the packed parameter array at `params`."""
     if kernel.programmatic and _LaunchSettings.programmatic:
+        tls = kernel._tls
         try:
-            config = kernel._tls.config
+            config = tls.config
         except AttributeError:  # (this thread's first programmatic launch of the kernel)
-            config = kernel._tls.config = _programmatic_config(kernel)
-        config.gridDimX = grid_x
-        config.hStream = stream
+            config = tls.config = _programmatic_config(kernel)
+            tls.target = None
+        if tls.target != (grid_x, stream):  # the driver struct's setters cost more than this test
+            config.gridDimX = grid_x
+            config.hStream = stream
+            tls.target = (grid_x, stream)
         (err,) = driver.cuLaunchKernelEx(config, kernel.function, params, 0)
     else:
         bx, by, bz = kernel.block

@@ -274,12 +274,15 @@ def test_kernels_that_wait_for_prior_grids_launch_programmatically(monkeypatch):
         with recording_launches() as launches:
             kernels[True].launch(3, 99, src=0x1000, rows=5)
         launches[0].launch(42)
+        launches[0].launch(42)
+        kernels[True].launch(7, 99, src=0x1000, rows=5)  # the launch configuration follows each call's grid and stream
         assert issued == [("pdl", "fnTrue", 7, 128, 4096, 99), ("plain", "fnFalse", 7, 128, 4096, 99),
-                          ("pdl", "fnTrue", 3, 128, 4096, 42)]
+                          ("pdl", "fnTrue", 3, 128, 4096, 42), ("pdl", "fnTrue", 3, 128, 4096, 42),
+                          ("pdl", "fnTrue", 7, 128, 4096, 99)]
         assert set_programmatic_launch(False) is True
         kernels[True].launch(5, 99, src=0x1000, rows=5)
         launches[0].launch(42)
-        assert issued[3:] == [("plain", "fnTrue", 5, 128, 4096, 99), ("plain", "fnTrue", 3, 128, 4096, 42)]
+        assert issued[5:] == [("plain", "fnTrue", 5, 128, 4096, 99), ("plain", "fnTrue", 3, 128, 4096, 42)]
     finally:
         set_programmatic_launch(previous)
 

@@ -97,7 +97,7 @@ host)
       ln -sfn "$PWD/codegen" $root/cuteaot/codegen
       PYTHONPATH=$root:$PWD python3 -c "import cuteaot.runtime as r; print('$side runtime:', r.__file__)"
       PYTHONPATH=$root:$PWD timeout 100 python3 -m benchmarks.layer_overhead --bundle generated/moe-models \
-        --json "$OUT/layer-overhead-$side-$round.json"
+        --json "$OUT/layer-overhead-$side-$round.json" $([ $side = new ] && echo "${STEPS:+--steps}")
     done
   done
   ;;
