@@ -159,7 +159,7 @@ class ArgBuffer:
     driver call releases the GIL, so callers keep one buffer per thread.
     """
 
-    __slots__ = ("_buffer", "_array", "address", "pack", "signature")
+    __slots__ = ("_buffer", "_array", "_layout", "_offsets", "address", "pack", "signature")
 
     def __init__(self, signature: Signature):
         fmt, offsets, offset = "=", [], 0
@@ -169,12 +169,33 @@ class ArgBuffer:
             offsets.append(offset + pad)
             offset += pad + p.kind.size
         layout = struct.Struct(fmt)
-        self.signature = signature
-        self._buffer = ctypes.create_string_buffer(max(layout.size, 1))
+        self.signature, self._layout, self._offsets = signature, layout, tuple(offsets)
+        # whole 8-byte words, so that `writer`'s typed views of the buffer cover it
+        self._buffer = ctypes.create_string_buffer(max(-(-layout.size // 8) * 8, 8))
         base = ctypes.addressof(self._buffer)
         self._array = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self.address = ctypes.addressof(self._array)
         self.pack = functools.partial(layout.pack_into, self._buffer, 0)  # values in declaration order
+
+    def values(self) -> tuple:
+        """The packed values, in declaration order."""
+        return self._layout.unpack_from(self._buffer, 0)
+
+    def writer(self, slots: tuple[int, ...]):
+        """`write(*values)`: store values into the parameters at `slots` (declaration indices) and leave the
+        others as packed; one typed memoryview store each, in a function generated once (a call costs
+        about a third of packing every parameter).  A wrong count is a TypeError, a value the parameter's
+        type cannot hold a TypeError or ValueError."""
+        params = self.signature.params
+        views = {code: memoryview(self._buffer).cast("B").cast(code)
+                 for code in {_STRUCT_CODES[params[i].kind] for i in slots}}
+        stores = [f"view_{_STRUCT_CODES[params[i].kind]}[{self._offsets[i] // params[i].kind.size}] = v{j}"
+                  for j, i in enumerate(slots)]
+        arguments = [f"v{j}" for j in range(len(slots))] + (["*"] if views else []) + [f"view_{c}=view_{c}" for c in views]
+        source = f"def write({', '.join(arguments)}):\n    " + ("\n    ".join(stores) or "pass") + "\n"
+        namespace = {f"view_{code}": view for code, view in views.items()}
+        exec(source, namespace)  # noqa: S102 -- source built from indices and type codes only
+        return namespace["write"]
 
     def set(self, **values: int | float) -> int:
         """Store the values, given by parameter name; return the `void**` address to launch with."""

@@ -127,14 +127,21 @@ class LoadedKernel:
         self._signature = signature
         self._getter, self._count = signature.getter, len(signature.params)
 
-    def _first_launch_on_thread(self) -> ArgBuffer:
-        # A thread that has not touched CUDA yet has no current context (torch binds one
-        # lazily): bind the device's primary context, as torch would.
+    def _bind_context(self) -> None:
+        """Before a thread's first launch: a thread that has not touched CUDA yet has no current context
+        (torch binds one lazily): bind the device's primary context, as torch would."""
         if not int(check_cu(driver.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):
             check_cu(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def _first_launch_on_thread(self) -> ArgBuffer:
+        self._bind_context()
         # One buffer per thread: cuLaunchKernel releases the GIL while it reads the arguments.
         self._tls.buf = ArgBuffer(self._signature)
         return self._tls.buf
+
+    def _issue_packed(self, grid_x: int, stream: int, buffer: ArgBuffer) -> None:
+        """Launch with the arguments already in `buffer` (a prepared launch's own)."""
+        _cu_launch(self, grid_x, stream, buffer.address)
 
     def prepare(self, variables: tuple[str, ...], **constants: int | float) -> "PreparedLaunch":
         """A launch of this kernel with `constants` fixed; each call passes only `variables`, in order."""
@@ -185,12 +192,12 @@ class PreparedLaunch:
     `LoadedKernel.prepare(variables, **constants)`: every declared parameter is named once,
     either as a constant or as a variable (LaunchArgumentError otherwise), and a call passes
     only the variables' values, positionally in the order given.  For the per-step launches of
-    a layer, whose weight and workspace pointers are fixed: a call then builds the argument tuple
-    in one generated function (`_arguments`) and packs it, instead of looking up every parameter
-    by name.
+    a layer, whose weight and workspace pointers are fixed: each thread keeps its own argument
+    buffer with the constants packed once, and a call stores only the variables into it
+    (`ArgBuffer.writer`), instead of looking up or packing every parameter.
     """
 
-    __slots__ = ("kernel", "_arguments", "_count")
+    __slots__ = ("kernel", "_template", "_slots", "_tls")
 
     def __init__(self, kernel: LoadedKernel, variables: tuple[str, ...], constants: dict):
         signature = kernel._signature
@@ -198,38 +205,43 @@ class PreparedLaunch:
         if twice:
             raise LaunchArgumentError(f"a prepared launch names each parameter once; named twice: {twice}")
         named = dict(constants, **dict.fromkeys(variables, 0))
-        template = signature.order(named)  # LaunchArgumentError unless every name is there once
-        self._arguments = _argument_builder(template, [signature.names.index(v) for v in variables])
-        self._count = len(variables)
+        self._template = signature.order(named)  # LaunchArgumentError unless every name is there once
+        self._slots = tuple(signature.names.index(v) for v in variables)
+        self._tls = threading.local()  # .state: this thread's (write, buffer)
         self.kernel = kernel
 
     def launch(self, grid_x: int, stream: int, /, *values: int | float) -> None:
-        try:
-            ordered = self._arguments(*values)
-        except TypeError:  # a wrong number of values (the builder's only failure)
-            raise LaunchArgumentError(
-                f"this prepared launch of {len(self.kernel._signature.params)} parameters takes {self._count} "
-                f"values, got {len(values)}") from None
         recording = _RECORDING.launches
         if recording is not None:  # binding a call: keep the launch, issue nothing
-            recording.append(RecordedLaunch(self.kernel, grid_x, stream, ordered))
+            recording.append(RecordedLaunch(self.kernel, grid_x, stream, self._ordered(values)))
             return
-        self.kernel._issue(grid_x, stream, ordered)
+        try:
+            write, buffer = self._tls.state
+        except AttributeError:  # (this thread's first launch of it)
+            write, buffer = self._tls.state = self._thread_buffer()
+        try:
+            write(*values)
+        except (TypeError, ValueError) as exc:
+            self._ordered(values)  # names a wrong count
+            raise LaunchArgumentError(f"launch values {values} do not fit the parameters "
+                                      f"{[self.kernel._signature.names[i] for i in self._slots]}: {exc}") from None
+        self.kernel._issue_packed(grid_x, stream, buffer)
 
+    def _ordered(self, values: tuple) -> tuple:
+        """Every parameter's value in declaration order: the constants with `values` at the variables' slots."""
+        if len(values) != len(self._slots):
+            raise LaunchArgumentError(f"this prepared launch of {len(self._template)} parameters takes "
+                                      f"{len(self._slots)} values, got {len(values)}")
+        ordered = list(self._template)
+        for slot, value in zip(self._slots, values):
+            ordered[slot] = value
+        return tuple(ordered)
 
-def _argument_builder(template: tuple, slots: list[int]):
-    """`build(*values)`: `template` (every parameter's value in declaration order) with `values` at `slots`,
-    as a tuple.  Generated once per prepared launch with the constants as defaults, so a call is one
-    function call (copying a template list and storing each value costs ~3x as much per launch)."""
-    params = [f"v{slots.index(i)}" if i in slots else f"c{i}" for i in range(len(template))]
-    arguments = [f"v{j}" for j in range(len(slots))]
-    constants = [f"c{i}=c{i}" for i in range(len(template)) if i not in slots]
-    if constants:  # keyword-only: a call with one value too many is a TypeError, not a replaced constant
-        arguments += ["*", *constants]
-    source = f"def build({', '.join(arguments)}):\n    return ({''.join(p + ', ' for p in params)})\n"
-    namespace = {f"c{i}": value for i, value in enumerate(template) if i not in slots}
-    exec(source, namespace)  # noqa: S102 -- source built above from indices only; values are bound as defaults
-    return namespace["build"]
+    def _thread_buffer(self) -> tuple:
+        self.kernel._bind_context()
+        buffer = ArgBuffer(self.kernel._signature)
+        buffer.pack(*self._template)
+        return buffer.writer(self._slots), buffer
 
 
 class RecordedLaunch:

@@ -78,6 +78,12 @@ class StubLaunch:
     def _issue(self, grid_x, stream, ordered):
         type(self).calls.append(("fused", grid_x, dict(zip(self._signature.names, ordered, strict=True))))
 
+    def _bind_context(self):
+        pass
+
+    def _issue_packed(self, grid_x, stream, buffer):  # what the driver would read from the prepared buffer
+        self._issue(grid_x, stream, buffer.values())
+
 
 class RecordingKernel:
     """A LoadedKernel without a driver: its by-name (`launch`) and prepared (`prepare`) launch paths
@@ -98,6 +104,12 @@ class RecordingKernel:
 
     def _issue(self, grid_x, stream, ordered):
         self.issued.append((self.tag, grid_x, tuple(ordered)))
+
+    def _bind_context(self):
+        pass
+
+    def _issue_packed(self, grid_x, stream, buffer):  # what the driver would read from the prepared buffer
+        self._issue(grid_x, stream, buffer.values())
 
 
 class StubRoutePack:

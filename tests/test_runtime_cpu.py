@@ -203,6 +203,48 @@ def test_launch_packs_arguments_into_their_declared_slots_by_name(monkeypatch):
     assert len(stub.launches) == 2  # nothing launched with a missing argument
 
 
+def test_prepared_launch_stores_its_variables_where_the_driver_reads_them(monkeypatch):
+    """A prepared launch packs its constants once per thread and stores only the variables per call: what
+    cuLaunchKernel reads through the `void**` is every parameter's value, call after call, each thread its
+    own buffer; a value its parameter cannot hold is refused before anything is launched."""
+    import threading
+    from types import SimpleNamespace
+
+    from cuteaot.runtime import bundle as bundle_module
+    from cuteaot.runtime.errors import LaunchArgumentError
+    from cuteaot.runtime.kernels import FusedSpec
+
+    sig = FusedSpec.SIGNATURE
+    stub = _StubDriver(sig)
+    monkeypatch.setattr(bundle_module, "driver", stub)
+    record = SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=sig.to_json(), symbol="k", key=None,
+                             waits_for_prior_grids=False)
+    kernel = bundle_module.LoadedKernel(record, function=object(), context=1)
+    kernel.bind(sig)
+    variables = ("tokens", "a", "layer", "fc2_out")  # not in declaration order; ints and pointers
+    constants = {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1
+                 for i, p in enumerate(sig.params) if p.name not in variables}
+    prepared = kernel.prepare(variables, **constants)
+
+    def expected(tokens, a, layer, fc2_out):
+        return {**constants, "tokens": tokens, "a": a, "layer": layer, "fc2_out": fc2_out}
+
+    prepared.launch(5, 0, 7, 0xA000, 3, 0xB000)
+    prepared.launch(5, 0, 9, 0xC000, 0, 0xD000)
+    assert stub.launches == [expected(7, 0xA000, 3, 0xB000), expected(9, 0xC000, 0, 0xD000)]
+    other = threading.Thread(target=prepared.launch, args=(5, 0, 1, 0xE000, 2, 0xF000))
+    other.start()
+    other.join()
+    prepared.launch(5, 0, 4, 0x1000, 1, 0x2000)
+    assert stub.launches[2:] == [expected(1, 0xE000, 2, 0xF000), expected(4, 0x1000, 1, 0x2000)]
+    for bad in ((1, -16, 0, 0xB000), (2**31, 0xA000, 0, 0xB000), (1.5, 0xA000, 0, 0xB000)):
+        with pytest.raises(LaunchArgumentError, match="do not fit the parameters"):
+            prepared.launch(5, 0, *bad)
+    with pytest.raises(LaunchArgumentError, match="takes 4 values, got 3"):
+        prepared.launch(5, 0, 1, 2, 3)
+    assert len(stub.launches) == 4  # nothing launched with a bad value
+
+
 def test_a_bound_call_records_launches_and_replays_them_with_the_same_arguments(monkeypatch):
     """MoeLayer.bind records a call's launches (issuing none) and replays them pre-packed."""
     import types
