@@ -185,25 +185,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     has_work = Int32(0)
 
             if has_work != Int32(0) and k_count > Int32(0) and route_block < route_blocks:
-                expert = Int32(0)
-                pair = Uint32(0)
-                if cutlass.const_expr(self.direct and preread is not None):
-                    if route_block == preread[0]:  # read before this phase (the same for every n-tile of the block)
-                        expert = preread[1]
-                        pair = preread[2]
-                    else:
-                        expert, pair = self._direct_reads(ops, route_block, route_blocks)
-                elif cutlass.const_expr(self.direct):
-                    expert, pair = self._direct_reads(ops, route_block, route_blocks)
-                elif cutlass.const_expr(s.packing_block is not None):
-                    # a block of a taller packing (GemmSpec.packing_block): its packing block's expert, and
-                    # -1 for a block of padding only (routes fill a packing block from its start)
-                    expert = self._route_word(ops.block_experts, route_block // Int32(s.packing_ratio))
-                    first = self._route_word(ops.route_indices, route_block * Int32(s.moe_block_size))
-                    if first >= tokens * Int32(s.top_k):
-                        expert = Int32(-1)
-                else:
-                    expert = self._route_word(ops.block_experts, route_block)
+                expert, pair = self._block_expert(ops, route_block, route_blocks, tokens, preread)
                 # this thread's route of the block, loaded beside the expert rather than after it (one
                 # dependent L2 round trip less before the tile's first copies)
                 route = self._block_route(ops, tid, route_block)
@@ -211,7 +193,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 # caller): a route outside [0, E) is dropped, never used to index the weights.  Every
                 # split-K slice of a tile reads the same id, so they all skip it and no lock is touched.
                 if expert >= Int32(0) and expert < ops.num_experts:
-                    if cutlass.const_expr(self.direct):
+                    if cutlass.const_expr(self.direct):  # (the wgmma loops serve packed routes only)
                         self._tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, reduce_k_tile, k_count,
                                    slice_count, slice_idx, lock_slot, pair)
                     else:
@@ -228,6 +210,35 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                     if n_tile == n_tiles:
                         n_tile = Int32(0)
                         route_block += Int32(1)
+
+    @cute.jit
+    def _block_expert(self, ops, route_block: Int32, route_blocks: Int32, tokens: Int32, preread):
+        """(expert, router weight pair) of a route block; the pair is None on packed routes, which read
+        their router weights per row.  Direct routes: the block's topk_ids entry and weight, or what
+        `preread` loaded for it before the phase (the same for every n-tile of the block).  Packed: the
+        block's expert, and for a block of a taller packing (GemmSpec.packing_block) its packing block's,
+        -1 for a block of padding only (routes fill a packing block from its start)."""
+        s = self.s
+        expert = Int32(0)
+        pair = None
+        if cutlass.const_expr(self.direct):
+            pair = Uint32(0)
+            if cutlass.const_expr(preread is not None):
+                if route_block == preread[0]:
+                    expert = preread[1]
+                    pair = preread[2]
+                else:
+                    expert, pair = self._direct_reads(ops, route_block, route_blocks)
+            else:
+                expert, pair = self._direct_reads(ops, route_block, route_blocks)
+        elif cutlass.const_expr(s.packing_block is not None):
+            expert = self._route_word(ops.block_experts, route_block // Int32(s.packing_ratio))
+            first = self._route_word(ops.route_indices, route_block * Int32(s.moe_block_size))
+            if first >= tokens * Int32(s.top_k):
+                expert = Int32(-1)
+        else:
+            expert = self._route_word(ops.block_experts, route_block)
+        return expert, pair
 
     @cute.jit
     def _schedule_tiles(self, ops, cta: Int32, grid_x: Int32, tokens: Int32):
