@@ -177,22 +177,34 @@ class _StubDriver:
         return (0,)
 
 
-def test_launch_packs_arguments_into_their_declared_slots_by_name(monkeypatch):
-    """A launch names its arguments: whatever the call order, each value lands in its parameter's slot."""
+def _kernel_on_stub_driver(monkeypatch, sig):
+    """(driver stub, LoadedKernel of `sig`) with cuda.bindings' driver replaced by the stub."""
     from types import SimpleNamespace
 
     from cuteaot.runtime import bundle as bundle_module
-    from cuteaot.runtime.errors import LaunchArgumentError
-    from cuteaot.runtime.kernels import GemmSpec
 
-    sig = GemmSpec.SIGNATURE
     stub = _StubDriver(sig)
     monkeypatch.setattr(bundle_module, "driver", stub)
     record = SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=sig.to_json(), symbol="k", key=None,
                              waits_for_prior_grids=False)
     kernel = bundle_module.LoadedKernel(record, function=object(), context=1)
     kernel.bind(sig)
-    values = {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1 for i, p in enumerate(sig.params)}
+    return stub, kernel
+
+
+def _distinct_values(sig) -> dict:
+    """A value per parameter, no two alike: pointers 0x1000 apart, ints counting from 1."""
+    return {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1 for i, p in enumerate(sig.params)}
+
+
+def test_launch_packs_arguments_into_their_declared_slots_by_name(monkeypatch):
+    """A launch names its arguments: whatever the call order, each value lands in its parameter's slot."""
+    from cuteaot.runtime.errors import LaunchArgumentError
+    from cuteaot.runtime.kernels import GemmSpec
+
+    sig = GemmSpec.SIGNATURE
+    stub, kernel = _kernel_on_stub_driver(monkeypatch, sig)
+    values = _distinct_values(sig)
     kernel.launch(3, 0, **dict(reversed(list(values.items()))))  # names in the opposite order
     assert stub.launches == [values]
     swapped = {**values, "qweight": values["scales"], "scales": values["qweight"]}
@@ -208,22 +220,14 @@ def test_prepared_launch_stores_its_variables_where_the_driver_reads_them(monkey
     cuLaunchKernel reads through the `void**` is every parameter's value, call after call, each thread its
     own buffer; a value its parameter cannot hold is refused before anything is launched."""
     import threading
-    from types import SimpleNamespace
 
-    from cuteaot.runtime import bundle as bundle_module
     from cuteaot.runtime.errors import LaunchArgumentError
     from cuteaot.runtime.kernels import FusedSpec
 
     sig = FusedSpec.SIGNATURE
-    stub = _StubDriver(sig)
-    monkeypatch.setattr(bundle_module, "driver", stub)
-    record = SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=sig.to_json(), symbol="k", key=None,
-                             waits_for_prior_grids=False)
-    kernel = bundle_module.LoadedKernel(record, function=object(), context=1)
-    kernel.bind(sig)
+    stub, kernel = _kernel_on_stub_driver(monkeypatch, sig)
     variables = ("tokens", "a", "layer", "fc2_out")  # not in declaration order; ints and pointers
-    constants = {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1
-                 for i, p in enumerate(sig.params) if p.name not in variables}
+    constants = {name: v for name, v in _distinct_values(sig).items() if name not in variables}
     prepared = kernel.prepare(variables, **constants)
 
     def expected(tokens, a, layer, fc2_out):
