@@ -98,7 +98,7 @@ def _steps(layer: MoeLayer) -> dict:
     r = layer.resolve(1)
     prepared = layer._prepared_fused(r.kernels["fused"], ws)
     values = (x.data_ptr(), out.data_ptr(), ids.data_ptr(), ids.data_ptr(), ids.data_ptr(), w.data_ptr(),
-              ws.c_tmp.data_ptr(), 0, 1)
+              ws.c_tmp_address, 0, 1)
     host = host_us_per_call({
         "eager call": lambda: layer(x, w, ids, out=out),
         "torch.compiler.is_compiling": torch.compiler.is_compiling,

@@ -725,10 +725,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no GPU kernels, no timing")
     args = ap.parse_args(argv)
     pool = DRY_MODELS if args.dry_run else MODELS
-    if args.dry_run:
-        names = list(DRY_MODELS)
-    else:
-        names = list(SPEC_MODELS) if args.models == "all" else args.models.split(",")
+    names = list(pool if args.dry_run else SPEC_MODELS if args.models == "all" else args.models.split(","))
     unknown = [n for n in names if n not in pool]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {', '.join(pool)} or 'all'")

@@ -127,20 +127,16 @@ class LoadedKernel:
         self._signature = signature
         self._getter, self._count = signature.getter, len(signature.params)
 
-    def _bind_context(self) -> None:
-        """Before a thread's first launch: a thread that has not touched CUDA yet has no current context
-        (torch binds one lazily): bind the device's primary context, as torch would."""
+    def _new_thread_buffer(self) -> ArgBuffer:
+        """An argument buffer for the calling thread: threads never share one, since cuLaunchKernel releases
+        the GIL while it reads the arguments.  A thread that has not touched CUDA yet has no current
+        context (torch binds one lazily): the device's primary context is bound first, as torch would."""
         if not int(check_cu(driver.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):
             check_cu(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-
-    def _first_launch_on_thread(self) -> ArgBuffer:
-        self._bind_context()
-        # One buffer per thread: cuLaunchKernel releases the GIL while it reads the arguments.
-        self._tls.buf = ArgBuffer(self._signature)
-        return self._tls.buf
+        return ArgBuffer(self._signature)
 
     def _issue_packed(self, grid_x: int, stream: int, buffer: ArgBuffer) -> None:
-        """Launch with the arguments already in `buffer` (a prepared launch's own)."""
+        """Launch with the arguments already in `buffer`."""
         _cu_launch(self, grid_x, stream, buffer.address)
 
     def prepare(self, variables: tuple[str, ...], **constants: int | float) -> "PreparedLaunch":
@@ -170,10 +166,10 @@ class LoadedKernel:
         """Pack the values (declaration order) into this thread's buffer and launch."""
         try:
             buf = self._tls.buf
-        except AttributeError:
-            buf = self._first_launch_on_thread()
+        except AttributeError:  # (this thread's first launch of the kernel)
+            buf = self._tls.buf = self._new_thread_buffer()
         buf.pack(*ordered)
-        _cu_launch(self, grid_x, stream, buf.address)
+        self._issue_packed(grid_x, stream, buf)
 
 
 class _Recording(threading.local):
@@ -238,8 +234,7 @@ class PreparedLaunch:
         return tuple(ordered)
 
     def _thread_buffer(self) -> tuple:
-        self.kernel._bind_context()
-        buffer = ArgBuffer(self.kernel._signature)
+        buffer = self.kernel._new_thread_buffer()
         buffer.pack(*self._template)
         return buffer.writer(self._slots), buffer
 

@@ -491,11 +491,11 @@ class MoeLayer:
             return found[1]
         prepared = kernel.kernel.prepare(
             self._FUSED_VARIABLES,
-            w13=self.w13.qweight.data_ptr(), w2=self.w2.qweight.data_ptr(), fc1_out=ws.fc13.data_ptr(),
+            w13=self.w13.qweight.data_ptr(), w2=self.w2.qweight.data_ptr(), fc1_out=ws.fc13_address,
             activated=ws.activated.data_ptr(), w13_scales=self.w13.scales.data_ptr(),
             w2_scales=self.w2.scales.data_ptr(), w13_global_scale=self.w13.global_scale.data_ptr(),
             w2_global_scale=self.w2.global_scale.data_ptr(), w13_bias=self._bias13_ptr, w2_bias=self._bias2_ptr,
-            c_tmp=ws.c_tmp.data_ptr(), locks=ws.locks.data_ptr(), num_experts=self.num_experts,
+            c_tmp=ws.c_tmp_address, locks=ws.locks.data_ptr(), num_experts=self.num_experts,
         )
         self._prepared[key] = (ws, prepared)  # holds ws, so its id is not reused while the entry lives
         return prepared
@@ -520,7 +520,7 @@ class MoeLayer:
             ZeroFill(out.data_ptr(), m * self.hidden_size * out.element_size() // 4).issue(stream)
         routes, on_input = m * self.top_k, self.facts.router_weight_on_input
         routing = dict(route_indices=route_indices.data_ptr(), block_experts=block_experts.data_ptr(),
-                       route_count=route_count.data_ptr(), c_tmp=ws.c_tmp.data_ptr(),
+                       route_count=route_count.data_ptr(), c_tmp=ws.c_tmp_address,
                        locks=ws.split_k_locks.data_ptr(),
                        num_experts=self.num_experts)
         weight = topk_weights.data_ptr()
@@ -528,7 +528,7 @@ class MoeLayer:
         r.kernels["fc1"].kernel.launch(
             r.launch.grid("fc1"), stream, a=x.data_ptr(), qweight=self.w13.qweight.data_ptr(),
             out=fc1_out.data_ptr(), scales=self.w13.scales.data_ptr(), global_scale=self.w13.global_scale.data_ptr(),
-            topk_weights=weight if on_input else ws.c_tmp.data_ptr(), bias=self._bias13_ptr,
+            topk_weights=weight if on_input else ws.c_tmp_address, bias=self._bias13_ptr,
             tokens=m, **routing,
         )
         if r.activation_launch:
@@ -541,7 +541,7 @@ class MoeLayer:
             r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
             out=(out if r.sums_topk else ws.fc13).data_ptr(), scales=self.w2.scales.data_ptr(),
             global_scale=self.w2.global_scale.data_ptr(),
-            topk_weights=ws.c_tmp.data_ptr() if on_input else weight, bias=self._bias2_ptr,
+            topk_weights=ws.c_tmp_address if on_input else weight, bias=self._bias2_ptr,
             tokens=routes, **routing,
         )
 

@@ -17,6 +17,7 @@ import torch
 from cuteaot.codegen.enumerate import kernel_keys
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
+from cuteaot.runtime.abi import ArgBuffer
 from cuteaot.runtime.bundle import PreparedLaunch
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import UnknownSpecializationError
@@ -55,7 +56,18 @@ def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", prof
                                  specs=specs, kernel=kernel)
 
 
-class StubLaunch:
+class _IssuesPacked:
+    """A stub kernel's side of the runtime's prepared launches: a plain argument buffer per thread, and the
+    launch of a filled one recorded through the stub's `_issue` with what the driver would read from it."""
+
+    def _new_thread_buffer(self):
+        return ArgBuffer(self._signature)
+
+    def _issue_packed(self, grid_x, stream, buffer):
+        self._issue(grid_x, stream, buffer.values())
+
+
+class StubLaunch(_IssuesPacked):
     """PersistentLaunch without a driver: checks each launch's argument names against its family's
     declaration (as LoadedKernel does) and records it in `calls` instead of issuing it."""
 
@@ -78,14 +90,8 @@ class StubLaunch:
     def _issue(self, grid_x, stream, ordered):
         type(self).calls.append(("fused", grid_x, dict(zip(self._signature.names, ordered, strict=True))))
 
-    def _bind_context(self):
-        pass
 
-    def _issue_packed(self, grid_x, stream, buffer):  # what the driver would read from the prepared buffer
-        self._issue(grid_x, stream, buffer.values())
-
-
-class RecordingKernel:
+class RecordingKernel(_IssuesPacked):
     """A LoadedKernel without a driver: its by-name (`launch`) and prepared (`prepare`) launch paths
     run as in the runtime, and each launch is recorded in `issued` as (tag, grid, values in
     declaration order) instead of being issued."""
@@ -104,12 +110,6 @@ class RecordingKernel:
 
     def _issue(self, grid_x, stream, ordered):
         self.issued.append((self.tag, grid_x, tuple(ordered)))
-
-    def _bind_context(self):
-        pass
-
-    def _issue_packed(self, grid_x, stream, buffer):  # what the driver would read from the prepared buffer
-        self._issue(grid_x, stream, buffer.values())
 
 
 class StubRoutePack:
