@@ -1,12 +1,19 @@
 """The shared layer-run helper of the GPU benchmarks (benchmarks/common.run_layers), on the CPU with stand-in
-layers: poisoned outputs, the eager calls, the reference check (timing needs the GPU and is not run here)."""
+layers: poisoned outputs, the eager calls, the reference check (timing needs the GPU and is not run here); the
+stall-sample summary of an Nsight source page (benchmarks/stall_regions) on a synthetic page."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
+import pytest
 import torch
 
 from benchmarks.common import run_layers, skewed_routing, uniform_routing
 from benchmarks.compare_layer import reference_params
+from benchmarks.stall_regions import main as stall_regions_main
+from benchmarks.stall_regions import parse_span, read_page, span_shares
 from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
 
 
@@ -108,3 +115,33 @@ def test_build_variant_sets_planner_constants_before_the_build(monkeypatch):
                          ("planning.WGMMA_WIDE_MIN_ROUTES=routes", "must be a Python literal")):
         with pytest.raises(SystemExit, match=message):
             build_variant.apply([bad])
+
+
+def _source_page(path, rows):
+    """An ncu source page CSV as `ncu --page source --csv` prints it: kernel line, header, one row a SASS line."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_wait", "stall_long_sb", "stall_barrier"]
+    lines = ['"kernel"', ",".join(f'"{h}"' for h in header)]
+    for i, (source, samples, executed, wait, long_sb, barrier) in enumerate(rows):
+        lines.append(",".join(f'"{v}"' for v in (hex(16 * i), source, samples, executed, wait, long_sb, barrier)))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_stall_spans_split_the_samples_into_named_ranges_and_the_rest(tmp_path):
+    page = tmp_path / "page.csv"
+    _source_page(page, [("LDG.E R1, [R2.64]", 40, 8, 10, 30, 0), ("BAR.SYNC 0x0", 10, 8, 0, 0, 10),
+                        ("HGMMA.64x128x16.F32.BF16 R8, R4, gdesc[UR4], R8", 30, 64, 20, 0, 0),
+                        ("EXIT", 20, 8, 5, 0, 0)])
+    rows = read_page(str(page))
+    spans = span_shares(rows, [parse_span("tile start=0-1"), parse_span("loop=2-2")])
+    assert [(g["name"], round(g["share"], 6)) for g in spans] == [("tile start", 50.0), ("loop", 30.0), ("other", 20.0)]
+    assert spans[0]["stalls"] == {"long_sb": 60.0, "wait": 20.0, "barrier": 20.0}  # % of the span's own samples
+    assert spans[1]["stalls"] == {"wait": 100.0 * 20 / 30}
+    with pytest.raises(ValueError, match="overlaps"):
+        span_shares(rows, [parse_span("a=0-2"), parse_span("b=2-3")])
+    for bad in ("0-1", "a=1", "a=2-1", "a=x-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_span(bad)
+    summary = tmp_path / "summary.json"
+    assert stall_regions_main([str(page), "--span", "tile start=0-1", "--json", str(summary)]) == 0
+    assert [g["name"] for g in json.loads(summary.read_text())["spans"]] == ["tile start", "other"]
