@@ -83,6 +83,8 @@ def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
     import torch
     from cuda.bindings import driver
 
+    from .peers import eager_us
+
     def check(result):
         err = result[0] if isinstance(result, tuple) else result
         if err != driver.CUresult.CUDA_SUCCESS:
@@ -111,17 +113,7 @@ def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
             check(driver.cuLaunchKernel(fn, grid, 1, 1, meta["threads"], 1, 1, meta["smem"], stream,
                                         ctypes.addressof(params), 0))
 
-        launch()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            launch()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)
-        us = sorted(times)[len(times) // 2]
+        us = eager_us(launch, lambda: None, reps)  # CUDA events around each launch, median
         tflops = grid * iters * FLOPS_PER_ITER_CTA / (us * 1e-6) / 1e12
         per_row = (v["integer_sass"] - base[(v["mode"], v["in_flight"])]) / ROWS
         rows.append({"mode": v["mode"], "alu": v["alu"], "in_flight": v["in_flight"], "integer_sass_per_row": per_row,
