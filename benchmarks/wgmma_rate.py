@@ -78,19 +78,15 @@ def _integer_sass(cubin: Path) -> int:
 
 
 def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
-    import ctypes
-
     import torch
     from cuda.bindings import driver
 
+    from cuteaot.runtime.abi import ArgBuffer, Pointee, Signature, i32, ptr
+    from cuteaot.runtime.bundle import check_cu
+
     from .peers import eager_us
 
-    def check(result):
-        err = result[0] if isinstance(result, tuple) else result
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver error {err}")
-        return result[1] if isinstance(result, tuple) and len(result) == 2 else result
-
+    signature = Signature((ptr("out", Pointee.I32, "two words a thread"), i32("iters", "loop iterations a CTA")))
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # the primary context
     meta = json.loads((directory / "variants.json").read_text())
@@ -100,18 +96,17 @@ def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
     rows = []
     base = {(v["mode"], v["in_flight"]): v["integer_sass"] for v in meta["variants"] if v["alu"] == 0}  # no chains
     for v in meta["variants"]:
-        module = check(driver.cuModuleLoadData((directory / v["file"]).read_bytes()))
-        fn = check(driver.cuModuleGetFunction(module, v["symbol"].encode()))
-        check(driver.cuFuncSetAttribute(fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        meta["smem"]))
-        p_out = ctypes.c_uint64(out.data_ptr())
-        p_iters = ctypes.c_int32(iters)
-        params = (ctypes.c_void_p * 2)(ctypes.addressof(p_out), ctypes.addressof(p_iters))
+        module = check_cu(driver.cuModuleLoadData((directory / v["file"]).read_bytes()), "cuModuleLoadData")
+        fn = check_cu(driver.cuModuleGetFunction(module, v["symbol"].encode()), "cuModuleGetFunction")
+        check_cu(driver.cuFuncSetAttribute(fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                           meta["smem"]), "cuFuncSetAttribute")
+        buffer = ArgBuffer(signature)  # kept alive: `params` points into it
+        params = buffer.set(out=out.data_ptr(), iters=iters)
         stream = torch.cuda.current_stream().cuda_stream
 
         def launch():
-            check(driver.cuLaunchKernel(fn, grid, 1, 1, meta["threads"], 1, 1, meta["smem"], stream,
-                                        ctypes.addressof(params), 0))
+            check_cu(driver.cuLaunchKernel(fn, grid, 1, 1, meta["threads"], 1, 1, meta["smem"], stream, params, 0),
+                     "cuLaunchKernel")
 
         us = eager_us(launch, lambda: None, reps)  # CUDA events around each launch, median
         tflops = grid * iters * FLOPS_PER_ITER_CTA / (us * 1e-6) / 1e12

@@ -539,7 +539,7 @@ class MoeLayer:
                            swiglu_beta=f.swiglu_beta, swiglu_limit=f.swiglu_limit)
         r.kernels["fc2"].kernel.launch(
             r.launch.grid("fc2"), stream, a=ws.activated.data_ptr(), qweight=self.w2.qweight.data_ptr(),
-            out=(out if r.sums_topk else ws.fc13).data_ptr(), scales=self.w2.scales.data_ptr(),
+            out=out.data_ptr() if r.sums_topk else ws.fc13_address, scales=self.w2.scales.data_ptr(),
             global_scale=self.w2.global_scale.data_ptr(),
             topk_weights=ws.c_tmp_address if on_input else weight, bias=self._bias2_ptr,
             tokens=routes, **routing,

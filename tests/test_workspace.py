@@ -122,8 +122,13 @@ def test_a_call_creates_no_tensor(stubbed, m, ids_dtype):
     chunks = [min(layer.max_tokens, m - start) for start in range(0, m, layer.max_tokens)]
     assert len(launches) == sum(len(layer.resolve(c).launch.kernels) for c in chunks)
     if m == 600:  # two GEMM launches; FC1's gated epilogue applies silu, no activation kernel between them
-        assert layer.resolve(m).launch.split and layer.resolve(m).kernels["fc1"].spec.epilogue.value == "silu"
+        r = layer.resolve(m)
+        assert r.launch.split and r.kernels["fc1"].spec.epilogue.value == "silu"
         assert not [c for c in stubbed if c[0] == "activation"]
+        # FC2 reads FC1's activation and writes the route rows (or the output, where it sums them itself)
+        ws = layer.workspace()
+        (fc2,) = [c[2] for c in launches if c[2]["a"] == ws.activated.data_ptr()]
+        assert fc2["out"] == (out if r.sums_topk else ws.fc13).data_ptr() and fc2["tokens"] == m * TOP_K
     if m <= 2:  # decode: routes straight from the ids, narrowed into the workspace when int64
         ids_ptr = launches[0][2]["route_indices"]
         ws = layer.workspace()
