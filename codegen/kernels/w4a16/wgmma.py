@@ -97,6 +97,15 @@ ROW_STEPS = {WGMMA_TALL_BLOCK: 32, WGMMA_WIDE_BLOCK: 64}
 # wgmma groups (16-k rows) left running while the next row's fragments decode: 1 holds two
 # fragment sets in registers, 2 three (more time for the decode to hide behind the tensor cores).
 GROUPS_IN_FLIGHT = 2
+# Measurement switch (benchmarks/scripts/ablate_wgmma.sh, issue 13): parts of the tile taken out, to time what
+# each one costs in place.  "copy": the stages are never filled from global memory (their groups are still
+# committed); "sync": a stage is used without waiting for its copies or the CTA barrier; "decode": no weight or
+# scale words are loaded from shared memory and the A fragments are constants; "epilogue": no output is staged
+# or stored (the accumulators feed one never-taken store, so no MMA is dead code).  Any part out makes the
+# outputs wrong.  Read while compiling and not a key fact: set it only to build a separate bundle for that
+# study, never a served one (tests/test_wgmma_ablate.py checks that it is empty in the tree).
+ABLATE: frozenset[str] = frozenset()
+ABLATABLE = frozenset({"copy", "sync", "decode", "epilogue"})
 
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
@@ -116,6 +125,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # the main loop's wgmma N by valid rows: the narrowest of these that covers them
         step = ROW_STEPS.get(spec.moe_block_size, spec.moe_block_size)
         self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
+        assert ABLATE <= ABLATABLE, f"ABLATE: unknown parts {sorted(ABLATE - ABLATABLE)}"
+        self.ablate = ABLATE
 
     # ------------------------------------------------------------------ addressing
 
@@ -245,6 +256,9 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     def _wg_stage(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32, rows: cutlass.Constexpr[int]):
         """Copy k-tile `k_tile` into stage `pipe`: the first `rows` activation rows, weights, scales."""
         s = self.s
+        if cutlass.const_expr("copy" in self.ablate):
+            cute.arch.cp_async_commit_group()
+            return
         k64 = Int64(k_tile)
         for i in cutlass.range_constexpr(rows // self.x_rows_per_pass):
             load = t.x_ok[i]
@@ -277,6 +291,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     @cute.jit
     def _wg_publish(self, pending: cutlass.Constexpr[int]):
         """Wait for all but `pending` copy groups and hand the landed stages to the tensor cores."""
+        if cutlass.const_expr("sync" in self.ablate):
+            return
         cute.arch.cp_async_wait_group(pending)
         I.fence_proxy_async_shared()
         cute.arch.sync_threads()
@@ -286,6 +302,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     @cute.jit
     def _wg_words(self, words: cute.Tensor, t, pipe: cutlass.Constexpr[int], kk: cutlass.Constexpr[int]):
         """Load this thread's weight and scale words of 16-k row `kk` of stage `pipe`."""
+        if cutlass.const_expr("decode" in self.ablate):
+            return
         if cutlass.const_expr(self.s.modelopt):
             self._wg_words_modelopt(words, t, pipe, kk)
         else:
@@ -342,7 +360,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     @cute.jit
     def _wg_decode(self, frag: cute.Tensor, words: cute.Tensor, t, kk: cutlass.Constexpr[int]):
         """Decode and scale the loaded words of 16-k row kk into this thread's nw A fragments."""
-        if cutlass.const_expr(self.s.modelopt):
+        if cutlass.const_expr("decode" in self.ablate):
+            for j in cutlass.range_constexpr(self.nw):
+                for i in cutlass.range_constexpr(4):
+                    frag[j, i] = Uint32(0x3C003C00)  # bf16 pairs (2^-7, 2^-7)
+        elif cutlass.const_expr(self.s.modelopt):
             self._wg_decode_modelopt(frag, words, t, kk)
         else:
             self._wg_decode_packed(frag, words)
@@ -579,8 +601,20 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
         if slice_count > Int32(1):
             self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
-        if slice_idx == slice_count - Int32(1):
+        if cutlass.const_expr("epilogue" in self.ablate):
+            self._wg_keep_alive(ops, acc, tid)
+        elif slice_idx == slice_count - Int32(1):
             self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
+
+    @cute.jit
+    def _wg_keep_alive(self, ops, acc: cute.Tensor, tid: Int32):
+        """ABLATE "epilogue": the accumulators' sum feeds a store no finite sum takes, so every MMA stays live."""
+        total = Float32(0.0)
+        for jj in cutlass.range_constexpr(self.nw):
+            for i in cutlass.range_constexpr(self.acc_n):
+                total = total + acc[jj, i]
+        if total == Float32(-1.0e38):
+            I.st_global_v4_f32(ops.c_tmp + Int64(tid) * Int64(16), total, total, total, total)
 
 
 def gemm_kernel(spec, timeline_slot: int | None = None, shared_routes: bool = False) -> W4A16GemmKernel:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What each part of the wgmma GEMMs' tile costs in place (issue 13): the layer's time with the stages' copies,
+# their waits and barriers, the weight decode or the epilogue taken out (codegen/kernels/w4a16/wgmma.py, ABLATE),
+# against the same bundle as shipped, on identical operands.  Outputs are wrong with any part out: no --check.
+#
+#   bash benchmarks/scripts/ablate_wgmma.sh build   # builder (CuTeDSL): generated/ablate/<parts>/bench-ablate
+#   bash benchmarks/scripts/ablate_wgmma.sh run     # GPU, carrying generated/ablate: compare_layer, JSON under $OUT
+#
+# PARTS overrides the sets built and run ("+"-joined parts, "none" = as shipped); MS / MODELS / ROUNDS the points.
+set -euo pipefail
+PARTS=${PARTS:-"none copy copy+sync decode epilogue copy+sync+decode copy+sync+decode+epilogue"}
+SRC=codegen/kernels/w4a16/wgmma.py
+case "${1:-}" in
+build)
+  SHIPPED='ABLATE: frozenset[str] = frozenset()'
+  grep -qxF "$SHIPPED" "$SRC" || { echo "$SRC: no line '$SHIPPED' (ABLATE must be the shipped empty set)" >&2; exit 1; }
+  cp "$SRC" "$SRC.shipped"
+  trap 'mv "$SRC.shipped" "$SRC"' EXIT  # the source goes back however the builds end
+  for parts in $PARTS; do
+    python3 - "$SHIPPED" "$parts" "$SRC.shipped" "$SRC" <<'PY'
+import sys
+shipped, parts, src, dst = sys.argv[1:]
+members = ", ".join(repr(p) for p in parts.split("+") if p != "none")
+text = open(src).read()
+assert text.count(shipped + "\n") == 1
+line = f"ABLATE: frozenset[str] = frozenset({{{members}}})\n" if members else shipped + "\n"
+open(dst, "w").write(text.replace(shipped + "\n", line))
+print(f"== {parts}: ABLATE = {{{members}}}")
+PY
+    python3 -m cuteaot.codegen.cli build specs/bench-ablate.yaml --out "generated/ablate/$parts" --targets h200 -j 2
+  done
+  ;;
+run)
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  export PYTHONUNBUFFERED=1 PYTHONPATH=.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
+  NEWS=""; for parts in $PARTS; do [ "$parts" = none ] || NEWS="$NEWS --new $parts=generated/ablate/$parts/bench-ablate"; done
+  timeout "${AB_TIMEOUT:-400}" python3 -m benchmarks.compare_layer --base generated/ablate/none/bench-ablate $NEWS \
+    --models "${MODELS:-qwen3-30b-a3b,gpt-oss-120b}" --m "${MS:-1024,4096}" --rounds "${ROUNDS:-5}" \
+    --json "$OUT/ablate.json" > "$OUT/ablate.txt" 2>&1 || echo "compare_layer rc=$?"
+  sed -n '/^| model/,$p' "$OUT/ablate.txt"
+  ;;
+*) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
