@@ -19,6 +19,7 @@ from cuteaot.runtime.manifest import SCHEMA_VERSION
 from . import CODEGEN_EXTRA_MODULES
 
 LINE_WIDTH = 160  # `inspect` keeps its lines within this; `-v` prints the long facts wrapped
+PLANS_HEADING = "plans (what each token range launches, decided when the bundle was built):"
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -153,7 +154,70 @@ def cmd_inspect(args) -> int:
             print("\n" + "\n".join(_kernel_details(k, LINE_WIDTH) for k in ks))
     if any_cut and not args.verbose:
         print("\n(facts cut to fit; `cuteaot inspect -v` prints every kernel's facts, file and symbol)")
+    if args.plans:
+        print(f"\n{PLANS_HEADING}\n")
+        print(_plans(m, args.problem))
     return 0
+
+
+_MOE_SHAPE = ("hidden_size", "intermediate_size", "num_experts", "top_k")
+_LAYER_DEFAULTS = {"fast_math": True, "swiglu_alpha": None, "swiglu_beta": None, "swiglu_limit": None,
+                   "router_weight_on_input": False, "expert_map": False, "calibration": False, "deterministic": False,
+                   "bias": False, "weights": "nvfp4"}
+
+
+def _entry_title(raw: dict, arch: str) -> str:
+    """A resolution entry's problem, target and variant: the shape, then dtype, activation and every option
+    that differs from MoeLayer's defaults (or, for a GEMM, its weight layout and scale format)."""
+    f = raw["facts"]
+    where = f"{raw['problem']} on {raw['profile']} ({arch})"
+    if raw["op"] != "moe_layer":
+        return f"{where}: {raw['op']} N {f['n']} K {f['k']}, {f['num_experts']} experts top-{f['top_k']}, " \
+               f"{f['dtype']} {f['layout']} {f['scale_format']}"
+    options = [k if v is True else f"{k}={v}" for k, v in f.items()
+               if k in _LAYER_DEFAULTS and v != _LAYER_DEFAULTS[k]]
+    return (f"{where}: H {f['hidden_size']} I {f['intermediate_size']}, {f['num_experts']} experts "
+            f"top-{f['top_k']}, {f['dtype']} {f['activation']}" + "".join(f" {o}" for o in options))
+
+
+def _plan_text(raw_launch: dict, op: str, specs: dict) -> str:
+    """What one launch range of the table runs (runtime.moe.describe_launch for MoE layers)."""
+    from cuteaot.runtime.moe import describe_launch
+    from cuteaot.runtime.resolution import Launch
+
+    launch = Launch(**raw_launch)
+    if op == "moe_layer":
+        return describe_launch(launch, specs)
+    routes = "direct routes" if launch.direct else f"b{launch.route_block}"
+    return f"{routes} grid {launch.grid_x}: " + "; ".join(
+        f"{variant} {s.mainloop.value} {s.tile_n}x{s.tile_k}" for variant, s in specs.items())
+
+
+def _plans(m: dict, problems: list[str] | None) -> str:
+    """Per resolution entry (optionally only `problems`), which plan each token range runs."""
+    from cuteaot.runtime.kernels import FAMILIES
+
+    arches = {t["name"]: t["arch"] for t in m["targets"]}
+    records = {(k["arch"], k["key"]): k for k in m["kernels"]}
+    blocks = []
+    for raw in m["resolution"]:
+        if problems and raw["problem"] not in problems:
+            continue
+        arch = arches[raw["profile"]]
+        rows = []
+        for launch in raw["launches"]:
+            specs = {}
+            for role, digest in launch["kernels"].items():
+                record = records[(arch, digest)]
+                specs[role] = FAMILIES[record["family"]].from_facts(record["facts"])
+            tokens = str(launch["m_min"]) if launch["m_min"] == launch["m_max"] else f"{launch['m_min']}-{launch['m_max']}"
+            rows.append([tokens, _plan_text(launch, raw["op"], specs)])
+        blocks.append(_entry_title(raw, arch) + "\n" + _table(["tokens", "plan"], rows))
+    if not blocks:
+        wanted = f" for {', '.join(problems)}" if problems else ""
+        known = sorted({r["problem"] for r in m["resolution"]})
+        return f"no resolution entries{wanted} (the bundle's problems: {', '.join(known) or 'none'})"
+    return "\n\n".join(blocks)
 
 
 def cmd_verify(args) -> int:
@@ -187,6 +251,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="table of a bundle's kernels per arch")
     p.add_argument("bundle", type=Path)
     p.add_argument("--verbose", "-v", action="store_true", help="also every kernel's full facts, file and symbol")
+    p.add_argument("--plans", action="store_true",
+                   help="also the resolution table: the plan (path, main loop, tiles, grid) of each token range")
+    p.add_argument("--problem", action="append", metavar="NAME",
+                   help="with --plans, only this problem's entries (repeatable)")
     p.set_defaults(run=cmd_inspect)
     p = sub.add_parser("verify", help="check a bundle's schema and checksums (no GPU needed)")
     p.add_argument("bundle", type=Path)

@@ -140,19 +140,25 @@ class Resolved:
                            not self.launch.split and self.kernels["fused"].spec.pack_experts is not None)
 
     def describe(self) -> str:
-        launch = self.launch
-        if launch.split:
-            f1, f2 = self.kernels["fc1"].spec, self.kernels["fc2"].spec
-            act = f"+{f1.epilogue.value}" if f1.epilogue.is_gated else ""
-            summed = " +sum" if self.sums_topk else ""
-            return (f"split b{launch.route_block}{summed} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
-                    f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
-        f = self.kernels["fused"].spec
-        path = "decode" if self.decode else f"packed b{launch.route_block}" + (" +sum" if self.sums_topk else "")
-        path += " +pack" if self.packs_routes else ""
-        act = f"+{f.activation.value}" if f.gated_epilogue else ""
-        return (f"{path} {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
-                f"grid {launch.grid_x}")
+        return describe_launch(self.launch, {role: kernel.spec for role, kernel in self.kernels.items()})
+
+
+def describe_launch(launch: Launch, specs: Mapping[str, object]) -> str:
+    """One line for a MoE layer launch of the resolution table, from its kernels' specs by role: the path
+    (decode / packed route blocks / split into two GEMMs, what FC2 sums, who packs), main loop, tiles and
+    grid (`Resolved.describe`, `cuteaot inspect --plans`)."""
+    if launch.split:
+        f1, f2 = specs["fc1"], specs["fc2"]
+        act = f"+{f1.epilogue.value}" if f1.epilogue.is_gated else ""
+        summed = " +sum" if f2.sum_topk > 0 else ""
+        return (f"split b{launch.route_block}{summed} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
+                f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
+    f = specs["fused"]
+    path = "decode" if launch.direct else f"packed b{launch.route_block}" + (" +sum" if f.sums_topk else "")
+    path += " +pack" if f.pack_experts is not None else ""
+    act = f"+{f.activation.value}" if f.gated_epilogue else ""
+    return (f"{path} {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
+            f"grid {launch.grid_x}")
 
 
 _LAYERS: "weakref.WeakValueDictionary[str, MoeLayer]" = weakref.WeakValueDictionary()

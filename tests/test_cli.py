@@ -47,6 +47,9 @@ def test_verify_and_inspect_run_without_yaml_and_cutlass(bundle):
     proc = _serving("inspect", str(bundle))
     assert proc.returncode == 0, proc.stderr
     assert "sm_90a: 2 kernels" in proc.stdout
+    proc = _serving("inspect", "--plans", str(bundle))  # the plans read runtime modules only, too
+    assert proc.returncode == 0, proc.stderr
+    assert "no resolution entries (the bundle's problems: none)" in proc.stdout
 
 
 def test_build_without_the_codegen_extra_says_what_to_install(tmp_path):

@@ -81,3 +81,31 @@ def test_kernels_match_what_the_planner_chose(bundle_dir):
         for role in ("fc1", "fc2"):
             record = records[entry.launch(m).kernels[role]]
             assert (record["facts"]["moe_block_size"], record["block"][0]) == (block, threads), (m, role)
+
+
+def test_inspect_plans_lists_every_token_range_of_every_layer_variant(bundle_dir, capsys):
+    """`cuteaot inspect --plans`: per resolution entry, rows that tile 1..max tokens, each naming its path; the
+    deterministic variant never sums with atomics nor takes the decode regime (bf16 red.add: no fixed order)."""
+    from cuteaot.codegen.cli import PLANS_HEADING
+    from cuteaot.codegen.cli import main as cli
+
+    assert cli(["inspect", "--plans", str(bundle_dir)]) == 0
+    text = capsys.readouterr().out.split(PLANS_HEADING)[1]
+    blocks = [b for b in text.strip().split("\n\n") if b.strip()]
+    manifest = verify_bundle(bundle_dir)
+    assert len(blocks) == len(manifest["resolution"])
+    for block in blocks:
+        title, _, _, *rows = block.splitlines()
+        assert title.startswith("qwen3-30b-a3b on h200 (sm_90a): H 2048 I 768, 128 experts top-8, bf16 silu"), title
+        expected = 1
+        for row in rows:
+            tokens, plan = row.split(None, 1)
+            first, _, last = tokens.partition("-")
+            assert int(first) == expected, block
+            expected = int(last or first) + 1
+            assert plan.split()[0] in ("decode", "packed", "split"), row
+            if title.endswith("deterministic"):
+                assert not plan.startswith("decode") and "+sum" not in plan, row
+        assert expected == 16385, block
+    assert cli(["inspect", "--plans", "--problem", "mixtral", str(bundle_dir)]) == 0
+    assert "no resolution entries for mixtral (the bundle's problems: qwen3-30b-a3b)" in capsys.readouterr().out
