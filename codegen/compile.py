@@ -5,7 +5,8 @@ symbol (read from the compiled object, never predicted), the PTX parameters
 checked against the declared signature, block dims from `.reqntid`, shared
 memory, registers and stack.  The kernel's Python parameter names are checked
 against the declaration before compiling (abi.check_parameter_names): the PTX
-names its parameters by position only.
+names its parameters by position only.  A kernel whose wgmma ptxas serialized
+(resources.wgmma_serialized) is refused: it would be correct and slow.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .abi import check_parameter_names
 from .kernels import activation, probe, route_pack, topk_sum
 from .kernels.w4a16.device import build_fused, build_gemm
 from .ptx import check_abi, parse_entry
-from .resources import read_resources
+from .resources import read_resources, wgmma_serialized
 
 # family -> function(spec) returning (kernel object, fake arguments for cute.compile)
 BUILDERS = {
@@ -79,6 +80,12 @@ def compile_kernel(key: KernelKey, arch: str) -> CompiledKernel:
     check_abi(entry, spec.SIGNATURE, what)
     if entry.reqntid is None:
         raise BuildError(f"{symbol}: PTX has no .reqntid; the launch block would be unknown")
+    if wgmma_serialized(ptx, cubin):
+        raise BuildError(
+            f"{what}: ptxas serialized the kernel's wgmma (its PTX keeps groups in flight, its SASS waits for every "
+            "group as soon as it is issued), so the main loop would run one MMA at a time. Usually too many registers "
+            "live across the MMAs or a wgmma in divergent code: change the kernel or the planner's choice for it."
+        )
     res = read_resources(cubin, symbol)
     return CompiledKernel(
         cubin=cubin,

@@ -53,6 +53,19 @@ def read_sass(cubin: bytes) -> str:
     return _cuobjdump(cubin, "-sass", "a cubin")
 
 
+# PTX that keeps wgmma groups in flight (`wgmma.wait_group N`, N >= 1), and the SASS wait that shows they stay
+# in flight: ptxas, short of registers or facing a wgmma in divergent code (warnings C7510-C7520, which CuTeDSL
+# does not pass on), instead waits for every group right after it is issued (`WARPGROUP.DEPBAR.LE gsb0, 0x0`
+# everywhere): correct, and the main loop then runs one MMA at a time.
+_KEEPS_GROUPS_IN_FLIGHT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]")
+_WAITS_WITH_GROUPS_IN_FLIGHT = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x[1-9a-f]")
+
+
+def wgmma_serialized(ptx: str, cubin: bytes) -> bool:
+    """True if the PTX leaves wgmma groups running but ptxas made every wait wait for all of them."""
+    return bool(_KEEPS_GROUPS_IN_FLIGHT.search(ptx)) and not _WAITS_WITH_GROUPS_IN_FLIGHT.search(read_sass(cubin))
+
+
 def read_resources(cubin: bytes, symbol: str) -> Resources:
     listing = _cuobjdump(cubin, "--dump-resource-usage", symbol)
     block = re.search(r"Function " + re.escape(symbol) + r":\s*\n\s*(?P<line>[^\n]+)", listing)
