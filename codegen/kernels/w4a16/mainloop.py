@@ -239,6 +239,9 @@ class MainloopMixin:
     def _stage_k_tile(self, ops, t, pipe: cutlass.Constexpr[int], k_tile: Int32):
         """Issue the cp.async copies of k-tile `k_tile` into stage `pipe` and commit them."""
         s = self.s
+        if cutlass.const_expr("copy" in self.ablate):
+            cute.arch.cp_async_commit_group()
+            return
         k64 = Int64(k_tile)
         for i in cutlass.range_constexpr(s.a_sh_wr_iters):
             load = t.a_ok[i]
@@ -294,8 +297,14 @@ class MainloopMixin:
         if cutlass.const_expr(self.defers_router_weight()):  # its load was issued with the block's routes
             if t.router_weight_mine:
                 I.st_shared_u32(t.router_weight_sh, self._weight_pair(t.router_weight))
-        cute.arch.cp_async_wait_group(self.s.stages - 2)
-        cute.arch.sync_threads()
+        self._publish()
+
+    @cute.jit
+    def _publish(self):
+        """Wait for all but the newest stages' copies and make the landed stage visible to every warp."""
+        if cutlass.const_expr("sync" not in self.ablate):
+            cute.arch.cp_async_wait_group(self.s.stages - 2)
+            cute.arch.sync_threads()
 
     @cute.jit
     def _prefetch_lookahead(self, ops, t, pipe: cutlass.Constexpr[int], tile_idx: Int32, k_tiles: Int32,
@@ -305,8 +314,7 @@ class MainloopMixin:
             self._stage_k_tile(ops, t, (pipe + self.s.stages - 1) % self.s.stages, k_start + fetch)
         else:
             cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(self.s.stages - 2)
-        cute.arch.sync_threads()
+        self._publish()
 
     # ------------------------------------------------------------------ register fragments
 
@@ -363,6 +371,8 @@ class MainloopMixin:
         two registers per set instead of four decoded pairs.
         """
         s = self.s
+        if cutlass.const_expr("decode" in self.ablate):
+            return
         if cutlass.const_expr(s.modelopt):
             # "row" kk is column half kk of the warp's 64 columns (blocks 4kk .. 4kk + 3): their stored words
             # (ldmatrix: codes 8t .. 8t + 7 of the warp's 32-k slice of column 8b + g) and scale words
@@ -429,16 +439,20 @@ class MainloopMixin:
             self._mma_row_modelopt(t, acc, a_regs, bs, frag, kk)
             return
         words = [bs[0], bs[1], bs[2], bs[3]]
-        if cutlass.const_expr(self.nf3):
+        if cutlass.const_expr(self.nf3 and "decode" not in self.ablate):
             words[3] = I.nf3_gather(bs[0], bs[1], bs[2])
         for jj in cutlass.range_constexpr(4):
-            if cutlass.const_expr(self.nf3 and kk == 1):
-                scales = pairs[jj]
+            if cutlass.const_expr("decode" in self.ablate):
+                for i in cutlass.range_constexpr(4):
+                    frag[i // 2, i % 2] = Uint32(0x3C003C00)  # bf16 pairs (2^-7, 2^-7)
             else:
-                scales = self._scale_halves(bs[4 + jj // 2], jj % 2)
-                if cutlass.const_expr(self.nf3):
-                    pairs[jj] = scales
-            self._scaled_weight_fragment(frag, words[jj], scales)
+                if cutlass.const_expr(self.nf3 and kk == 1):
+                    scales = pairs[jj]
+                else:
+                    scales = self._scale_halves(bs[4 + jj // 2], jj % 2)
+                    if cutlass.const_expr(self.nf3):
+                        pairs[jj] = scales
+                self._scaled_weight_fragment(frag, words[jj], scales)
             if cutlass.const_expr(self.m8):
                 # Weights as the 16-row A operand (16 output columns), activations as B (8 tokens).
                 d0, d1, d2, d3 = self._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
@@ -536,7 +550,8 @@ class MainloopMixin:
                             self._prefetch_lookahead(ops, t, pipe, tile_idx, k_tiles, k_start)
                         self._mma_row(t, acc, a_regs[kk], bs_regs[kk], frag, pairs, kk)
                     tile_idx += Int32(1)
-            cute.arch.sync_threads()
+            if cutlass.const_expr("sync" not in self.ablate):
+                cute.arch.sync_threads()
             if tile_idx < k_tiles:
                 self._load_bs_regs(bs_regs[0], t, 0, 0)
                 self._load_a_regs(a_regs[0], t, 0, 0)

@@ -97,16 +97,6 @@ ROW_STEPS = {WGMMA_TALL_BLOCK: 32, WGMMA_WIDE_BLOCK: 64}
 # wgmma groups (16-k rows) left running while the next row's fragments decode: 1 holds two
 # fragment sets in registers, 2 three (more time for the decode to hide behind the tensor cores).
 GROUPS_IN_FLIGHT = 2
-# Measurement switch (benchmarks/scripts/ablate_wgmma.sh, issue 13): parts of the tile taken out, to time what
-# each one costs in place.  "copy": the stages are never filled from global memory (their groups are still
-# committed); "sync": a stage is used without waiting for its copies or the CTA barrier; "decode": no weight or
-# scale words are loaded from shared memory and the A fragments are constants; "epilogue": no output is staged
-# or stored (the accumulators feed one never-taken store, so no MMA is dead code).  Any part out makes the
-# outputs wrong.  Read while compiling and not a key fact: set it only to build a separate bundle for that
-# study, never a served one (tests/test_wgmma_ablate.py checks that it is empty in the tree).
-ABLATE: frozenset[str] = frozenset()
-ABLATABLE = frozenset({"copy", "sync", "decode", "epilogue"})
-
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     def __init__(self, spec, shared_routes: bool = False):
@@ -125,8 +115,6 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # the main loop's wgmma N by valid rows: the narrowest of these that covers them
         step = ROW_STEPS.get(spec.moe_block_size, spec.moe_block_size)
         self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
-        assert ABLATE <= ABLATABLE, f"ABLATE: unknown parts {sorted(ABLATE - ABLATABLE)}"
-        self.ablate = ABLATE
 
     # ------------------------------------------------------------------ addressing
 
@@ -602,19 +590,9 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         if slice_count > Int32(1):
             self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
         if cutlass.const_expr("epilogue" in self.ablate):
-            self._wg_keep_alive(ops, acc, tid)
+            self._keep_alive(ops, tid, [acc[jj, i] for jj in range(self.nw) for i in range(self.acc_n)])
         elif slice_idx == slice_count - Int32(1):
             self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
-
-    @cute.jit
-    def _wg_keep_alive(self, ops, acc: cute.Tensor, tid: Int32):
-        """ABLATE "epilogue": the accumulators' sum feeds a store no finite sum takes, so every MMA stays live."""
-        total = Float32(0.0)
-        for jj in cutlass.range_constexpr(self.nw):
-            for i in cutlass.range_constexpr(self.acc_n):
-                total = total + acc[jj, i]
-        if total == Float32(-1.0e38):
-            I.st_global_v4_f32(ops.c_tmp + Int64(tid) * Int64(16), total, total, total, total)
 
 
 def gemm_kernel(spec, timeline_slot: int | None = None, shared_routes: bool = False) -> W4A16GemmKernel:

@@ -1,0 +1,25 @@
+"""Measurement switch of the W4A16 GEMM tiles (benchmarks/scripts/ablate_tile.sh, issues 13 and 14).
+
+Parts of the tile taken out of both main loops (mma.sync, mainloop.py; warpgroup MMA, wgmma.py), to time in
+place what each one costs the layer:
+
+    copy      the stages are never filled from global memory (their copy groups are still committed)
+    sync      a stage is used without waiting for its copies or for the CTA barrier
+    decode    no weight or scale words are loaded from shared memory; the weight fragments are constants
+              (packed and NF3 layouts; the stored layout keeps its decode)
+    epilogue  no output is staged or stored; the accumulators feed one never-taken store, so no MMA is dead
+
+Any part out makes the outputs wrong.  Read while compiling and not a key fact: set it only to build a
+separate bundle for that study, never a served one (tests/test_ablate.py checks that it is empty here).
+"""
+
+from __future__ import annotations
+
+ABLATE: frozenset[str] = frozenset()
+PARTS = frozenset({"copy", "sync", "decode", "epilogue"})
+
+
+def active() -> frozenset[str]:
+    """The parts taken out of the tiles compiled now (empty for every served bundle)."""
+    assert ABLATE <= PARTS, f"ABLATE: unknown parts {sorted(ABLATE - PARTS)}"
+    return ABLATE

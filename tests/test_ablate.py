@@ -1,0 +1,64 @@
+"""The GEMM tiles' ablation switch (codegen/kernels/w4a16/ablate.py; benchmarks/scripts/ablate_tile.sh): off in
+the tree, named consistently by the study script, and each part really taken out of both main loops."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import ROOT
+
+SWITCH_SOURCE = ROOT / "codegen" / "kernels" / "w4a16" / "ablate.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "ablate_tile.sh"
+SHIPPED_LINE = "ABLATE: frozenset[str] = frozenset()"
+
+
+def test_ablate_is_off_in_the_tree_and_the_script_names_known_parts():
+    source = SWITCH_SOURCE.read_text()
+    assert SHIPPED_LINE in source.splitlines(), "a served bundle must never take a part of the tile out"
+    script = SCRIPT.read_text()
+    # the script builds only from the shipped line and rewrites exactly that line
+    assert f"SHIPPED='{SHIPPED_LINE}'" in script
+    assert "SRC=codegen/kernels/w4a16/ablate.py" in script
+    default = re.search(r'PARTS=\$\{PARTS:-"([^"]+)"\}', script)
+    assert default is not None
+    known = set(re.search(r"PARTS = frozenset\(\{([^}]*)\}\)", source)[1].replace('"', "").replace(" ", "").split(","))
+    for parts in default[1].split():
+        assert parts == "none" or set(parts.split("+")) <= known, parts
+
+
+def _sass_ops(cubin: bytes) -> dict[str, int]:
+    from cuteaot.codegen.resources import read_sass
+
+    ops: dict[str, int] = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", read_sass(cubin)):
+        ops[m[1]] = ops.get(m[1], 0) + 1
+    return ops
+
+
+@pytest.mark.parametrize("tokens, mma", [(4096, "HGMMA"), (16, "HMMA")], ids=["wgmma", "mma_sync"])
+def test_each_part_taken_out_leaves_its_instructions_out(monkeypatch, tokens, mma):
+    pytest.importorskip("cutlass", reason="compiling needs CuTeDSL (cuteaot[codegen])")
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.codegen.kernels.w4a16 import ablate
+    from cuteaot.codegen.kernels.w4a16.wgmma import gemm_kernel
+    from cuteaot.codegen.spec import load_spec
+    from cuteaot.runtime.devices import PROFILES
+    from cuteaot.runtime.types import DType
+
+    problem = next(p for p in load_spec(ROOT / "specs" / "tiny-gemm.yaml").moe if p.name == "tiny-gemm-silu")
+    spec = problem.gemm_specs(tokens, DType.BF16, PROFILES["h200"])["fc2_gemm"]
+    assert spec.mainloop.value == ("wgmma" if mma == "HGMMA" else "mma_sync")
+    monkeypatch.setattr(ablate, "ABLATE", frozenset({"everything"}))
+    with pytest.raises(AssertionError, match="unknown parts"):
+        gemm_kernel(spec)
+    ops = {}
+    for parts in (frozenset(), ablate.PARTS):
+        monkeypatch.setattr(ablate, "ABLATE", parts)
+        ops[parts] = _sass_ops(compile_kernel(spec.key(), "sm_90a").cubin)
+    full, bare = ops[frozenset()], ops[ablate.PARTS]
+    assert full["LDGSTS"] > 0 and full["HMUL2"] > 0 and full["BAR"] > bare.get("BAR", 0)
+    assert "LDGSTS" not in bare and "HMUL2" not in bare  # copy, decode
+    assert bare["STG"] < full["STG"] and "STSM" not in bare  # epilogue (split-K partials are still stored)
+    assert bare[mma] == full[mma]  # the MMAs stay
