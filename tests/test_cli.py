@@ -135,3 +135,40 @@ def test_inspect_verbose_prints_full_facts_and_symbol_wrapped(bundle, capsys):
     assert f"    symbol: {SYMBOL}\n" in wrapped.replace("\0", "")  # a symbol is one long word
     for k in read(bundle)["kernels"]:
         assert k["file"] in out
+
+
+@pytest.mark.parametrize("spec_name", ["tiny-gemm.yaml", "tiny-fused.yaml"])
+def test_plans_of_a_planned_table_cover_every_entry_and_token_range(spec_name):
+    """`inspect --plans` on the spec's own table (the build's planner, nothing compiled): one block per entry,
+    GEMM entries (routes and each variant's main loop) and every layer variant (its options in the title)."""
+    pytest.importorskip("yaml", reason="planning reads the spec (cuteaot[codegen])")
+    from cuteaot.codegen.cli import _plans
+    from cuteaot.codegen.spec import load_spec
+    from cuteaot.codegen.table import plan_bundle
+    from tests.conftest import ROOT
+
+    spec = load_spec(ROOT / "specs" / spec_name)
+    planned = plan_bundle(spec)
+    manifest = {
+        "targets": [{"name": t.name, "arch": t.arch} for t in spec.targets],
+        "kernels": [{"arch": arch, "key": key.digest, "family": key.family, "facts": dict(key.facts)}
+                    for arch, keys in planned.keys.items() for key in keys],
+        "resolution": [entry.to_json() for entry in planned.entries],
+    }
+    blocks = _plans(manifest, None).split("\n\n")
+    assert len(blocks) == len(planned.entries)
+    for block, entry in zip(blocks, planned.entries):
+        title, _, _, *rows = block.splitlines()
+        assert title.startswith(f"{entry.problem} on {entry.profile} ("), title
+        assert [row.split(None, 1)[0] for row in rows] == [
+            f"{x.m_min}" if x.m_min == x.m_max else f"{x.m_min}-{x.m_max}" for x in entry.launches]
+        for row, launch in zip(rows, entry.launches):
+            plan = row.split(None, 1)[1]
+            if entry.op == "gemm":
+                assert plan.startswith("direct routes" if launch.direct else f"b{launch.route_block} "), row
+            else:
+                assert plan.split()[0] in ("decode", "packed", "split"), row
+        facts = entry.facts.to_json()
+        for option in ("expert_map", "calibration", "deterministic", "bias", "router_weight_on_input"):
+            assert (f" {option}" in title) == bool(facts.get(option)), (option, title)
+    assert _plans(manifest, ["nope"]).startswith("no resolution entries for nope (the bundle's problems: ")
