@@ -160,32 +160,26 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-_MOE_SHAPE = ("hidden_size", "intermediate_size", "num_experts", "top_k")
-_LAYER_DEFAULTS = {"fast_math": True, "swiglu_alpha": None, "swiglu_beta": None, "swiglu_limit": None,
-                   "router_weight_on_input": False, "expert_map": False, "calibration": False, "deterministic": False,
-                   "bias": False, "weights": "nvfp4"}
-
-
-def _entry_title(raw: dict, arch: str) -> str:
+def _entry_title(entry, arch: str) -> str:
     """A resolution entry's problem, target and variant: the shape, then dtype, activation and every option
-    that differs from MoeLayer's defaults (or, for a GEMM, its weight layout and scale format)."""
-    f = raw["facts"]
-    where = f"{raw['problem']} on {raw['profile']} ({arch})"
-    if raw["op"] != "moe_layer":
-        return f"{where}: {raw['op']} N {f['n']} K {f['k']}, {f['num_experts']} experts top-{f['top_k']}, " \
-               f"{f['dtype']} {f['layout']} {f['scale_format']}"
-    options = [k if v is True else f"{k}={v}" for k, v in f.items()
-               if k in _LAYER_DEFAULTS and v != _LAYER_DEFAULTS[k]]
+    that differs from its default (MoeLayerFacts'), or for a GEMM its weight layout and scale format."""
+    from dataclasses import MISSING, fields
+
+    f = entry.to_json()["facts"]
+    where = f"{entry.problem} on {entry.profile} ({arch})"
+    if entry.op != "moe_layer":
+        return (f"{where}: {entry.op} N {f['n']} K {f['k']}, {f['num_experts']} experts top-{f['top_k']}, "
+                f"{f['dtype']} {f['layout']} {f['scale_format']}")
+    defaults = {d.name: getattr(d.default, "value", d.default) for d in fields(entry.facts) if d.default is not MISSING}
+    options = [k if v is True else f"{k}={v}" for k, v in f.items() if k in defaults and v != defaults[k]]
     return (f"{where}: H {f['hidden_size']} I {f['intermediate_size']}, {f['num_experts']} experts "
             f"top-{f['top_k']}, {f['dtype']} {f['activation']}" + "".join(f" {o}" for o in options))
 
 
-def _plan_text(raw_launch: dict, op: str, specs: dict) -> str:
+def _plan_text(launch, op: str, specs: dict) -> str:
     """What one launch range of the table runs (runtime.moe.describe_launch for MoE layers)."""
     from cuteaot.runtime.moe import describe_launch
-    from cuteaot.runtime.resolution import Launch
 
-    launch = Launch(**raw_launch)
     if op == "moe_layer":
         return describe_launch(launch, specs)
     routes = "direct routes" if launch.direct else f"b{launch.route_block}"
@@ -196,23 +190,22 @@ def _plan_text(raw_launch: dict, op: str, specs: dict) -> str:
 def _plans(m: dict, problems: list[str] | None) -> str:
     """Per resolution entry (optionally only `problems`), which plan each token range runs."""
     from cuteaot.runtime.kernels import FAMILIES
+    from cuteaot.runtime.resolution import Entry
 
     arches = {t["name"]: t["arch"] for t in m["targets"]}
     records = {(k["arch"], k["key"]): k for k in m["kernels"]}
     blocks = []
-    for raw in m["resolution"]:
-        if problems and raw["problem"] not in problems:
+    for entry in map(Entry.from_json, m["resolution"]):
+        if problems and entry.problem not in problems:
             continue
-        arch = arches[raw["profile"]]
+        arch = arches[entry.profile]
         rows = []
-        for launch in raw["launches"]:
-            specs = {}
-            for role, digest in launch["kernels"].items():
-                record = records[(arch, digest)]
-                specs[role] = FAMILIES[record["family"]].from_facts(record["facts"])
-            tokens = str(launch["m_min"]) if launch["m_min"] == launch["m_max"] else f"{launch['m_min']}-{launch['m_max']}"
-            rows.append([tokens, _plan_text(launch, raw["op"], specs)])
-        blocks.append(_entry_title(raw, arch) + "\n" + _table(["tokens", "plan"], rows))
+        for launch in entry.launches:
+            specs = {role: FAMILIES[records[(arch, digest)]["family"]].from_facts(records[(arch, digest)]["facts"])
+                     for role, digest in launch.kernels.items()}
+            tokens = str(launch.m_min) if launch.m_min == launch.m_max else f"{launch.m_min}-{launch.m_max}"
+            rows.append([tokens, _plan_text(launch, entry.op, specs)])
+        blocks.append(_entry_title(entry, arch) + "\n" + _table(["tokens", "plan"], rows))
     if not blocks:
         wanted = f" for {', '.join(problems)}" if problems else ""
         known = sorted({r["problem"] for r in m["resolution"]})

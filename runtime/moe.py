@@ -131,16 +131,29 @@ class Resolved:
     packs_routes: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
+        specs = self.specs
         object.__setattr__(self, "decode", self.launch.direct)  # read several times per call
-        object.__setattr__(self, "activation_launch",
-                           self.launch.split and self.kernels["fc1"].spec.epilogue is Epilogue.NONE)
-        object.__setattr__(self, "sums_topk", self.kernels["fc2"].spec.sum_topk > 0 if self.launch.split
-                           else self.kernels["fused"].spec.sums_topk)
-        object.__setattr__(self, "packs_routes",
-                           not self.launch.split and self.kernels["fused"].spec.pack_experts is not None)
+        object.__setattr__(self, "activation_launch", self.launch.split and specs["fc1"].epilogue is Epilogue.NONE)
+        object.__setattr__(self, "sums_topk", _sums_topk(self.launch, specs))
+        object.__setattr__(self, "packs_routes", _packs_routes(self.launch, specs))
+
+    @property
+    def specs(self) -> dict:
+        """The kernels' specs by role."""
+        return {role: kernel.spec for role, kernel in self.kernels.items()}
 
     def describe(self) -> str:
-        return describe_launch(self.launch, {role: kernel.spec for role, kernel in self.kernels.items()})
+        return describe_launch(self.launch, self.specs)
+
+
+def _sums_topk(launch: Launch, specs: Mapping[str, object]) -> bool:
+    """FC2 adds each route's row into the (M, H) output itself: no top-k sum kernel after it."""
+    return specs["fc2"].sum_topk > 0 if launch.split else specs["fused"].sums_topk
+
+
+def _packs_routes(launch: Launch, specs: Mapping[str, object]) -> bool:
+    """The fused kernel packs the routes from topk_ids itself: no route-pack launch before it."""
+    return not launch.split and specs["fused"].pack_experts is not None
 
 
 def describe_launch(launch: Launch, specs: Mapping[str, object]) -> str:
@@ -150,12 +163,13 @@ def describe_launch(launch: Launch, specs: Mapping[str, object]) -> str:
     if launch.split:
         f1, f2 = specs["fc1"], specs["fc2"]
         act = f"+{f1.epilogue.value}" if f1.epilogue.is_gated else ""
-        summed = " +sum" if f2.sum_topk > 0 else ""
+        summed = " +sum" if _sums_topk(launch, specs) else ""
         return (f"split b{launch.route_block}{summed} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
                 f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
     f = specs["fused"]
-    path = "decode" if launch.direct else f"packed b{launch.route_block}" + (" +sum" if f.sums_topk else "")
-    path += " +pack" if f.pack_experts is not None else ""
+    path = "decode" if launch.direct else f"packed b{launch.route_block}"
+    path += " +sum" if not launch.direct and _sums_topk(launch, specs) else ""
+    path += " +pack" if _packs_routes(launch, specs) else ""
     act = f"+{f.activation.value}" if f.gated_epilogue else ""
     return (f"{path} {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 {f.fc2_tile_n}x{f.fc2_tile_k} "
             f"grid {launch.grid_x}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 ABLATE: frozenset[str] = frozenset()
 PARTS = frozenset({"copy", "sync", "decode", "epilogue"})
+CONSTANT_FRAGMENT = 0x3C003C00  # "decode": every weight register of both loops holds the bf16 pair (2^-7, 2^-7)
 
 
 def active() -> frozenset[str]:

@@ -25,6 +25,7 @@ from cuteaot.runtime.nf3 import LANES as NF3_LANES
 from cuteaot.runtime.nf3 import NF3_BLOCK_K
 
 from ... import intrinsics as I
+from . import ablate
 
 # The stored (modelopt) layout's weight and scale copies read a few bytes of each K-contiguous row a stage (the
 # mma.sync loop's 128-deep tiles 64 and 8, the wgmma loop's 64-deep stages 32 and 4); `.L2::<n>B` has L2 fetch
@@ -444,7 +445,7 @@ class MainloopMixin:
         for jj in cutlass.range_constexpr(4):
             if cutlass.const_expr("decode" in self.ablate):
                 for i in cutlass.range_constexpr(4):
-                    frag[i // 2, i % 2] = Uint32(0x3C003C00)  # bf16 pairs (2^-7, 2^-7)
+                    frag[i // 2, i % 2] = Uint32(ablate.CONSTANT_FRAGMENT)
             else:
                 if cutlass.const_expr(self.nf3 and kk == 1):
                     scales = pairs[jj]

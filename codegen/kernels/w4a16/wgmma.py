@@ -80,6 +80,7 @@ from cuteaot.runtime.kernels.w4a16.gemm_spec import Mainloop
 from cuteaot.runtime.kernels.w4a16.geometry import WGMMA_SMEM_ALIGN, WGMMA_TALL_BLOCK, WGMMA_THREADS, WGMMA_WIDE_BLOCK
 
 from ... import intrinsics as I
+from . import ablate
 from .gemm import W4A16GemmKernel, _Tile
 
 _X_ROW = I.WGMMA_SW128_ROW_BYTES  # bytes per staged activation row (64 bf16)
@@ -97,6 +98,7 @@ ROW_STEPS = {WGMMA_TALL_BLOCK: 32, WGMMA_WIDE_BLOCK: 64}
 # wgmma groups (16-k rows) left running while the next row's fragments decode: 1 holds two
 # fragment sets in registers, 2 three (more time for the decode to hide behind the tensor cores).
 GROUPS_IN_FLIGHT = 2
+
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
     def __init__(self, spec, shared_routes: bool = False):
@@ -351,7 +353,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         if cutlass.const_expr("decode" in self.ablate):
             for j in cutlass.range_constexpr(self.nw):
                 for i in cutlass.range_constexpr(4):
-                    frag[j, i] = Uint32(0x3C003C00)  # bf16 pairs (2^-7, 2^-7)
+                    frag[j, i] = Uint32(ablate.CONSTANT_FRAGMENT)
         elif cutlass.const_expr(self.s.modelopt):
             self._wg_decode_modelopt(frag, words, t, kk)
         else:
