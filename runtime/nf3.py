@@ -137,16 +137,16 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
 def _pack_expert_codes(codes: torch.Tensor) -> torch.Tensor:
     e, n, k = codes.shape
     sign, m = code_sign_magnitude(codes)
-    fields = torch.stack((m & 1, m >> 1, sign), dim=-1)  # (E, N, K, 3)
+    fields = torch.stack((m & 1, m >> 1, sign), dim=-1).to(torch.uint8)  # (E, N, K, 3)
     # (E, slab, col, group, k, field) -> (E, group, slab, col, k, field): one slab row contiguous
     fields = fields.view(e, n // SLAB_N, SLAB_N, k // NF3_BLOCK_K, NF3_BLOCK_K, 3).permute(0, 3, 1, 2, 4, 5)
     fields = fields.reshape(e, k // NF3_BLOCK_K, n // SLAB_N, SLAB_N * NF3_BLOCK_K * 3)
     bits = torch.zeros_like(fields)
     bits[..., _destinations(codes.device)] = fields
-    bits = bits.view(*bits.shape[:-1], SLAB_ROW_WORDS, 32)
-    words = (bits << torch.arange(32, device=codes.device)).sum(-1)  # (E, groups, slabs, 192)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.reshape(e, k // NF3_BLOCK_K, 3 * n).to(torch.int32)
+    # bit p of word w is bit p % 8 of its little-endian byte 4w + p // 8: bytes first, then words
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=codes.device)
+    words = (bits.view(*bits.shape[:-1], -1, 8) * weights).sum(-1, dtype=torch.uint8).view(torch.int32)
+    return words.reshape(e, k // NF3_BLOCK_K, 3 * n)  # (E, groups, slabs * 192)
 
 
 def _unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -156,8 +156,8 @@ def _unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def _unpack_expert_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     e = qweight.shape[0]
-    words = (qweight.to(torch.int64) & 0xFFFFFFFF).view(e, k // NF3_BLOCK_K, n // SLAB_N, SLAB_ROW_WORDS, 1)
-    bits = ((words >> torch.arange(32, device=qweight.device)) & 1).flatten(-2)
+    words = qweight.contiguous().view(torch.uint8).view(e, k // NF3_BLOCK_K, n // SLAB_N, SLAB_ROW_WORDS * 4, 1)
+    bits = ((words >> torch.arange(8, dtype=torch.uint8, device=qweight.device)) & 1).flatten(-2)
     fields = bits[..., _destinations(qweight.device)].view(e, k // NF3_BLOCK_K, n // SLAB_N, SLAB_N, NF3_BLOCK_K, 3)
     fields = fields.permute(0, 2, 3, 1, 4, 5).reshape(e, n, k, 3)
     m, sign = fields[..., 0] | fields[..., 1] << 1, fields[..., 2]

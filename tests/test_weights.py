@@ -101,6 +101,21 @@ def test_emulation_uses_arbitrary_nibbles_and_scales():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_packing_in_slices_of_experts_is_the_whole_packing(dtype, monkeypatch):
+    """A large layer packs a few experts at a time (bounded temporaries): slices of one, two and three
+    experts give the words and scales of one pass, and unpack the same way."""
+    from cuteaot.runtime import weights
+
+    weight, scale, scale_2 = _random_modelopt(7, 128, 192, min_scale_byte=0x00, seed=11)
+    whole = pack_nvfp4(weight, scale, scale_2, dtype)
+    for experts in (1, 2, 3):
+        monkeypatch.setattr(weights, "_CHUNK_BYTES", experts * 128 * 192 // 2)
+        assert len(weights._expert_slices(7, 128 * 192 // 2)) == -(-7 // experts)
+        _assert_same_packed(pack_nvfp4(weight, scale, scale_2, dtype), whole)
+        assert torch.equal(unpack_nvfp4(whole)[0], unpack_nvfp4(pack_nvfp4(weight, scale, scale_2, dtype))[0])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_global_scale_carries_the_decode_compensation(dtype):
     weight, scale, scale_2 = _random_modelopt(3, 64, 64, min_scale_byte=0x08)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]  # torch dtypes are accepted too
