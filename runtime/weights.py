@@ -20,6 +20,7 @@ dtype.  Everything here is vectorised torch and runs on CPU or CUDA tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
@@ -376,7 +377,7 @@ def _pack_mxfp4(blocks, scales, dtype: DType, num_experts: int, n: int, k: int, 
     lo, hi = MXFP4_EXPONENT_WINDOW[dtype]
     exponent = scales.to(torch.int32) - E8M0_BIAS
     # a block of +-0 codes only has no value to keep: its scale is free (stored as zero)
-    live = (blocks & 0x77).amax(dim=-1) != 0
+    live = torch.cat([(blocks[part] & 0x77).amax(dim=-1) != 0 for part in _expert_slices(num_experts, n * k // 2)])
     top = torch.where(live, exponent, torch.iinfo(torch.int32).min).amax(dim=(1, 2))
     bottom = torch.where(live, exponent, torch.iinfo(torch.int32).max).amin(dim=(1, 2))
     any_live = live.flatten(1).any(dim=1)
@@ -590,18 +591,15 @@ def _global_scale(weight_scale_2: torch.Tensor, dtype: DType, prefix: str,
 
 def _pack_encoded(weight: torch.Tensor, scale_bytes: torch.Tensor, global_scale: torch.Tensor, dtype: DType,
                   num_experts: int, n: int, k: int, bias: torch.Tensor | None) -> PackedNvfp4:
-    """(E, N, K/2) code bytes + (E, N, K/16) S0E5M3 scale bytes -> the packed layout."""
+    """(E, N, K/2) code bytes + (E, N, K/16) S0E5M3 scale bytes -> the packed layout, a few experts at a time."""
     n_stored, k_stored = stored_dims(n, k)
-    if (n_stored, k_stored) != (n, k):  # zero weights and zero scales: contribute exactly 0
-        weight = torch.nn.functional.pad(weight, (0, (k_stored - k) // 2, 0, n_stored - n))
-        scale_bytes = torch.nn.functional.pad(scale_bytes, (0, (k_stored - k) // SCALE_GROUP_K, 0, n_stored - n))
-    # The bf16 scale decode has no zero (it sets an exponent bit), so a block whose scale is zero
-    # stores zero codes instead: the same products, exactly 0 in both decodes.
-    zero_block = (scale_bytes == 0).repeat_interleave(SCALE_GROUP_K // 2, dim=-1)
-    weight = weight.masked_fill(zero_block, 0)
+    qweight = torch.empty((num_experts, k_stored // SCALE_GROUP_K, 2 * n_stored), dtype=torch.int32,
+                          device=weight.device)
+    for part in _expert_slices(num_experts, n_stored * k_stored // 2):
+        qweight[part] = _pack_codes(_masked_codes(weight[part], scale_bytes[part], n_stored, k_stored), dtype)
     return PackedNvfp4(
-        qweight=_pack_codes(weight, dtype),
-        scales=_order_scale_bytes(scale_bytes),
+        qweight=qweight,
+        scales=_order_scale_bytes(_padded(scale_bytes, n_stored, k_stored // SCALE_GROUP_K)),
         global_scale=global_scale.contiguous(),
         num_experts=num_experts,
         n=n,
@@ -609,6 +607,22 @@ def _pack_encoded(weight: torch.Tensor, scale_bytes: torch.Tensor, global_scale:
         dtype=dtype,
         bias=bias,
     )
+
+
+def _padded(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """(E, r, c) -> (E, rows, columns) with zeros past r and c (padding: zero weights and zero scales,
+    which contribute exactly 0)."""
+    if tuple(t.shape[1:]) == (rows, columns):
+        return t
+    return torch.nn.functional.pad(t, (0, columns - t.shape[2], 0, rows - t.shape[1]))
+
+
+def _masked_codes(weight: torch.Tensor, scale_bytes: torch.Tensor, n_stored: int, k_stored: int) -> torch.Tensor:
+    """The code bytes as the packed layout stores them: padded, and zero where the block's scale is zero
+    (the bf16 scale decode has no zero: it sets an exponent bit; zero codes give the same exact 0)."""
+    weight = _padded(weight, n_stored, k_stored // 2)
+    zero_block = _padded(scale_bytes, n_stored, k_stored // SCALE_GROUP_K) == 0
+    return weight.masked_fill(zero_block.repeat_interleave(SCALE_GROUP_K // 2, dim=-1), 0)
 
 
 # Packing by table lookup.  The two codes of one checkpoint byte (k = 2t + dk and 2t + dk + 1, the
@@ -648,6 +662,7 @@ def _bit_table(moves: list[tuple[int, int]], device: torch.device) -> torch.Tens
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
 
 
+@functools.cache
 def _pack_tables(dtype: DType, device: torch.device) -> torch.Tensor:
     """(2 * 65536,) int32: entry 65536 p + v = the word bits that source bytes 2p (v's low byte) and
     2p + 1 (its high byte) set."""
@@ -656,6 +671,7 @@ def _pack_tables(dtype: DType, device: torch.device) -> torch.Tensor:
                                  device) for p in range(2)])
 
 
+@functools.cache
 def _unpack_tables(dtype: DType, device: torch.device) -> torch.Tensor:
     """(2 * 65536,) int32: entry 65536 h + v = the bits of the four source bytes (byte s of the int32)
     that word half h holding v carries."""
@@ -679,20 +695,15 @@ def _lookup_pairs(table: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_codes(weight: torch.Tensor, dtype: DType) -> torch.Tensor:
-    """(E, N, K/2) u8 code bytes -> (E, K/16, 2N) i32 packed words (code bits at e2m1_code_bits(dtype))."""
-    num_experts, n, half_k = weight.shape
+    """(E, N, K/2) u8 code bytes -> (E, K/16, 2N) i32 packed words (code bits at e2m1_code_bits(dtype));
+    callers pass a slice of experts (`_expert_slices`)."""
+    e, n, half_k = weight.shape
     slabs, groups = n // SLAB_N, 2 * half_k // SCALE_GROUP_K
-    table = _pack_tables(dtype, weight.device)
-    out = torch.empty((num_experts, groups, 2 * n), dtype=torch.int32, device=weight.device)
-    for part in _expert_slices(num_experts, n * half_k):
-        e = part.stop - part.start
-        # n = 64 slab + 16 jj + 8 half + g ;  byte = 8 group + 4 q + t
-        grid = weight[part].view(e, slabs, WORDS_PER_LANE, COLUMN_BLOCKS_PER_WORD, LANE_GROUPS, groups, 2,
-                                 LANE_THREADS)
-        # -> (E, group, slab, g, t, jj, s = 2 half + q): word index slab * 128 + (4g + t) * 4 + jj
-        sources = grid.permute(0, 5, 1, 4, 7, 2, 3, 6).reshape(e, groups, 2 * n, SOURCE_BYTES)
-        out[part] = _lookup_pairs(table, sources)
-    return out
+    # n = 64 slab + 16 jj + 8 half + g ;  byte = 8 group + 4 q + t
+    grid = weight.reshape(e, slabs, WORDS_PER_LANE, COLUMN_BLOCKS_PER_WORD, LANE_GROUPS, groups, 2, LANE_THREADS)
+    # -> (E, group, slab, g, t, jj, s = 2 half + q): word index slab * 128 + (4g + t) * 4 + jj
+    sources = grid.permute(0, 5, 1, 4, 7, 2, 3, 6).reshape(e, groups, 2 * n, SOURCE_BYTES)
+    return _lookup_pairs(_pack_tables(dtype, weight.device), sources)
 
 
 def _unpack_codes(qweight: torch.Tensor, n: int, k: int, dtype: DType) -> torch.Tensor:
