@@ -688,7 +688,7 @@ def _expert_slices(num_experts: int, per_expert: int) -> list[slice]:
 def _lookup_pairs(table: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """(..., 4) u8 -> (...,) int32: the OR of table[v0] and table[65536 + v1], v0 / v1 its two
     little-endian 16-bit halves."""
-    index = pairs.view(torch.int16).to(torch.int32) & 0xFFFF
+    index = pairs.view(torch.int16).to(torch.int64) & 0xFFFF
     index[..., 1] += 1 << 16
     found = table[index]
     return found[..., 0] | found[..., 1]
