@@ -462,8 +462,13 @@ def _check_modelopt(weight: object, weight_scale: object, prefix: str) -> tuple[
 
 
 def _check_scale_values(weight_scale: torch.Tensor, name: str) -> None:
-    values = weight_scale.float()
-    for bad, what in ((torch.isnan(values), "NaN"), (values < 0, "negative")):
+    """NaN (e4m3fn bytes 0x7F, 0xFF) or negative (sign bit on a nonzero magnitude) block scales are refused;
+    read from the bytes (a float copy of a large layer's scales costs seconds)."""
+    raw = weight_scale.view(torch.uint8)
+    if not bool(((raw & 0x7F) == 0x7F).any() | (raw > 0x80).any()):
+        return
+    nan = (raw & 0x7F) == 0x7F
+    for bad, what in ((nan, "NaN"), ((raw > 0x80) & ~nan, "negative")):
         count = int(bad.sum())
         if count:
             first = [int(i) for i in bad.nonzero()[0]]
@@ -549,12 +554,19 @@ def _merge_w13_global_scales(
     if global_2.dim() == 1:
         return global_2, weight_scale
     larger = global_2.max(dim=1).values  # (E,)
-    # s * own / larger is computed in float64 (s * own is exact there), then rounded once to e4m3.
-    ratio_num = global_2.double().repeat_interleave(half, dim=1).unsqueeze(-1)  # (E, 2I, 1)
-    ratio_den = larger.double().view(-1, 1, 1)
-    scaled = weight_scale.double() * ratio_num / ratio_den.clamp_min(torch.finfo(torch.float64).tiny)
-    rescaled = torch.where(ratio_den > 0, scaled, weight_scale.double()).to(torch.float8_e4m3fn)
-    return larger.contiguous(), rescaled.contiguous()
+    raw = weight_scale.view(torch.uint8)  # indexed as bytes: float8 indexing is not on every device
+    merged = raw.clone()
+    for h in range(2):  # the half whose own scale is the larger one keeps its block scales (s * 1 == s)
+        own = global_2[:, h]
+        experts = (own != larger).nonzero().flatten()  # there larger > own >= 0
+        rows = slice(h * half, (h + 1) * half)
+        for part in _expert_slices(len(experts), half * weight_scale.shape[2] * 8):
+            e = experts[part]
+            # s * own / larger is computed in float64 (s * own is exact there), then rounded once to e4m3
+            s = raw[e, rows].view(torch.float8_e4m3fn).double()
+            scaled = s * own[e].double().view(-1, 1, 1) / larger[e].double().view(-1, 1, 1)
+            merged[e, rows] = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    return larger.contiguous(), merged.view(torch.float8_e4m3fn)
 
 
 # ---- packing -------------------------------------------------------------------------------------
@@ -725,12 +737,37 @@ def _unpack_codes(qweight: torch.Tensor, n: int, k: int, dtype: DType) -> torch.
 # ---- scales --------------------------------------------------------------------------------------
 
 
+def _encode_scale_value(values: torch.Tensor) -> torch.Tensor:
+    """e4m3 values -> S0E5M3 bytes of s * 2**7 (exact for every e4m3 value: each is a normal fp16 then)."""
+    as_fp16 = (values.float() * 2.0**SCALE_STORE_EXPONENT).to(torch.float16)
+    return ((as_fp16.view(torch.int16).to(torch.int32) >> FP16_TO_S0E5M3_SHIFT) & S0E5M3_MASK).to(torch.uint8)
+
+
+E4M3_SMALLEST_NORMAL_BYTE = 0x08  # exponent field 1
+E4M3_LARGEST_BYTE = 0x7E  # 448; 0x7F is NaN, bytes above carry the sign (refused by _check_scale_values)
+
+
+@functools.cache
+def _scale_byte_encoding() -> tuple[int, tuple[int, ...]]:
+    """(offset, small): a normal e4m3 byte b encodes to b + offset (the exponent field gains the fp16
+    bias, the mantissa stays), bytes 0..7 (zero, subnormals) to small[b]."""
+    codes = _encode_scale_value(torch.arange(E4M3_LARGEST_BYTE + 1, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    offset = int(codes[E4M3_SMALLEST_NORMAL_BYTE]) - E4M3_SMALLEST_NORMAL_BYTE
+    normal = torch.arange(E4M3_SMALLEST_NORMAL_BYTE, E4M3_LARGEST_BYTE + 1)
+    assert torch.equal(codes[E4M3_SMALLEST_NORMAL_BYTE:].long(), normal + offset)
+    return offset, tuple(int(c) for c in codes[:E4M3_SMALLEST_NORMAL_BYTE])
+
+
 def _encode_scale_bytes(weight_scale: torch.Tensor) -> torch.Tensor:
-    """(E, N, K/16) e4m3 -> (E, N, K/16) S0E5M3 bytes of s * 2**7 (exact for every e4m3 value)."""
-    values = weight_scale.float()
-    as_fp16 = (values * 2.0**SCALE_STORE_EXPONENT).to(torch.float16)  # exact for every e4m3 value
-    codes = (as_fp16.view(torch.int16).to(torch.int32) >> FP16_TO_S0E5M3_SHIFT) & S0E5M3_MASK
-    return codes.to(torch.uint8)
+    """(E, N, K/16) e4m3 (finite, >= 0: checked) -> (E, N, K/16) S0E5M3 bytes of s * 2**7, from the bytes:
+    one add, and a lookup for the rare zero and subnormal ones."""
+    offset, small = _scale_byte_encoding()
+    raw = weight_scale.view(torch.uint8)
+    codes = raw + offset
+    below = raw < E4M3_SMALLEST_NORMAL_BYTE
+    if bool(below.any()):
+        codes[below] = torch.tensor(small, dtype=torch.uint8, device=raw.device)[raw[below].long()]
+    return codes
 
 
 def _decode_scale_bytes(codes: torch.Tensor) -> torch.Tensor:
