@@ -272,10 +272,10 @@ def prepare_w13(
     if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] % 2:
         raise BadInputError(f"w13_weight has {weight.shape[1]} rows; [gate | up] needs an even count (2 * I)")
     num_experts, rows, k = _check_modelopt(weight, weight_scale, "w13_")
-    weight, weight_scale = (_gate_up_rows(t, row_order) for t in (weight, weight_scale))
+    weight_scale = _gate_up_rows(weight_scale, row_order)  # the codes are reordered slice by slice
     global_2, weight_scale = _merge_w13_global_scales(weight_scale_2, weight_scale, num_experts, rows // 2)
     bias = _check_bias(bias, "w13_bias", num_experts, rows, elem, weight.device, row_order)
-    return _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_", bias)
+    return _pack(weight, weight_scale, global_2, elem, num_experts, rows, k, "w13_", bias, row_order)
 
 
 def prepare_w2(
@@ -329,9 +329,8 @@ def prepare_w13_mxfp4(
     row_order = _w13_order(order)
     elem = _check_dtype(dtype)
     num_experts, rows, k = _check_mxfp4(blocks, scales, "w13_")  # rows % 8 == 0: [gate | up] halves exist
-    blocks, scales = (_gate_up_rows(t, row_order) for t in (blocks, scales))
     bias = _check_bias(bias, "w13_bias", num_experts, rows, elem, blocks.device, row_order)
-    return _pack_mxfp4(blocks, scales, elem, num_experts, rows, k, "w13_", bias)
+    return _pack_mxfp4(blocks, scales, elem, num_experts, rows, k, "w13_", bias, row_order)
 
 
 def prepare_w2_mxfp4(
@@ -373,11 +372,14 @@ def _check_mxfp4(blocks: object, scales: object, prefix: str) -> tuple[int, int,
 
 
 def _pack_mxfp4(blocks, scales, dtype: DType, num_experts: int, n: int, k: int, prefix: str,
-                bias: torch.Tensor | None) -> PackedNvfp4:
+                bias: torch.Tensor | None, row_order: W13Order = W13Order.GATE_UP) -> PackedNvfp4:
+    """`blocks` and `scales` in the checkpoint's row order (`row_order`); packed as [gate | up]."""
     lo, hi = MXFP4_EXPONENT_WINDOW[dtype]
+    scales = _gate_up_rows(scales, row_order)  # the blocks are reordered slice by slice
     exponent = scales.to(torch.int32) - E8M0_BIAS
     # a block of +-0 codes only has no value to keep: its scale is free (stored as zero)
-    live = torch.cat([(blocks[part] & 0x77).amax(dim=-1) != 0 for part in _expert_slices(num_experts, n * k // 2)])
+    live = _gate_up_rows(torch.cat([(blocks[part] & 0x77).amax(dim=-1) != 0
+                                    for part in _expert_slices(num_experts, n * k // 2)]), row_order)
     top = torch.where(live, exponent, torch.iinfo(torch.int32).min).amax(dim=(1, 2))
     bottom = torch.where(live, exponent, torch.iinfo(torch.int32).max).amin(dim=(1, 2))
     any_live = live.flatten(1).any(dim=1)
@@ -397,7 +399,7 @@ def _pack_mxfp4(blocks, scales, dtype: DType, num_experts: int, n: int, k: int, 
     scale_bytes = scale_bytes.repeat_interleave(MXFP4_BLOCK_K // SCALE_GROUP_K, dim=-1)  # (E, N, K/16)
     weight = blocks.reshape(num_experts, n, k // 2)
     global_scale = _global_scale(torch.exp2(global_exp.double()).float(), dtype, prefix)
-    return _pack_encoded(weight, scale_bytes, global_scale, dtype, num_experts, n, k, bias)
+    return _pack_encoded(weight, scale_bytes, global_scale, dtype, num_experts, n, k, bias, row_order)
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -582,9 +584,11 @@ def _pack(
     k: int,
     prefix: str,
     bias: torch.Tensor | None = None,  # checked
+    row_order: W13Order = W13Order.GATE_UP,  # of `weight` (W13); the scales are already [gate | up]
 ) -> PackedNvfp4:
     global_scale = _global_scale(weight_scale_2, dtype, prefix)
-    return _pack_encoded(weight, _encode_scale_bytes(weight_scale), global_scale, dtype, num_experts, n, k, bias)
+    return _pack_encoded(weight, _encode_scale_bytes(weight_scale), global_scale, dtype, num_experts, n, k, bias,
+                         row_order)
 
 
 def _global_scale(weight_scale_2: torch.Tensor, dtype: DType, prefix: str,
@@ -602,13 +606,16 @@ def _global_scale(weight_scale_2: torch.Tensor, dtype: DType, prefix: str,
 
 
 def _pack_encoded(weight: torch.Tensor, scale_bytes: torch.Tensor, global_scale: torch.Tensor, dtype: DType,
-                  num_experts: int, n: int, k: int, bias: torch.Tensor | None) -> PackedNvfp4:
-    """(E, N, K/2) code bytes + (E, N, K/16) S0E5M3 scale bytes -> the packed layout, a few experts at a time."""
+                  num_experts: int, n: int, k: int, bias: torch.Tensor | None,
+                  row_order: W13Order = W13Order.GATE_UP) -> PackedNvfp4:
+    """(E, N, K/2) code bytes in `row_order` + (E, N, K/16) S0E5M3 scale bytes, [gate | up] -> the packed
+    layout, a few experts at a time (a slice's codes are reordered on their own: no copy of the layer)."""
     n_stored, k_stored = stored_dims(n, k)
     qweight = torch.empty((num_experts, k_stored // SCALE_GROUP_K, 2 * n_stored), dtype=torch.int32,
                           device=weight.device)
     for part in _expert_slices(num_experts, n_stored * k_stored // 2):
-        qweight[part] = _pack_codes(_masked_codes(weight[part], scale_bytes[part], n_stored, k_stored), dtype)
+        codes = _gate_up_rows(weight[part], row_order)
+        qweight[part] = _pack_codes(_masked_codes(codes, scale_bytes[part], n_stored, k_stored), dtype)
     return PackedNvfp4(
         qweight=qweight,
         scales=_order_scale_bytes(_padded(scale_bytes, n_stored, k_stored // SCALE_GROUP_K)),
