@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -230,11 +231,13 @@ def comma_list(cast=str) -> Callable[[str], list]:
 
 
 def write_results(path: str | None, name: str, commit: str | None, method: str, rows: list[dict]) -> Path:
-    """Rows as docs/results/<name>-<date>.json (or `path`) with date, commit, GPU and method."""
+    """Rows as docs/results/<name>-<date>.json (or `path`) with date, commit, GPU (None for a CPU-only
+    measurement, with the host's CPU count) and method."""
     today = datetime.date.today().isoformat()
     out = Path(path or Path(__file__).resolve().parents[1] / "docs" / "results" / f"{name}-{today}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": today, "commit": commit, "gpu": torch.cuda.get_device_name(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    out.write_text(json.dumps({"date": today, "commit": commit, "gpu": gpu, "cpus": os.cpu_count(),
                                "method": method, "rows": rows}, indent=1))
     return out
 

@@ -106,14 +106,18 @@ def main(argv=None) -> None:
                                     "--device", args.device, "--reps", str(args.reps)],
                                    check=True, capture_output=True, text=True)
             rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    print(f"| model | format | device | W13 s | W2 s | inputs MiB | peak above inputs MiB |")
+    print("| model | format | device | W13 s | W2 s | inputs MiB | peak above inputs MiB |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['model']} | {r['format']} | {r['device']} | {r['w13_s']:.2f} | {r['w2_s']:.2f} | "
               f"{r['input_bytes'] / 2**20:.0f} | {r['peak_above_inputs_bytes'] / 2**20:.0f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        from .common import write_results
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        write_results(args.json, "prepare-weights", commit or None,
+                      f"runtime prepare_* on random tensors of each layer's shape, bf16, median of {args.reps}, "
+                      "peak = max RSS (CPU) or max_memory_allocated (GPU) above the inputs, a process per format", rows)
 
 
 if __name__ == "__main__":
