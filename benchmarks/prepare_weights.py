@@ -1,7 +1,7 @@
 """Weight preparation cost: seconds and peak memory to pack one MoE layer, on the CPU or a GPU.
 
-Random checkpoint tensors of a model's layer shape (ModelOpt NVFP4, or gpt-oss's MXFP4 for the
-`mxfp4` format; values do not change the work) are packed by the runtime's `prepare_*` functions,
+Random checkpoint tensors of a model's layer shape (ModelOpt NVFP4, gpt-oss's MXFP4 for `mxfp4`, or
+`quantize_nf3`'s output for `nf3`; values do not change the work) are packed by the runtime's `prepare_*` functions,
 as `load_moe_layer` does after reading them; the median of `--reps` runs is reported with the peak
 memory above the inputs (CPU: the process's max RSS, so each format runs in its own process; GPU:
 `torch.cuda.max_memory_allocated`). Runs anywhere the runtime imports (no bundle, no GPU needed).
@@ -25,7 +25,7 @@ MODELS = {
     "glm-4.5-air": (4096, 1408, 128),
     "mixtral-8x7b": (4096, 14336, 8),
 }
-FORMATS = ("nvfp4", "mxfp4")
+FORMATS = ("nvfp4", "mxfp4", "nf3")
 
 
 def _inputs(fmt: str, hidden: int, inter: int, experts: int, device: str) -> dict:
@@ -37,6 +37,12 @@ def _inputs(fmt: str, hidden: int, inter: int, experts: int, device: str) -> dic
             return (torch.randint(0, 256, (experts, n, k // 32, 16), dtype=torch.uint8, generator=g).to(device),
                     torch.randint(118, 134, (experts, n, k // 32), dtype=torch.uint8, generator=g).to(device))
         return {"w13": mx(2 * inter, hidden), "w2": mx(hidden, inter)}
+    if fmt == "nf3":
+        def nf3(n, k):
+            return (torch.randint(0, 8, (experts, n, k), dtype=torch.uint8, generator=g).to(device),
+                    (torch.rand(experts, n, k // 32, generator=g) + 0.5).to(torch.float8_e4m3fn).to(device),
+                    (torch.rand(experts, generator=g) + 0.5).to(device))
+        return {"w13": nf3(2 * inter, hidden), "w2": nf3(hidden, inter)}
 
     def nv(n, k, scale_2):
         return (torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=g).to(device),
@@ -52,11 +58,15 @@ def measure(model: str, fmt: str, device: str, reps: int) -> dict:
 
     import torch
 
-    from cuteaot.runtime import prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4
+    from cuteaot.runtime import (
+        prepare_w2, prepare_w2_mxfp4, prepare_w2_nf3, prepare_w13, prepare_w13_mxfp4, prepare_w13_nf3,
+    )
 
     hidden, inter, experts = MODELS[model]
     tensors = _inputs(fmt, hidden, inter, experts, device)
-    p13, p2 = (prepare_w13_mxfp4, prepare_w2_mxfp4) if fmt == "mxfp4" else (prepare_w13, prepare_w2)
+    p13, p2 = {"nvfp4": (prepare_w13, prepare_w2), "mxfp4": (prepare_w13_mxfp4, prepare_w2_mxfp4),
+               "nf3": (prepare_w13_nf3, prepare_w2_nf3)}[fmt]
+    dtype = () if fmt == "nf3" else ("bf16",)  # NF3 serves bf16 only and takes no dtype
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -68,7 +78,7 @@ def measure(model: str, fmt: str, device: str, reps: int) -> dict:
     for _ in range(reps):
         for name, prepare in (("w13", p13), ("w2", p2)):
             start = time.perf_counter()
-            packed = prepare(*tensors[name], "bf16")
+            packed = prepare(*tensors[name], *dtype)
             if cuda:
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)

@@ -30,8 +30,8 @@ from .errors import BadInputError
 from .types import DType, WeightFormat
 from .weights import (
     SCALE_DECODE_EXPONENT, SLAB_N, VECTOR_ELEMENTS, PackedNvfp4, W13Order, _check_bias, _check_global_2,
-    _check_scale_values, _check_tensor, _decode_scale_bytes, _encode_scale_bytes, _gate_up_rows, _order_scale_bytes,
-    _unorder_scale_bytes, _w13_order, stored_dims,
+    _check_scale_values, _check_tensor, _decode_scale_bytes, _encode_scale_bytes, _expert_slices, _gate_up_rows,
+    _order_scale_bytes, _unorder_scale_bytes, _w13_order, stored_dims,
 )
 
 NF3_CODEBOOK = (-1.0, -0.6047, -0.3563, -0.1275, 0.1275, 0.3563, 0.6047, 1.0)  # the seed's code points
@@ -43,13 +43,6 @@ NF3_CODEBOOK_BF16 = torch.tensor(NF3_CODEBOOK, dtype=torch.float32).to(torch.bfl
 
 # A code c is a sign (c < 4) and a magnitude index m: |NF3_CODEBOOK[c]| = magnitude m, ascending.
 HALF = NF3_CODES // 2
-
-
-def code_sign_magnitude(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sign, m) of codes: sign 1 for the negative half, m = 0..3 the magnitude's rank."""
-    c = codes.to(torch.int64)
-    negative = c < HALF
-    return negative.to(torch.int64), torch.where(negative, HALF - 1 - c, c - HALF)
 
 
 def _bf16_bits(value: float) -> int:
@@ -128,25 +121,35 @@ def _destinations(device: torch.device) -> torch.Tensor:
     return torch.tensor(_bit_destinations(), dtype=torch.int64, device=device)
 
 
+def _unit_fields(codes: torch.Tensor) -> torch.Tensor:
+    """u8 codes -> their fields on a group-0 unit's bits (UNIT_FIELD_BITS: m bit 0, m bit 1, sign), as u8."""
+    sign = (codes < HALF).to(torch.uint8)
+    m = (codes & (HALF - 1)) ^ (sign * (HALF - 1))  # the negative half counts down: HALF - 1 - c, else c - HALF
+    m0, m1, s = UNIT_FIELD_BITS
+    return ((m & 1) << m0) | ((m >> 1) << m1) | (sign << s)
+
+
 def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """(E, N, K) codes -> (E, K/32, 3N) i32 packed words (one expert at a time: the bit planes
-    take 24 bytes a weight)."""
-    return torch.cat([_pack_expert_codes(codes[i : i + 1]) for i in range(codes.shape[0])])
-
-
-def _pack_expert_codes(codes: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) u8 codes -> (E, K/32, 3N) i32 packed words, byte by byte: byte u = 2 * high + half of
+    decode word jj of lane (g, t) holds the codes of columns 16 jj + g (group 0's bits) and 16 jj + 8 + g
+    (group 2's) at k = 16 kk + 8 high + 2t + half; y3's bits then move into the leftover bits of x0..x2
+    (GATHER_SOURCES, read backwards) and the words go to their slab-row offsets (_word_offset).  Callers
+    pass a slice of experts; `_unpack_codes` inverts it through `_bit_destinations`, independently."""
     e, n, k = codes.shape
-    sign, m = code_sign_magnitude(codes)
-    fields = torch.stack((m & 1, m >> 1, sign), dim=-1).to(torch.uint8)  # (E, N, K, 3)
-    # (E, slab, col, group, k, field) -> (E, group, slab, col, k, field): one slab row contiguous
-    fields = fields.view(e, n // SLAB_N, SLAB_N, k // NF3_BLOCK_K, NF3_BLOCK_K, 3).permute(0, 3, 1, 2, 4, 5)
-    fields = fields.reshape(e, k // NF3_BLOCK_K, n // SLAB_N, SLAB_N * NF3_BLOCK_K * 3)
-    bits = torch.zeros_like(fields)
-    bits[..., _destinations(codes.device)] = fields
-    # bit p of word w is bit p % 8 of its little-endian byte 4w + p // 8: bytes first, then words
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=codes.device)
-    words = (bits.view(*bits.shape[:-1], -1, 8) * weights).sum(-1, dtype=torch.uint8).view(torch.int32)
-    return words.reshape(e, k // NF3_BLOCK_K, 3 * n)  # (E, groups, slabs * 192)
+    slabs, groups = n // SLAB_N, k // NF3_BLOCK_K
+    # n = 64 slab + 16 jj + 8 block + g ;  k = 32 group + 16 kk + 8 high + 2 t + half
+    fields = _unit_fields(codes.reshape(e, slabs, WORDS_PER_ROW + 1, 2, 8, groups, 2, 2, 4, 2))
+    units = (fields[:, :, :, 0] << GROUP_SHIFTS[0]) | (fields[:, :, :, 1] << GROUP_SHIFTS[1])
+    # (E, slab, jj, g, group, kk, high, t, half) -> (E, group, slab, kk, g, t, jj, [high, half] = byte u)
+    y = units.permute(0, 4, 1, 5, 3, 7, 2, 6, 8).reshape(e, groups, slabs, 2, LANES, WORDS_PER_ROW + 1, 4)
+    y3 = y[..., WORDS_PER_ROW, :]
+    m0, m1, m2 = (mask & 0xFF for mask in GATHER_MASKS)  # the same in every byte
+    x = (y[..., 0, :] | (y3 & m0) << 4, y[..., 1, :] | (y3 & m1) << 3, y[..., 2, :] | (y3 & m2) >> 1)
+    words = [w.contiguous().view(torch.int32).squeeze(-1) for w in x]  # (E, group, slab, kk, lane)
+    # slab row: (x0, x1) of row kk as lane pairs in plane kk, then x2 of row kk in plane 2 + kk
+    x01 = torch.stack(words[:2], dim=-1).reshape(e, groups, slabs, X2_BASE)
+    row = torch.cat((x01, words[2].reshape(e, groups, slabs, SLAB_ROW_WORDS - X2_BASE)), dim=-1)
+    return row.reshape(e, groups, WORDS_PER_ROW * n)
 
 
 def _unpack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -207,27 +210,31 @@ def _check_nf3(codes: object, scales: object, prefix: str) -> tuple[int, int, in
     if int(codes.max()) >= NF3_CODES:
         raise BadInputError(f"{c_name} must hold indices 0..{NF3_CODES - 1}, got max {int(codes.max())}")
     _check_scale_values(scales, s_name)
-    zero = scales.float() == 0
+    zero = (scales.view(torch.uint8) & 0x7F) == 0  # +-0 (the sign was checked above)
     if bool(zero.any()):
         raise BadInputError(f"{s_name} holds {int(zero.sum())} zero block scale(s): NF3 has no zero code point, so "
                             "a zero block is not representable (quantize_nf3 gives such blocks the smallest scale)")
     return e, n, k
 
 
-def _pack(codes, scales, scale_2, num_experts, n, k, prefix, bias) -> PackedNf3:
+def _pack(codes, scales, scale_2, num_experts, n, k, prefix, bias,
+          row_order: W13Order = W13Order.GATE_UP) -> PackedNf3:
+    """`codes` in `row_order` (W13; reordered a slice of experts at a time), `scales` already [gate | up]."""
     global_scale = scale_2.float() * NF3_GLOBAL_SCALE_COMPENSATION
-    n_stored, k_stored = stored_dims(n, k, NF3_STORED_N_MULTIPLE)
-    scale_bytes = _encode_scale_bytes(scales)
-    if (n_stored, k_stored) != (n, k):
-        # padding: finite weights the kernels never use (activations past K are read as zeros,
-        # outputs past N are not stored); code 4 and scale byte 0 decode to finite values
-        codes = torch.nn.functional.pad(codes, (0, k_stored - k, 0, n_stored - n), value=HALF)
-        scale_bytes = torch.nn.functional.pad(scale_bytes, (0, (k_stored - k) // NF3_BLOCK_K, 0, n_stored - n))
     if not bool(torch.isfinite(global_scale).all()):
         raise BadInputError(f"{prefix}scale_2 must be finite, got max {float(scale_2.max()):g}")
-    return PackedNf3(qweight=_pack_codes(codes), scales=_order_scale_bytes(scale_bytes),
-                     global_scale=global_scale.contiguous(), num_experts=num_experts, n=n, k=k, dtype=DType.BF16,
-                     bias=bias)
+    n_stored, k_stored = stored_dims(n, k, NF3_STORED_N_MULTIPLE)
+    # padding: finite weights the kernels never use (activations past K are read as zeros, outputs past N
+    # are not stored); code HALF and scale byte 0 decode to finite values
+    pad_codes, pad_scales = (0, k_stored - k, 0, n_stored - n), (0, (k_stored - k) // NF3_BLOCK_K, 0, n_stored - n)
+    qweight = torch.empty((num_experts, k_stored // NF3_BLOCK_K, WORDS_PER_ROW * n_stored), dtype=torch.int32,
+                          device=codes.device)
+    for part in _expert_slices(num_experts, n_stored * k_stored):
+        qweight[part] = _pack_codes(torch.nn.functional.pad(_gate_up_rows(codes[part], row_order), pad_codes,
+                                                            value=HALF))
+    scale_bytes = torch.nn.functional.pad(_encode_scale_bytes(scales), pad_scales)
+    return PackedNf3(qweight=qweight, scales=_order_scale_bytes(scale_bytes), global_scale=global_scale.contiguous(),
+                     num_experts=num_experts, n=n, k=k, dtype=DType.BF16, bias=bias)
 
 
 def pack_nf3(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor) -> PackedNf3:
@@ -255,10 +262,10 @@ def prepare_w13_nf3(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Te
     e, rows, k = _check_nf3(codes, scales, "w13_")
     if rows % 2:
         raise BadInputError(f"w13_codes has {rows} rows; [gate | up] needs an even count (2 * I)")
-    codes, scales = (_gate_up_rows(t, row_order) for t in (codes, scales))
+    scales = _gate_up_rows(scales, row_order)  # the codes are reordered slice by slice
     scale_2 = _check_global_2(scale_2, e, codes.device, "w13_scale_2", pair=False)
     bias = _check_bias(bias, "w13_bias", e, rows, DType.BF16, codes.device, row_order)
-    return _pack(codes, scales, scale_2, e, rows, k, "w13_", bias)
+    return _pack(codes, scales, scale_2, e, rows, k, "w13_", bias, row_order)
 
 
 def prepare_w2_nf3(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor, *,

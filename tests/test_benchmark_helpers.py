@@ -147,15 +147,18 @@ def test_stall_spans_split_the_samples_into_named_ranges_and_the_rest(tmp_path):
     assert [g["name"] for g in json.loads(summary.read_text())["spans"]] == ["tile start", "other"]
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf3"])
 def test_prepare_weights_times_both_projections_of_a_layer(fmt, monkeypatch):
     """benchmarks/prepare_weights.py packs W13 and W2 of the model's shape (here a small one) and reports
-    their times and the inputs' bytes: NVFP4 codes + e4m3 scales + global scales, or MXFP4 blocks + scales."""
+    their times and the inputs' bytes: NVFP4 codes + e4m3 scales + global scales, MXFP4 blocks + scales, or
+    NF3 codes (a byte each) + scales + global scales."""
     from benchmarks import prepare_weights
 
     monkeypatch.setitem(prepare_weights.MODELS, "small", (128, 64, 3))
     row = prepare_weights.measure("small", fmt, "cpu", reps=1)
     assert row["w13_s"] > 0 and row["w2_s"] > 0 and row["peak_above_inputs_bytes"] >= 0
-    codes = 3 * (2 * 64 * 128 + 128 * 64) // 2
-    scales = 3 * (2 * 64 * 128 + 128 * 64) // (16 if fmt == "nvfp4" else 32)
-    assert row["input_bytes"] == codes + scales + (3 * 4 * 3 if fmt == "nvfp4" else 0)
+    weights = 3 * (2 * 64 * 128 + 128 * 64)
+    codes = weights if fmt == "nf3" else weights // 2
+    scales = weights // (16 if fmt == "nvfp4" else 32)
+    global_scales = {"nvfp4": 3 * 4 * 3, "mxfp4": 0, "nf3": 3 * 4 * 2}[fmt]
+    assert row["input_bytes"] == codes + scales + global_scales
