@@ -67,8 +67,11 @@ CODEGEN_SOURCES = ("compile.py", "intrinsics.py", "ptx.py", "resources.py", "ker
 # recompiling
 PLANNER_SOURCES = ("kernels/w4a16/planning.py", "kernels/w4a16/fused_planning.py")
 # every runtime module a compiled kernel depends on: the specs and their geometry (kernels/) and the
-# weight layout the decode follows (weights)
-RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "weights.py")
+# weight layouts the decodes follow (weights, nf3)
+RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "weights.py", "nf3.py")
+# runtime modules the fingerprinted ones import that cannot change what is compiled: exceptions, and what
+# the kernel families use to launch (tests/test_build_robustness.py checks that nothing else is left out)
+LAUNCH_ONLY_SOURCES = ("errors.py", "bundle.py", "tensors.py", "resolution.py")
 # What else decides the resolution table (which kernel, grid and buffers serve each M): a bundle
 # whose plan fingerprint and spec are unchanged is up to date without re-planning.
 PLAN_SOURCES = (("codegen", "table.py"), ("codegen", "enumerate.py"), ("codegen", "spec.py"),

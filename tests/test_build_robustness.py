@@ -384,6 +384,44 @@ def test_a_spill_fails_a_build_whose_spec_refuses_spills(fake, tmp_path, monkeyp
     assert build(spec, tmp_path / "gen2", workers=1, progress=False).spills == []
 
 
+def _runtime_imports(top: str, rel: Path) -> set[str]:
+    """The runtime modules (paths under runtime/) that one fingerprinted file imports from."""
+    import ast
+
+    base = build_mod.CODEGEN_DIR if top == "codegen" else build_mod.RUNTIME_DIR
+    found = set()
+    for node in ast.walk(ast.parse((base / rel).read_text(), str(rel))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level and top == "runtime":  # relative to the file's package
+            package = list(rel.parent.parts)[: len(rel.parent.parts) - (node.level - 1)]
+            modules = ([package + node.module.split(".")] if node.module
+                       else [package + [alias.name] for alias in node.names])  # from . import x
+        elif (node.module or "").startswith("cuteaot.runtime"):
+            modules = [node.module.split(".")[2:]]
+        else:
+            continue
+        for parts in modules:
+            for candidate in ([Path(*parts).with_suffix(".py")] if parts else []) + [Path(*parts, "__init__.py")]:
+                if (build_mod.RUNTIME_DIR / candidate).is_file():
+                    found.add(candidate.as_posix())
+                    break
+    return found
+
+
+def test_the_compile_fingerprint_covers_every_runtime_module_compiled_code_reads():
+    """A cached cubin is reused while the fingerprint is unchanged, so every runtime module that a
+    fingerprinted file imports (the weight layouts' constants, the specs' geometry) is fingerprinted
+    itself, unless it is listed as launch-side only. runtime/nf3.py, whose pools and masks the NF3
+    decode compiles in, was once left out."""
+    files = build_mod._source_files()
+    covered = {rel.as_posix() for top, rel in files if top == "runtime"}
+    for top, rel in files:
+        left_out = _runtime_imports(top, rel) - covered - set(build_mod.LAUNCH_ONLY_SOURCES)
+        assert not left_out, f"{top}/{rel} imports runtime/{sorted(left_out)}, which the fingerprint does not cover"
+    assert "nf3.py" in covered and "weights.py" in covered
+
+
 def test_planners_change_plans_not_kernels():
     """The planners are outside the compile fingerprint (a planner edit re-plans, compiles nothing), which
     is only sound while no compiled module imports them: every module the fingerprint covers is checked."""
