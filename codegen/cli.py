@@ -201,8 +201,8 @@ def _plans(m: dict, problems: list[str] | None) -> str:
         arch = arches[entry.profile]
         rows = []
         for launch in entry.launches:
-            specs = {role: FAMILIES[records[(arch, digest)]["family"]].from_facts(records[(arch, digest)]["facts"])
-                     for role, digest in launch.kernels.items()}
+            found = {role: records[(arch, digest)] for role, digest in launch.kernels.items()}
+            specs = {role: FAMILIES[r["family"]].from_facts(r["facts"]) for role, r in found.items()}
             tokens = str(launch.m_min) if launch.m_min == launch.m_max else f"{launch.m_min}-{launch.m_max}"
             rows.append([tokens, _plan_text(launch, entry.op, specs)])
         blocks.append(_entry_title(entry, arch) + "\n" + _table(["tokens", "plan"], rows))

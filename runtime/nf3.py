@@ -30,8 +30,8 @@ from .errors import BadInputError
 from .types import DType, WeightFormat
 from .weights import (
     SCALE_DECODE_EXPONENT, SLAB_N, VECTOR_ELEMENTS, PackedNvfp4, W13Order, _check_bias, _check_global_2,
-    _check_scale_values, _check_tensor, _decode_scale_bytes, _encode_scale_bytes, _expert_slices, _gate_up_rows,
-    _order_scale_bytes, _unorder_scale_bytes, _w13_order, stored_dims,
+    LANE_GROUPS, LANE_THREADS, _check_scale_values, _check_tensor, _decode_scale_bytes, _encode_scale_bytes,
+    _expert_slices, _gate_up_rows, _order_scale_bytes, _padded, _unorder_scale_bytes, _w13_order, stored_dims,
 )
 
 NF3_CODEBOOK = (-1.0, -0.6047, -0.3563, -0.1275, 0.1275, 0.3563, 0.6047, 1.0)  # the seed's code points
@@ -138,7 +138,7 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
     e, n, k = codes.shape
     slabs, groups = n // SLAB_N, k // NF3_BLOCK_K
     # n = 64 slab + 16 jj + 8 block + g ;  k = 32 group + 16 kk + 8 high + 2 t + half
-    fields = _unit_fields(codes.reshape(e, slabs, WORDS_PER_ROW + 1, 2, 8, groups, 2, 2, 4, 2))
+    fields = _unit_fields(codes.reshape(e, slabs, WORDS_PER_ROW + 1, 2, LANE_GROUPS, groups, 2, 2, LANE_THREADS, 2))
     units = (fields[:, :, :, 0] << GROUP_SHIFTS[0]) | (fields[:, :, :, 1] << GROUP_SHIFTS[1])
     # (E, slab, jj, g, group, kk, high, t, half) -> (E, group, slab, kk, g, t, jj, [high, half] = byte u)
     y = units.permute(0, 4, 1, 5, 3, 7, 2, 6, 8).reshape(e, groups, slabs, 2, LANES, WORDS_PER_ROW + 1, 4)
@@ -226,13 +226,11 @@ def _pack(codes, scales, scale_2, num_experts, n, k, prefix, bias,
     n_stored, k_stored = stored_dims(n, k, NF3_STORED_N_MULTIPLE)
     # padding: finite weights the kernels never use (activations past K are read as zeros, outputs past N
     # are not stored); code HALF and scale byte 0 decode to finite values
-    pad_codes, pad_scales = (0, k_stored - k, 0, n_stored - n), (0, (k_stored - k) // NF3_BLOCK_K, 0, n_stored - n)
     qweight = torch.empty((num_experts, k_stored // NF3_BLOCK_K, WORDS_PER_ROW * n_stored), dtype=torch.int32,
                           device=codes.device)
     for part in _expert_slices(num_experts, n_stored * k_stored):
-        qweight[part] = _pack_codes(torch.nn.functional.pad(_gate_up_rows(codes[part], row_order), pad_codes,
-                                                            value=HALF))
-    scale_bytes = torch.nn.functional.pad(_encode_scale_bytes(scales), pad_scales)
+        qweight[part] = _pack_codes(_padded(_gate_up_rows(codes[part], row_order), n_stored, k_stored, value=HALF))
+    scale_bytes = _padded(_encode_scale_bytes(scales), n_stored, k_stored // NF3_BLOCK_K)
     return PackedNf3(qweight=qweight, scales=_order_scale_bytes(scale_bytes), global_scale=global_scale.contiguous(),
                      num_experts=num_experts, n=n, k=k, dtype=DType.BF16, bias=bias)
 

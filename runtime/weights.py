@@ -42,7 +42,6 @@ SLAB_N = MMA_N * COLUMN_BLOCKS_PER_WORD * WORDS_PER_LANE  # 64 columns per warp-
 WORDS_PER_SLAB = LANES * WORDS_PER_LANE  # 128 = 64 columns * 16 k / 8 nibbles
 FP4_PER_WORD = 8
 FP4_BITS = 4
-FP4_MASK = 0xF
 # Stored dimensions are padded with zero weights to multiples of these: N to whole 64-column slabs,
 # K to whole 64-deep k-tiles.  Where N = 64 (mod 128) no tile divides it: the GEMM's last N tile is
 # masked past N (its copies there read nothing, its outputs there are not stored); a 128-deep tile's
@@ -628,12 +627,12 @@ def _pack_encoded(weight: torch.Tensor, scale_bytes: torch.Tensor, global_scale:
     )
 
 
-def _padded(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """(E, r, c) -> (E, rows, columns) with zeros past r and c (padding: zero weights and zero scales,
-    which contribute exactly 0)."""
+def _padded(t: torch.Tensor, rows: int, columns: int, value: int = 0) -> torch.Tensor:
+    """(E, r, c) -> (E, rows, columns) with `value` past r and c (NVFP4's padding: zero weights and zero
+    scales, which contribute exactly 0)."""
     if tuple(t.shape[1:]) == (rows, columns):
         return t
-    return torch.nn.functional.pad(t, (0, columns - t.shape[2], 0, rows - t.shape[1]))
+    return torch.nn.functional.pad(t, (0, columns - t.shape[2], 0, rows - t.shape[1]), value=value)
 
 
 def _masked_codes(weight: torch.Tensor, scale_bytes: torch.Tensor, n_stored: int, k_stored: int) -> torch.Tensor:

@@ -38,15 +38,22 @@ def _cuda(tensors):
     return tuple(t.cuda() for t in tensors)
 
 
+def _same_tensors(cpu: tuple, gpu: tuple):
+    """Unpacked tensors equal bit for bit (float8 compared as bytes)."""
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(raw(a), raw(b).cpu())
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("n, k", [(256, 512), (200, 320)])
 def test_nvfp4_packs_the_same_on_the_gpu(dtype, n, k):
     q = random_nvfp4(6, n, k, torch.Generator().manual_seed(n + k))
     cpu, gpu = pack_nvfp4(*q, dtype), pack_nvfp4(*_cuda(q), dtype)
     _same(cpu, gpu)
-    for a, b in zip(unpack_nvfp4(cpu), unpack_nvfp4(gpu)):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           (b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b).cpu())
+    _same_tensors(unpack_nvfp4(cpu), unpack_nvfp4(gpu))
 
 
 def test_w13_with_two_global_scales_and_bias_packs_the_same_on_the_gpu():
@@ -76,6 +83,4 @@ def test_nf3_packs_the_same_on_the_gpu():
     q = quantize_nf3(w)
     cpu, gpu = prepare_w13_nf3(*q), prepare_w13_nf3(*_cuda(q))
     _same(cpu, gpu)
-    for a, b in zip(unpack_nf3(cpu), unpack_nf3(gpu)):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           (b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b).cpu())
+    _same_tensors(unpack_nf3(cpu), unpack_nf3(gpu))
