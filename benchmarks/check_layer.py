@@ -12,7 +12,7 @@ import sys
 import torch
 
 from benchmarks.common import skewed_routing, uniform_routing
-from benchmarks.compare_layer import _layer, _prepared, _problems, random_layer_weights, reference_params
+from benchmarks.compare_layer import _layer, _prepared, _problems, layer_dtype, random_layer_weights, reference_params
 from cuteaot.runtime import load_bundle
 from tests.reference.moe import moe_reference
 from tests.reference.moe_elementwise import relative_error
@@ -30,6 +30,7 @@ def check(bundle_path: str, problems: list[str], ms: list[int]) -> None:
         for m in ms:
             for routing in (uniform_routing, skewed_routing):
                 x, w, ids = routing(m, f["hidden_size"], f["num_experts"], f["top_k"], g)
+                x = x.to(layer_dtype(f))
                 out = torch.full_like(x, float("nan"))
                 layer(x, w, ids, out=out)
                 ref = moe_reference(x, *w_ref, w, ids, f["activation"], **reference_params(f))[0]

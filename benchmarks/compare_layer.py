@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import FlushedTimer, comma_list, run_layers, uniform_routing
-from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
+from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT, DType
 from tests.reference.moe import moe_reference
 from tests.reference.moe_elementwise import relative_error
 from tests.reference.nf3 import dequantize_nf3, random_nf3
@@ -71,16 +71,22 @@ def random_layer_weights(facts: dict, g: torch.Generator, weights: str = "nvfp4"
     return make(e, n1, h, g), make(e, h, i, g)
 
 
+def layer_dtype(facts: dict) -> torch.dtype:
+    """The activations' torch dtype of a layer problem (bf16 or fp16)."""
+    return DType(facts.get("dtype", "bf16")).torch
+
+
 def _prepared(facts: dict, q13, q2, weights: str):
     from cuteaot.runtime import (prepare_w2, prepare_w2_modelopt, prepare_w2_nf3, prepare_w13, prepare_w13_modelopt,
                                  prepare_w13_nf3)
 
     if weights == "nf3":
         return prepare_w13_nf3(*q13), prepare_w2_nf3(*q2)
+    dtype = facts.get("dtype", "bf16")
     if weights == "modelopt":
-        return (prepare_w13_modelopt(*q13, "bf16", gated=facts["activation"] != "relu2"),
-                prepare_w2_modelopt(*q2, "bf16"))
-    return prepare_w13(*q13, "bf16"), prepare_w2(*q2, "bf16")
+        return (prepare_w13_modelopt(*q13, dtype, gated=facts["activation"] != "relu2"),
+                prepare_w2_modelopt(*q2, dtype))
+    return prepare_w13(*q13, dtype), prepare_w2(*q2, dtype)
 
 
 def compare(base, news: dict, models, ms, rounds, check: bool = False, weights: str = "nvfp4") -> list[dict]:
@@ -109,6 +115,7 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False, weights: 
         layers.update({label: _layer(bundle, f, w13, w2) for label, bundle in news.items()})
         for m in ms:
             x, w, ids = uniform_routing(m, h, e, k, g)
+            x = x.to(layer_dtype(f))
             references = None
             if check:
                 params = reference_params(f)

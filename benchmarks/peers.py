@@ -107,6 +107,10 @@ class Model:
         return self.fc1_width * self.hidden + self.hidden * self.inter
 
 
+def _by_name(*models: Model) -> dict[str, Model]:
+    return {m.name: m for m in models}
+
+
 def _spec_models() -> dict[str, Model]:
     """The MoE problems of specs/moe-models.yaml (Qwen3-235B at each tensor-parallel shard)."""
     models = [
@@ -118,33 +122,33 @@ def _spec_models() -> dict[str, Model]:
         Model("nemotron-3-nano", 2688, 1856, 128, 6, "relu2"),
         Model("mixtral-8x7b", 4096, 14336, 8, 2, "silu"),
     ]
-    return {m.name: m for m in models}
+    return _by_name(*models)
 
 
 # specs/bench-unseen.yaml: real models whose shapes no measured table holds (they borrow the nearest one's)
-UNSEEN_MODELS = {m.name: m for m in (
+UNSEEN_MODELS = _by_name(
     Model("olmoe-1b-7b", 2048, 1024, 64, 8, "silu"),
     Model("qwen2-57b-a14b", 3584, 2560, 64, 8, "silu"),
     Model("phi-3.5-moe", 4096, 6400, 16, 2, "silu"),
     Model("deepseek-v3-tp8", 7168, 256, 256, 8, "silu"),
     Model("deepseek-v2-lite", 2048, 1408, 64, 6, "silu"),
-)}
+)
 # specs/bench-edge.yaml (its bf16 problems): shapes at the edges of what the planner was tuned on
-EDGE_MODELS = {m.name: m for m in (
+EDGE_MODELS = _by_name(
     Model("qwen3-next-80b-a3b", 2048, 512, 512, 10, "silu"),
     Model("llama-4-scout", 5120, 8192, 16, 1, "silu"),
     Model("qwen1.5-moe-a2.7b", 2048, 1408, 60, 4, "silu"),
     Model("granite-3.0-1b-a400m", 1024, 512, 32, 8, "silu"),
     Model("minimax-m2", 3072, 1536, 256, 8, "silu"),
-)}
+)
 SPEC_MODELS = _spec_models()
 MODELS = {**SPEC_MODELS, **UNSEEN_MODELS, **EDGE_MODELS}
 # ~3 minutes of H200 time: one model per activation and shape family
 DEFAULT_MODELS = ("qwen3-30b-a3b", "gpt-oss-120b", "glm-4.5-air", "nemotron-3-nano", "mixtral-8x7b")
 # --dry-run: one tiny shape per activation, on the CPU
-DRY_MODELS = {m.name: m for m in (Model("tiny-silu", 256, 128, 8, 2, "silu"),
-                                   Model("tiny-swigluoai", 256, 128, 8, 2, "swigluoai"),
-                                   Model("tiny-relu2", 256, 128, 8, 3, "relu2"))}
+DRY_MODELS = _by_name(Model("tiny-silu", 256, 128, 8, 2, "silu"),
+                      Model("tiny-swigluoai", 256, 128, 8, 2, "swigluoai"),
+                      Model("tiny-relu2", 256, 128, 8, 3, "relu2"))
 DRY_M = 5
 DRY_TOLERANCE = 2e-2  # bf16-level error of the emulated humming and torch paths vs the float32 reference
 
