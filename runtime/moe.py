@@ -45,7 +45,7 @@ from .kernels.route_pack import (
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
 from .kernels.topk_sum import PreparedTopkSum, TopKSumSpec
-from .tensors import check_rank, check_tensor, conforms
+from .tensors import check_apart, check_rank, check_tensor, conforms
 from .types import Activation
 from .weights import PackedNvfp4
 from .workspace import WorkspaceShape, capturing
@@ -229,6 +229,7 @@ class MoeLayer:
         self.device_index: int = bundle.device_index
         self.w13, self.w2 = w13, w2
         self.hidden_size, self.intermediate_size, self.top_k = w13.k, inter, top_k
+        self._row_bytes = self.hidden_size * self.torch_dtype.itemsize  # of hidden_states and out
         self.fc1_width = w13.n
         self.num_experts = w13.num_experts
         self.expert_map = expert_map
@@ -603,10 +604,19 @@ class MoeLayer:
         if (m is not None and amax is None and layer_idx is None and not self.validate_ids
                 and (ids_dtype is torch.int32 or ids_dtype is torch.int64)):
             rows, routes, device, dtype = (m, self.hidden_size), (m, self.top_k), self.device_index, self.torch_dtype
-            if (conforms(x, dtype, rows, device) and conforms(topk_ids, ids_dtype, routes, device, 4)
-                    and conforms(topk_weights, torch.float32, routes, device, 4)
-                    and (out is None or conforms(out, dtype, rows, device))):
-                return m
+            if (conforms(x, dtype, rows, device) and conforms(topk_ids, ids_dtype, routes, device)
+                    and conforms(topk_weights, torch.float32, routes, device)):
+                px, pw, pi = x.data_ptr(), topk_weights.data_ptr(), topk_ids.data_ptr()
+                if not (px & 15 or (pw | pi) & 3):  # 16-byte rows, 4-byte routing words
+                    if out is None:
+                        return m
+                    if conforms(out, dtype, rows, device):
+                        # out spans [po, end), x as many bytes; no input may reach into it (check_apart)
+                        po, n = out.data_ptr(), m * self._row_bytes
+                        end, r = po + n, m * self.top_k
+                        if (not po & 15 and (end <= px or px + n <= po) and (end <= pw or pw + 4 * r <= po)
+                                and (end <= pi or pi + r * topk_ids.itemsize <= po)):
+                            return m
         return self._check_explained(x, topk_weights, topk_ids, out, amax, layer_idx)
 
     def _check_explained(self, x, topk_weights, topk_ids, out, amax, layer_idx) -> int:
@@ -624,6 +634,7 @@ class MoeLayer:
                      align=4)
         if out is not None:
             check_tensor(out, "out", dtype=dt, shape=(m, self.hidden_size), device=self.device)
+            check_apart(out, "out", hidden_states=x, topk_weights=topk_weights, topk_ids=topk_ids)
         if amax is not None:
             check_rank(amax, "activation_amax", 3, f"(layers, {self.num_experts}, 2) float32")
             check_tensor(amax, "activation_amax", dtype=torch.float32,
@@ -631,6 +642,8 @@ class MoeLayer:
             if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < amax.shape[0]:
                 raise BadInputError(f"layer_idx must be an int in [0, {amax.shape[0]}) with activation_amax, "
                                     f"got {layer_idx!r}")
+            check_apart(amax, "activation_amax", hidden_states=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                        out=out)
         elif layer_idx is not None:
             raise BadInputError("layer_idx is only used with activation_amax (calibration)")
         if self.validate_ids and m and not capturing(self.device):

@@ -139,6 +139,8 @@ class ActivationSpec(SpecKey):
 
 
 class _ActivationPlan(RowwisePlan):
+    src_name = "fc1"
+
     def __init__(self, bundle: Bundle, spec: ActivationSpec):
         self.in_tail, self.out_width = (spec.input_width,), spec.intermediate_size
         super().__init__(bundle, spec, VECTOR)

@@ -29,7 +29,7 @@ from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, current_stream_handle
 from ..errors import BadInputError, BundleError
 from ..keys import SpecKey
-from ..tensors import check_tensor
+from ..tensors import check_apart, check_tensor
 
 THREAD_BLOCK = 128  # threads per CTA of a THREAD probe
 WARP = 32
@@ -230,6 +230,7 @@ def run_probe(bundle: Bundle, probe: Probe | str, src: torch.Tensor, dst: torch.
         raise BadInputError(f"{items} items need {max(src_words, dst_words)} words; at most {MAX_WORDS} fit")
     check_tensor(src, "src", dtype=torch.int32, shape=(src_words,), device=bundle.device)
     check_tensor(dst, "dst", dtype=torch.int32, shape=(dst_words,), device=bundle.device)
+    check_apart(dst, "dst", src=src)
     lay = spec.layout
     if lay.dst_prefix:
         targets, bound = src[0::lay.src_words], ATOMIC_SLOTS // lay.target_words

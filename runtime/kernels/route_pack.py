@@ -60,7 +60,7 @@ from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, LoadedKernel, current_stream_handle, registered_bundle
 from ..errors import BadInputError, BundleError
 from ..keys import SpecKey
-from ..tensors import INT32_MAX, check_rank
+from ..tensors import INT32_MAX, check_apart, check_rank
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 48, 64, 128, 256)  # the GEMM's route block sizes (128, 256: wgmma only)
 THREADS = 512  # threads per CTA: one per expert in the scan
@@ -304,6 +304,15 @@ def _check_outputs(p: _Problem, packed, block_ids, count, workspace) -> None:
                   f"route_pack_workspace_elements({p.routes}, {p.num_experts})")
 
 
+def _check_apart(topk_ids: torch.Tensor, expert_map, packed, block_ids, count, workspace) -> None:
+    """No output shares memory with the ids, the expert map or another output (the kernels write the outputs
+    while other CTAs still read the ids)."""
+    outputs = (("packed_route_indices", packed), ("block_expert_ids", block_ids), ("packed_route_count", count),
+               ("workspace", workspace))
+    for i, (name, t) in enumerate(outputs):
+        check_apart(t, name, topk_ids=topk_ids, expert_map=expert_map, **dict(outputs[i + 1:]))
+
+
 def _check_devices(device: torch.device, tensors: dict) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:
@@ -447,6 +456,7 @@ def _pack_routes(bundle: Bundle, topk_ids: torch.Tensor, num_experts: int, block
                                       bundle.id)
         return packed, block_ids, count
     _check_outputs(p, packed, block_ids, count, ws)
+    _check_apart(topk_ids, expert_map, packed, block_ids, count, ws)
     if workspace is not None and p.workspace and not own_workspace:
         # a caller's workspace: whatever it holds, the multi stage's barrier word must start at zero (one
         # small fill; cuteaot's own workspaces were zeroed when allocated and every launch leaves it so)

@@ -7,11 +7,13 @@ Each family's `_launch` passes the values by its own parameter names.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..bundle import Bundle, current_stream_handle
 from ..errors import BadInputError
-from ..tensors import INT32_MAX
+from ..tensors import INT32_MAX, check_apart
 
 
 class RowwisePlan:
@@ -24,6 +26,7 @@ class RowwisePlan:
 
     in_tail: tuple[int, ...]
     out_width: int
+    src_name: str  # the source's name in messages
 
     def __init__(self, bundle: Bundle, spec, vector: int):
         self.spec = spec
@@ -33,6 +36,8 @@ class RowwisePlan:
         self.dtype = spec.dtype.torch
         self.threads = self.kernel.block[0]
         self.vectors_per_row = self.out_width // vector
+        itemsize = self.dtype.itemsize
+        self._src_row_bytes, self._out_row_bytes = math.prod(self.in_tail) * itemsize, self.out_width * itemsize
 
     def __call__(self, src: torch.Tensor, src_shape: torch.Size, out: torch.Tensor, **extra: int) -> None:
         """Check and launch; `extra` are the family's further parameters by name (checked by the caller)."""
@@ -52,7 +57,8 @@ class RowwisePlan:
         ):
             self._fail(src, out)
         sp, op = src.data_ptr(), out.data_ptr()
-        if (sp | op) & 15:
+        # 16-byte vectors; out may not overlap the source (check_apart)
+        if (sp | op) & 15 or (rows and sp < op + rows * self._out_row_bytes and op < sp + rows * self._src_row_bytes):
             self._fail(src, out)
         if rows:
             grid = (rows * self.vectors_per_row + self.threads - 1) // self.threads
@@ -64,6 +70,7 @@ class RowwisePlan:
 
     def _fail(self, src: torch.Tensor, out: torch.Tensor) -> None:
         self.explain(src, out)
+        check_apart(out, "out", **{self.src_name: src})
         raise BadInputError("operands failed validation")  # unreachable unless the two checks disagree
 
     def explain(self, src: torch.Tensor, out: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from ..abi import Pointee, Signature, i32, ptr
 from ..bundle import Bundle, registered_bundle
 from ..errors import BadInputError
 from ..keys import SpecKey
-from ..tensors import INT32_MAX, check_rank, check_tensor
+from ..tensors import INT32_MAX, check_apart, check_rank, check_tensor
 from ..types import DType
 from .route_pack import IdsDType
 from .rowwise import RowwisePlan
@@ -97,6 +97,8 @@ def spec_for_call(fc2: torch.Tensor, topk_ids: torch.Tensor | None = None, accum
 
 
 class _TopKSumPlan(RowwisePlan):
+    src_name = "fc2"
+
     def __init__(self, bundle: Bundle, spec: TopKSumSpec):
         self.in_tail, self.out_width = (spec.top_k, spec.hidden_size), spec.hidden_size
         super().__init__(bundle, spec, VECTOR)
@@ -114,6 +116,8 @@ class _TopKSumPlan(RowwisePlan):
         """Launch the masked variant: the plain checks, then the ids' (dtype is part of the plan's key)."""
         shape = fc2.shape
         self.check_ids(fc2, shape, topk_ids, num_experts)
+        if isinstance(out, torch.Tensor) and out.is_contiguous():  # (a malformed out: the plain checks name it)
+            check_apart(out, "out", topk_ids=topk_ids)
         self(fc2, shape, out, topk_ids=topk_ids.data_ptr(), num_experts=num_experts)
 
     def check_ids(self, fc2: torch.Tensor, shape: torch.Size, topk_ids, num_experts) -> None:

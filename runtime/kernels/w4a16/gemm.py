@@ -30,7 +30,7 @@ from cuda.bindings import driver
 from ...bundle import Bundle, LoadedKernel, check_cu, current_stream_handle
 from ...errors import BadInputError, BundleError, LaunchError
 from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
-from ...tensors import INT32_MAX, check_rank, check_tensor
+from ...tensors import INT32_MAX, check_apart, check_rank, check_tensor
 from ...weights import PackedNvfp4
 from ..route_pack import _pack_routes, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements
 
@@ -266,7 +266,9 @@ def w4a16_moe_gemm(
         check_tensor(topk_weights, "topk_weights", dtype=torch.float32, shape=(m, top_k), device=device, align=4)
     if out is None:
         out = torch.empty((m * top_k, weights.n), dtype=dtype, device=device)
-    check_tensor(out, "out", dtype=dtype, shape=(m * top_k, weights.n), device=device)
+    else:
+        check_tensor(out, "out", dtype=dtype, shape=(m * top_k, weights.n), device=device)
+        check_apart(out, "out", a=a, topk_ids=topk_ids, topk_weights=topk_weights if mul_topk_weights else None)
     if m == 0:
         return out
 
