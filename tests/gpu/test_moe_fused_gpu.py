@@ -274,6 +274,24 @@ def test_functional_api_and_bad_ids(bundle, check):
         model.layer(bundle, validate_ids=True)(x, w, bad)
 
 
+def test_in_place_calls_are_refused_and_halves_of_one_buffer_served(bundle, check):
+    """out=hidden_states (vLLM's inplace=True) raises before any launch on the per-call fast path of CUDA
+    tensors; hidden_states and out as the two halves of one allocation are apart and served."""
+    model = Model("silu-bf16", seed=31)
+    layer = model.layer(bundle)
+    for m in (1, 64):  # decode (zeroes out in the kernel), packed
+        x, w, ids = model.inputs(m)
+        rows = torch.empty(2 * m, model.h, dtype=x.dtype, device="cuda")
+        rows[:m] = x
+        with pytest.raises(BadInputError, match="out shares memory with hidden_states"):
+            layer(rows[:m], w, ids, out=rows[:m])
+        assert torch.equal(rows[:m], x)  # nothing ran
+        rows[m:] = float("nan")
+        layer(rows[:m], w, ids, out=rows[m:])
+        ref, _, _ = moe_reference(x, model.w13_f, model.w2_f, w, ids, "silu")
+        check(rows[m:], ref, f"M={m}, hidden_states and out in one buffer", "silu apart")
+
+
 def test_in_kernel_route_packing(bundle, check):
     """Packed plans that group the routes inside the fused kernel (FusedSpec.pack_experts): skewed routing,
     int64 ids, ids out of range dropped on the device, the largest M whose routes fit the kernel's tables,
