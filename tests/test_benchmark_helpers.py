@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.common import run_layers, skewed_routing, uniform_routing
-from benchmarks.compare_layer import reference_params
+from benchmarks.compare_layer import _prepared, layer_dtype, random_layer_weights, reference_params
 from benchmarks.stall_regions import main as stall_regions_main
 from benchmarks.stall_regions import parse_span, read_page, span_shares
 from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT
@@ -94,6 +94,19 @@ def test_reference_params_fill_swigluoai_defaults_only():
     assert oai == {"alpha": SWIGLUOAI_DEFAULT_ALPHA, "beta": SWIGLUOAI_DEFAULT_BETA, "limit": 5.0}
     assert SWIGLUOAI_DEFAULT_LIMIT != 5.0
     assert reference_params({"activation": "silu"}) == {"alpha": None, "beta": None, "limit": None}
+
+
+@pytest.mark.parametrize("dtype, weights", [("fp16", "nvfp4"), ("fp16", "modelopt"), ("bf16", "nvfp4"),
+                                            ("bf16", "nf3")])
+def test_ab_and_check_tools_prepare_a_layer_in_its_own_dtype(dtype, weights):
+    """compare_layer / check_layer build each problem's weights and inputs in the problem's dtype (an fp16
+    problem prepared as bf16 is refused by the fp16 bundle's kernels)."""
+    facts = {"hidden_size": 64, "intermediate_size": 64, "num_experts": 2, "activation": "silu", "dtype": dtype}
+    q13, q2 = random_layer_weights(facts, torch.Generator().manual_seed(0), weights)
+    w13, w2 = _prepared(facts, q13, q2, weights)
+    assert w13.dtype.value == w2.dtype.value == dtype
+    assert layer_dtype(facts) == w13.dtype.torch
+    assert layer_dtype({"activation": "silu"}) == torch.bfloat16  # facts of bundles that predate the dtype fact
 
 
 def test_build_variant_sets_planner_constants_before_the_build(monkeypatch):
