@@ -1,4 +1,4 @@
-"""`cuteaot` command line: build, list, merge, inspect, verify.
+"""`cuteaot` command line: spec, build, list, merge, inspect, verify.
 
 `inspect` and `verify` use only the runtime's dependencies (no CuTeDSL, no PyYAML, no GPU),
 so they run on a serving machine; this module imports nothing else at module level.
@@ -213,6 +213,40 @@ def _plans(m: dict, problems: list[str] | None) -> str:
     return "\n\n".join(blocks)
 
 
+def cmd_spec(args) -> int:
+    from .from_config import write_spec
+
+    text, written = write_spec(args.model, args.out, name=args.name, dtype=args.dtype, targets=tuple(args.targets),
+                               tp=tuple(args.tp or ()), ep=args.ep, weights=args.weights, max_tokens=args.max_tokens)
+    if written is None:
+        print(text, end="")
+    else:
+        print(f"wrote {written}; build it with: cuteaot build {written}")
+    return 0
+
+
+def _names(choices) -> "callable":
+    """argparse type of a comma-separated list of names from `choices`."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"expected names from {sorted(choices)}, got {text!r}")
+        return names
+    return parse
+
+
+def _ints(text: str) -> list[int]:
+    """argparse type of a comma-separated list of positive integers."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas (e.g. 1,2,4), got {text!r}")
+    return values
+
+
 def cmd_verify(args) -> int:
     from cuteaot.runtime.manifest import verify_bundle
 
@@ -249,6 +283,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--problem", action="append", metavar="NAME",
                    help="with --plans, only this problem's entries (repeatable)")
     p.set_defaults(run=cmd_inspect)
+    from cuteaot.runtime.devices import PROFILES
+    from cuteaot.runtime.types import DType, WeightFormat
+
+    p = sub.add_parser("spec", help="write the spec of a Hugging Face MoE model from its config.json")
+    p.add_argument("model", type=Path, help="the model's directory (its config.json) or a config file")
+    p.add_argument("--out", "-o", type=Path, help="write the spec here (default: print it)")
+    p.add_argument("--name", help="bundle and problem name (default: the model directory's name)")
+    p.add_argument("--targets", type=_names(PROFILES), default=["h200", "h100"],
+                   help="device profiles, comma-separated (default: h200,h100)")
+    p.add_argument("--tp", type=_ints, help="tensor-parallel degrees to build, e.g. 1,2,4 (problems <name>-tp<N>)")
+    p.add_argument("--ep", action="store_true", help="also the expert-parallel (expert_map) layers")
+    p.add_argument("--weights", choices=[w.value for w in WeightFormat if w is not WeightFormat.NF3],
+                   default=WeightFormat.NVFP4.value,
+                   help="nvfp4 (repacked at load, default) or modelopt / modelopt_w31 (read as stored)")
+    p.add_argument("--dtype", choices=[d.value for d in DType], help="activations' dtype (default: the config's)")
+    p.add_argument("--max-tokens", type=int, default=16384, help="largest token bucket (default: 16384)")
+    p.set_defaults(run=cmd_spec)
     p = sub.add_parser("verify", help="check a bundle's schema and checksums (no GPU needed)")
     p.add_argument("bundle", type=Path)
     p.set_defaults(run=cmd_verify)
