@@ -4,7 +4,9 @@ Zero JIT: nothing in this package imports CuTeDSL, Triton, NVRTC or nvcc.
 """
 
 from .bundle import Bundle, load_bundle, set_programmatic_launch
-from .checkpoint import CheckpointError, CheckpointFiles, CheckpointLayout, load_moe_layer, load_moe_layers
+from .checkpoint import (
+    CheckpointError, CheckpointFiles, CheckpointLayout, load_model_moe, load_moe_layer, load_moe_layers,
+)
 from .devices import PROFILES, DeviceProfile
 from .errors import (
     AbiMismatchError,
@@ -25,6 +27,7 @@ from .kernels import (
     GemmRoutes, GemmWorkspace, moe_activation, moe_topk_sum, pack_gemm_routes, pack_routes, w4a16_moe_gemm,
 )
 from .manifest import verify_bundle
+from .model_config import MoeConfig, moe_config
 from .hybrid import HybridMoeLayer
 from .moe import MoeLayer, MoeWorkspace, run_w4a16_moe
 from .parallel import (
@@ -103,4 +106,7 @@ __all__ = [
     "CheckpointLayout",
     "load_moe_layer",
     "load_moe_layers",
+    "load_model_moe",
+    "MoeConfig",
+    "moe_config",
 ]

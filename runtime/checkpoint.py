@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -538,6 +539,48 @@ def load_moe_layers(
         if close is not None:
             close()
     return layers
+
+
+def moe_layer_prefixes(files: CheckpointFiles) -> list[str]:
+    """The prefixes of the checkpoint's MoE layers (what precedes `.experts.` in their keys), in layer order
+    (model.layers.2.mlp before model.layers.10.mlp)."""
+    found = {key.split(".experts.", 1)[0] for key in files.key_files if ".experts." in key}
+    return sorted(found, key=lambda p: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p)])
+
+
+def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = None, as_stored: bool = False,
+                   progress: bool = True, **layer_options) -> dict[str, "MoeLayer"]:
+    """Every MoE layer of a Hugging Face model directory (config.json and safetensors files) as a `MoeLayer`
+    on the bundle's device, by layer prefix.
+
+    The routed experts' shape and options come from config.json (`model_config.moe_config`: top-k,
+    activation, SwiGLU limit, router weight on the input, the activations' dtype unless `dtype` is given),
+    the layers from the checkpoint's keys (`moe_layer_prefixes`); each is read by `load_moe_layer`
+    (`as_stored`: NVFP4 as stored, for `weights: modelopt` bundles) and built into a `MoeLayer` with
+    `layer_options` (max_tokens, deterministic, validate_ids, ...).  The bundle must hold the model's
+    kernels: `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.  One GPU: for
+    tensor or expert parallelism, shard `load_moe_layer`'s weights (`tp_shard_*`, `ep_select`) and build
+    `ParallelMoeLayer`s.
+    """
+    from .model_config import moe_config, read_config
+    from .moe import MoeLayer
+
+    config, file = read_config(model)
+    moe = moe_config(config, Path(model).name, dtype=None if dtype is None else DType(dtype).value, source=str(file))
+    for option in ("top_k", "activation", "swiglu_limit", "router_weight_on_input"):
+        if option in layer_options:
+            raise CheckpointError(f"{option} comes from {file}; pass the layers' other options only")
+    files = CheckpointFiles.open(file.parent)
+    prefixes = moe_layer_prefixes(files)
+    if not prefixes:
+        raise CheckpointError(f"no MoE layer in {[str(p) for p in files.files]}: no key holds '.experts.'")
+    weights = load_moe_layers(files, prefixes, num_experts=moe.num_experts, dtype=moe.dtype, device=bundle.device,
+                              as_stored=as_stored, progress=progress)
+    return {
+        prefix: MoeLayer(bundle, w13, w2, top_k=moe.top_k, activation=moe.activation, swiglu_limit=moe.swiglu_limit,
+                         router_weight_on_input=moe.router_weight_on_input, **layer_options)
+        for prefix, (w13, w2) in zip(prefixes, weights)
+    }
 
 
 def _progress(total: int):

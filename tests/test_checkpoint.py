@@ -472,3 +472,45 @@ def test_runtime_import_does_not_load_safetensors():
     script = "import sys, cuteaot.runtime; assert 'safetensors' not in sys.modules, 'imported eagerly'; print('ok')"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ---- a whole model: config.json + checkpoint -> MoeLayers ---------------------------------------
+
+
+def test_load_model_moe_builds_every_layer_from_the_config(tmp_path, monkeypatch):
+    """Two MoE layers (fused w13 keys, layers 2 and 10) and a dense one, at tiny-fused's shape (the stub
+    bundle's table): each becomes a MoeLayer with the config's top-k and activation and the weights
+    load_moe_layer reads; layer options pass through; the config's own options cannot be overridden."""
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.runtime import load_model_moe
+    from cuteaot.runtime.checkpoint import moe_layer_prefixes
+    from tests.stub_bundle import StubLaunch, stub_bundle
+
+    e, h, i = 16, 512, 256
+    gen = torch.Generator().manual_seed(21)
+    tensors = {}
+    for layer in (10, 2):
+        w13, w2 = random_nvfp4(e, 2 * i, h, gen), random_nvfp4(e, h, i, gen)
+        base = f"model.layers.{layer}.mlp.experts."
+        tensors.update({f"{base}w13_{s}": t for s, t in zip(PROJ_SUFFIXES, w13)})
+        tensors.update({f"{base}w2_{s}": t for s, t in zip(PROJ_SUFFIXES, w2)})
+        tensors[f"model.layers.{layer}.mlp.gate.weight"] = torch.zeros(e, h, dtype=torch.bfloat16)
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(h, 4 * h, dtype=torch.bfloat16)  # a dense layer
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": h, "intermediate_size": 4 * h, "moe_intermediate_size": i,
+        "num_experts": e, "num_experts_per_tok": 4, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)  # building a layer loads no kernel here
+
+    assert moe_layer_prefixes(CheckpointFiles.open(tmp_path)) == ["model.layers.2.mlp", "model.layers.10.mlp"]
+    layers = load_model_moe(stub_bundle(), tmp_path, progress=False, max_tokens=64)
+    assert list(layers) == ["model.layers.2.mlp", "model.layers.10.mlp"]
+    for prefix, layer in layers.items():
+        assert (layer.top_k, layer.activation.value, layer.max_tokens, layer.num_experts) == (4, "silu", 64, e)
+        want13, want2 = load_moe_layer(tmp_path, prefix, num_experts=e, dtype="bf16")
+        assert torch.equal(layer.w13.qweight, want13.qweight) and torch.equal(layer.w2.scales, want2.scales)
+    with pytest.raises(CheckpointError, match="top_k comes from"):
+        load_model_moe(stub_bundle(), tmp_path, progress=False, top_k=2)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": h}))
+    with pytest.raises(BadInputError, match="has no expert count"):
+        load_model_moe(stub_bundle(), tmp_path, progress=False)

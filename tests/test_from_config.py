@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from cuteaot.codegen.cli import main
-from cuteaot.codegen.from_config import model_moe, spec_name, token_buckets, write_spec
+from cuteaot.codegen.from_config import spec_name, token_buckets, write_spec
 from cuteaot.codegen.spec import load_spec
 from cuteaot.runtime.errors import BadInputError
+from cuteaot.runtime.model_config import moe_config
 from cuteaot.runtime.types import Activation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +127,7 @@ def test_options_reach_the_spec(tmp_path):
 ])
 def test_configs_that_cannot_be_read_say_why(config, message):
     with pytest.raises(BadInputError, match=message):
-        model_moe(config, "m")
+        moe_config(config, "m")
 
 
 def test_a_spec_that_would_not_build_is_not_written(tmp_path):
@@ -151,4 +152,4 @@ def test_names_come_from_the_directory_or_the_config():
     assert spec_name(Path("/models/Qwen3-30B-A3B"), {}) == "qwen3-30b-a3b"
     assert spec_name(Path("/x/config.json"), {"_name_or_path": "openai/gpt-oss-120b"}) == "gpt-oss-120b"
     assert spec_name(Path("/models/Mixtral 8x7B/config.json"), {}) == "mixtral-8x7b"
-    assert Activation.RELU2 is model_moe(CONFIGS["nemotron-3-nano"], "n").activation
+    assert Activation.RELU2 is moe_config(CONFIGS["nemotron-3-nano"], "n").activation

@@ -1,0 +1,165 @@
+"""A Hugging Face model's `config.json` -> the routed-expert shape of its MoE layers.
+
+A model's MoE layers share one routed-expert shape (hidden size, expert intermediate size, expert
+count, top-k, activation), which is what a spec (`cuteaot spec`) and a layer (`load_model_moe`)
+need.  Configs name these differently per family, so each quantity is read from the first of a
+few keys (`_KEYS`); where a config holds two keys for the same count they must agree.  Multimodal
+configs keep the language model's in `text_config`.  Model families whose activation or router is
+not in the config are named in `_FAMILY`: gpt-oss (SwiGLU-OAI with the config's `swiglu_limit`,
+expert biases) and Llama 4 (router weight applied to the expert input).  Shared experts
+(DeepSeek, Qwen2-MoE, ...) are a dense MLP outside this layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import BadInputError
+from .types import SWIGLUOAI_DEFAULT_LIMIT, Activation, DType
+
+CONFIG_FILE = "config.json"
+
+# quantity -> config keys, most specific first: an expert's intermediate size is `moe_intermediate_size`
+# where a config also has the dense MLP's `intermediate_size`
+_KEYS = {
+    "hidden_size": ("hidden_size",),
+    "intermediate_size": ("moe_intermediate_size", "intermediate_size"),
+    "num_experts": ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_top_k"),
+    "activation": ("mlp_hidden_act", "hidden_act", "hidden_activation"),
+    "dtype": ("torch_dtype", "dtype"),
+}
+# counts that several keys of one config may hold: they must agree (the others: the first key wins)
+_AGREE = ("num_experts", "top_k")
+_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "relu2": Activation.RELU2}
+_DTYPES = {"bfloat16": DType.BF16, "float16": DType.FP16}
+# model_type -> what its config does not say
+_FAMILY = {
+    "gpt_oss": dict(activation=Activation.SWIGLUOAI, bias=True),
+    "llama4": dict(router_weight_on_input=True),
+    "llama4_text": dict(router_weight_on_input=True),
+}
+_SHARED_EXPERT_KEYS = ("n_shared_experts", "shared_expert_intermediate_size", "num_shared_experts",
+                       "moe_num_shared_experts")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The routed-expert shape of a model's MoE layers, with where each value came from."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    activation: Activation
+    dtype: DType
+    swiglu_limit: float | None = None  # swigluoai's clamp where it differs from the runtime's default
+    bias: bool = False
+    router_weight_on_input: bool = False
+    sources: dict[str, str] = field(default_factory=dict)  # quantity -> "key = value" it was read from
+    notes: tuple[str, ...] = ()
+
+
+def read_config(path: str | Path) -> tuple[dict, Path]:
+    """The config of a model directory (its config.json) or of a config file, and the file read."""
+    path = Path(path)
+    file = path / CONFIG_FILE if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text())
+    except OSError as exc:
+        raise BadInputError(f"cannot read {file}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"{file} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise BadInputError(f"{file} holds a JSON {type(config).__name__}, not a model config object")
+    return config, file
+
+
+def moe_config(config: dict, name: str, *, dtype: str | None = None, source: str = "config.json") -> MoeConfig:
+    """The routed-expert shape of `config` (a Hugging Face config dict); BadInputError naming what is missing."""
+    root = config
+    if not _has_any(config, _KEYS["num_experts"]) and isinstance(config.get("text_config"), dict):
+        config, source = config["text_config"], f"{source} text_config"  # a multimodal model's language model
+    model_type = str(config.get("model_type", "unknown"))
+    family = _FAMILY.get(model_type, {})
+    sources: dict[str, str] = {}
+
+    def read(quantity: str, required: bool = True):
+        keys = _KEYS[quantity]
+        found = [(k, config[k]) for k in keys if config.get(k) is not None]
+        if not found and quantity == "dtype":  # a multimodal config may give it for the whole model only
+            found = [(k, root[k]) for k in keys if root.get(k) is not None]
+        if not found:
+            if not required:
+                return None
+            what = "expert count" if quantity == "num_experts" else quantity.replace("_", " ")
+            hint = " (a dense model? this builds MoE layers only)" if quantity == "num_experts" else ""
+            raise BadInputError(f"{source} (model_type {model_type!r}) has no {what}{hint}: looked for "
+                                f"{', '.join(keys)}; give the layer's sizes by hand (a spec; load_moe_layer and "
+                                "MoeLayer)")
+        if quantity in _AGREE and len({json.dumps(v) for _, v in found}) > 1:
+            raise BadInputError(f"{source} disagrees with itself on {quantity.replace('_', ' ')}: "
+                                + ", ".join(f"{k} = {v!r}" for k, v in found))
+        key, value = found[0]
+        sources[quantity] = f"{key} = {json.dumps(value)}"
+        return value
+
+    # the expert count first: a dense model fails there, with the hint
+    sizes = {q: read(q) for q in ("num_experts", "top_k", "hidden_size", "intermediate_size")}
+    for quantity, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadInputError(f"{source}: {sources[quantity]} is not a positive integer (per-layer lists, as "
+                                "some multimodal configs hold, are not read: write the spec by hand)")
+
+    activation = family.get("activation")
+    if activation is None:
+        act = read("activation")
+        activation = _ACTIVATIONS.get(str(act).lower())
+        if activation is None:
+            raise BadInputError(f"{source}: activation {sources['activation']} is not served; the kernels "
+                                f"run {sorted(_ACTIVATIONS)} (and gpt-oss's SwiGLU-OAI)")
+    else:
+        sources["activation"] = f"model_type = {json.dumps(model_type)}"
+    swiglu_limit = None
+    if activation is Activation.SWIGLUOAI:
+        limit = config.get("swiglu_limit", SWIGLUOAI_DEFAULT_LIMIT)
+        if float(limit) != SWIGLUOAI_DEFAULT_LIMIT:
+            swiglu_limit = float(limit)
+        sources["swiglu limit"] = f"swiglu_limit = {json.dumps(limit)}" if "swiglu_limit" in config else "default"
+
+    if dtype is not None:
+        chosen = DType(dtype)
+        sources["dtype"] = "--dtype"
+    else:
+        raw = read("dtype", required=False)
+        chosen = _DTYPES.get(str(raw).removeprefix("torch."))
+        if chosen is None:
+            raise BadInputError(f"{source}: the activations' dtype {sources.get('dtype', '(none given)')} is not "
+                                "bfloat16 or float16; pass --dtype bf16 or --dtype fp16")
+
+    notes = []
+    shared = [k for k in _SHARED_EXPERT_KEYS if config.get(k)]
+    if shared:
+        notes.append(f"Shared experts ({', '.join(shared)}) are a dense MLP outside this layer.")
+    quant = root.get("quantization_config") or config.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
+    algo = str(quant.get("quant_algo", "")).upper() if isinstance(quant, dict) else ""
+    if method == "mxfp4":
+        notes.append("MXFP4 checkpoint: load_moe_layer packs its blocks for these NVFP4 kernels exactly.")
+    elif not (method == "modelopt" and "NVFP4" in algo):
+        what = f"{method} {algo}".strip() + " checkpoint" if method else "Unquantized checkpoint"
+        notes.append(f"{what[0].upper()}{what[1:]}: the kernels read NVFP4 (or MXFP4) experts; serve a ModelOpt "
+                     "NVFP4 export of this model.")
+    return MoeConfig(
+        name=name, model_type=model_type, activation=activation, dtype=chosen, swiglu_limit=swiglu_limit,
+        bias=bool(family.get("bias", False)), router_weight_on_input=bool(family.get("router_weight_on_input")),
+        sources=sources, notes=tuple(notes), **sizes,
+    )
+
+
+def _has_any(config: dict, keys: tuple[str, ...]) -> bool:
+    return any(config.get(k) is not None for k in keys)
