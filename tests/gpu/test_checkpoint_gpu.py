@@ -62,3 +62,30 @@ def test_a_layer_loaded_onto_the_gpu_matches_the_checkpoint(fused_bundle_dir, tm
         ref, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
         err = float((out.float() - ref).norm() / ref.norm())
         assert err <= 1e-2, f"M={m}: rel err {err:.2e}"
+
+
+def test_a_model_directory_loads_into_layers_that_match_the_checkpoint(fused_bundle_dir, tmp_path):
+    """load_model_moe: config.json + the checkpoint -> the model's MoE layers on the GPU, top-k and activation
+    from the config, each against the float32 reference of its dequantised tensors."""
+    from cuteaot.runtime import load_model_moe
+
+    bundle = load_bundle(fused_bundle_dir)
+    w13_q, w2_q = _checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": H, "intermediate_size": 4 * H, "moe_intermediate_size": I,
+        "num_experts": E, "num_experts_per_tok": TOP_K, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+    layers = load_model_moe(bundle, tmp_path, progress=False)
+    assert list(layers) == [PREFIX]
+    layer = layers[PREFIX]
+    assert layer.w13.qweight.is_cuda and layer.top_k == TOP_K
+    w13_f, w2_f = dequantize_modelopt(*w13_q).cuda(), dequantize_modelopt(*w2_q).cuda()
+    g = torch.Generator().manual_seed(23)
+    for m in (1, 64):
+        x = torch.randn(m, H, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, E, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, TOP_K, generator=g), dim=1).cuda()
+        out = torch.full((m, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer(x, w, ids, out=out)
+        ref, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"M={m}: rel err {err:.2e}"
