@@ -5,7 +5,8 @@ Two ModelOpt NVFP4 key layouts and gpt-oss's MXFP4 one are read (``P`` is the la
 
     per_expert  P.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2, input_scale}
                 weight (N, K/2) u8, weight_scale (N, K/16) e4m3fn, weight_scale_2 and input_scale
-                () or (1,) f32; gate/up: (N, K) = (I, H), down: (H, I)
+                () or (1,) f32; gate/up: (N, K) = (I, H), down: (H, I); experts without gate_proj
+                (relu2: Nemotron) have W13 = up_proj alone
     w13 / w31   P.experts.{w13,w31}_{weight, weight_scale, weight_scale_2, input_scale} and
                 P.experts.w2_{...}: the same tensors stacked over experts, gate rows first (w13)
                 or up rows first (w31); weight_scale_2 (E,), (E, 1) or, for w13/w31, (E, 2)
@@ -308,7 +309,7 @@ def _modelopt_expects(lead: tuple[int, ...], n: int, half_k: int, scale_2_shapes
 def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
     """The one NVFP4 layout whose keys exist under `prefix`; errors when none or several do."""
     markers = {
-        CheckpointLayout.PER_EXPERT: f"{prefix}.experts.0.gate_proj.weight",
+        CheckpointLayout.PER_EXPERT: f"{prefix}.experts.0.{_first_projection(files, prefix)}.weight",
         CheckpointLayout.W13: f"{prefix}.experts.w13_weight",
         CheckpointLayout.W31: f"{prefix}.experts.w31_weight",
         CheckpointLayout.GPT_OSS: f"{prefix}.experts.gate_up_proj_blocks",
@@ -355,14 +356,23 @@ def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored) ->
 
 _PER_EXPERT_SCALAR = ((), (1,))
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_UNGATED_PROJECTIONS = ("up_proj", "down_proj")  # relu2 experts (Nemotron): W13 is the up projection alone
+
+
+def _first_projection(files: CheckpointFiles, prefix: str) -> str:
+    """gate_proj, or up_proj for experts without a gate projection (relu2)."""
+    gated = files.has(f"{prefix}.experts.0.gate_proj.weight") or not files.has(f"{prefix}.experts.0.up_proj.weight")
+    return "gate_proj" if gated else "up_proj"
 
 
 def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tuple[PackedNvfp4, PackedNvfp4]:
-    first = f"{prefix}.experts.0.gate_proj.weight"
-    _, gate_shape, path = files.header(first, prefix)
-    if len(gate_shape) != 2:
-        raise CheckpointError(f"{first} in {path}: expected a 2-D (I, H/2) weight, got shape {gate_shape}")
-    inter, h = gate_shape[0], gate_shape[1] * FP4_PER_BYTE
+    lead = _first_projection(files, prefix)
+    projections = _PROJECTIONS if lead == "gate_proj" else _UNGATED_PROJECTIONS
+    first = f"{prefix}.experts.0.{lead}.weight"
+    _, lead_shape, path = files.header(first, prefix)
+    if len(lead_shape) != 2:
+        raise CheckpointError(f"{first} in {path}: expected a 2-D (I, H/2) weight, got shape {lead_shape}")
+    inter, h = lead_shape[0], lead_shape[1] * FP4_PER_BYTE
     if inter % FP4_PER_BYTE:
         raise CheckpointError(f"{first} in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
     specs = {
@@ -370,21 +380,21 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tu
         "up_proj": _modelopt_expects((), inter, h // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "up_proj [I, H]"),
         "down_proj": _modelopt_expects((), h, inter // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "down_proj [H, I]"),
     }
-    experts = [_read_expert(files, prefix, e, specs, gate_shape) for e in range(num_experts)]
+    specs = {proj: specs[proj] for proj in projections}
+    experts = [_read_expert(files, prefix, e, specs, lead_shape) for e in range(num_experts)]
 
     def stacked(proj: str, suffix: str) -> torch.Tensor:
         return torch.stack([ex[proj][suffix] for ex in experts])
 
+    w13_projections = projections[:-1]  # (gate, up) or (up,)
     t13 = {
-        "weight": torch.cat((stacked("gate_proj", "weight"), stacked("up_proj", "weight")), dim=1),
-        "weight_scale": torch.cat((stacked("gate_proj", "weight_scale"), stacked("up_proj", "weight_scale")), dim=1),
-        # (E, 2) = (gate, up): prepare_w13 keeps them exact when equal and merges them when not
-        "weight_scale_2": torch.stack(
-            (stacked("gate_proj", "weight_scale_2"), stacked("up_proj", "weight_scale_2")), dim=1
-        ),
+        "weight": torch.cat([stacked(proj, "weight") for proj in w13_projections], dim=1),
+        "weight_scale": torch.cat([stacked(proj, "weight_scale") for proj in w13_projections], dim=1),
+        # gated: (E, 2) = (gate, up), which prepare_w13 keeps exact when equal and merges when not
+        "weight_scale_2": torch.stack([stacked(proj, "weight_scale_2") for proj in w13_projections], dim=1),
     }
     t2 = {s: stacked("down_proj", s) for s in _PACKED_SUFFIXES}
-    biases = {proj: [ex[proj].get("bias") for ex in experts] for proj in _PROJECTIONS}
+    biases = {proj: [ex[proj].get("bias") for ex in experts] for proj in projections}
     for proj, found in biases.items():
         if any(b is not None for b in found) and any(b is None for b in found):
             missing = [e for e, b in enumerate(found) if b is None]
@@ -393,25 +403,30 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tu
     def bias(proj: str) -> torch.Tensor | None:
         return None if biases[proj][0] is None else torch.stack(biases[proj])
 
-    gate, up = bias("gate_proj"), bias("up_proj")
-    if (gate is None) != (up is None):
-        raise CheckpointError(f"layer {prefix!r}: gate_proj and up_proj must both have biases or neither")
-    t13["bias"] = None if gate is None else torch.cat((gate, up), dim=1)
+    if len(w13_projections) == 2:
+        gate, up = bias("gate_proj"), bias("up_proj")
+        if (gate is None) != (up is None):
+            raise CheckpointError(f"layer {prefix!r}: gate_proj and up_proj must both have biases or neither")
+        t13["bias"] = None if gate is None else torch.cat((gate, up), dim=1)
+    else:
+        t13["weight_scale_2"] = t13["weight_scale_2"][:, 0]  # (E,): one projection, one global scale
+        t13["bias"] = bias("up_proj")
     t2["bias"] = bias("down_proj")
-    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored)
+    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored, gated=len(w13_projections) == 2)
 
 
-def _read_expert(files, prefix, expert, specs, gate_shape) -> dict[str, dict[str, torch.Tensor]]:
-    """One expert's three projections (weight_scale_2 as a 0-d tensor), checked against expert 0's shapes."""
+def _read_expert(files, prefix, expert, specs, lead_shape) -> dict[str, dict[str, torch.Tensor]]:
+    """One expert's projections (weight_scale_2 as a 0-d tensor), checked against expert 0's shapes."""
     base = f"{prefix}.experts.{expert}"
-    _, shape, path = files.header(f"{base}.gate_proj.weight", prefix)
-    if shape != gate_shape:
+    lead = next(iter(specs))
+    _, shape, path = files.header(f"{base}.{lead}.weight", prefix)
+    if shape != lead_shape:
         raise CheckpointError(
-            f"{base}.gate_proj.weight in {path} has shape {shape}, expert 0's gate_proj.weight {gate_shape}; "
+            f"{base}.{lead}.weight in {path} has shape {shape}, expert 0's {lead}.weight {lead_shape}; "
             "every expert of a layer must have the same shape (a mixed or truncated checkpoint?)"
         )
     out = {}
-    for proj in _PROJECTIONS:
+    for proj in specs:
         spec = specs[proj]
         t = {s: _read(files, f"{base}.{proj}.{s}", prefix, spec[s]) for s in _PACKED_SUFFIXES}
         t["weight_scale_2"] = t["weight_scale_2"].reshape(())
@@ -426,12 +441,18 @@ def _to(tensors: dict, device) -> dict:
     return {k: None if v is None else v.to(device) for k, v in tensors.items()}
 
 
-def _prepare(t13, t2, dtype, order, device, as_stored=False) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _prepare(t13, t2, dtype, order, device, as_stored=False, gated=True) -> tuple[PackedNvfp4, PackedNvfp4]:
     """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU), or with
-    `as_stored` wrap the tensors moved there as they are (runtime/modelopt.py: no repacking pass)."""
-    p13, p2 = (prepare_w13_modelopt, prepare_w2_modelopt) if as_stored else (prepare_w13, prepare_w2)
+    `as_stored` wrap the tensors moved there as they are (runtime/modelopt.py: no repacking pass).
+    `gated=False`: W13 is one projection (relu2), which packs as is."""
     on = _to(t13, device)
-    w13 = p13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order, bias=on.get("bias"))
+    if as_stored:
+        w13 = prepare_w13_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
+                                   gated=gated, bias=on.get("bias"))
+    else:
+        w13 = prepare_w13(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
+                          bias=on.get("bias"))
+    p2 = prepare_w2_modelopt if as_stored else prepare_w2
     on = _to(t2, device)
     w2 = p2(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, bias=on.get("bias"))
     return w13, w2

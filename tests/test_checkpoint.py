@@ -514,3 +514,53 @@ def test_load_model_moe_builds_every_layer_from_the_config(tmp_path, monkeypatch
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": h}))
     with pytest.raises(BadInputError, match="has no expert count"):
         load_model_moe(stub_bundle(), tmp_path, progress=False)
+
+
+def test_relu2_experts_without_a_gate_projection(tmp_path):
+    """Per-expert keys with up_proj and down_proj only (relu2, Nemotron): W13 is the up projection (N = I),
+    packed as prepare_w13 packs it, or read as stored as a one-projection (non-gated) W13."""
+    from cuteaot.runtime.modelopt import prepare_w13_modelopt
+
+    gen = torch.Generator().manual_seed(31)
+    up, down = random_nvfp4(E, I, H, gen), random_nvfp4(E, H, I, gen)
+    tensors = {}
+    for e in range(E):
+        for proj, ts in (("up_proj", up), ("down_proj", down)):
+            tensors.update({f"{PREFIX}.experts.{e}.{proj}.{s}": t[e].clone() for s, t in zip(PROJ_SUFFIXES, ts)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+    want13, want2 = prepare_w13(*up, "bf16"), prepare_w2(*down, "bf16")
+    assert (w13.n, w13.k) == (I, H)
+    for got, want in ((w13, want13), (w2, want2)):
+        for name in ("qweight", "scales", "global_scale"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    stored13, _ = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", as_stored=True)
+    assert stored13.global_scale.dim() == prepare_w13_modelopt(*up, "bf16", gated=False).global_scale.dim() == 1
+    del tensors[f"{PREFIX}.experts.1.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts\.1\.up_proj\.weight"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_load_model_moe_reads_a_relu2_model(tmp_path, monkeypatch):
+    """A Nemotron-H style config (mlp_hidden_act relu2, n_routed_experts) and checkpoint (backbone.layers.N.mixer.
+    experts.{e}.{up,down}_proj) at tiny-fused-relu2's shape: a relu2 MoeLayer of the loaded weights."""
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.runtime import load_model_moe
+    from tests.stub_bundle import StubLaunch, stub_bundle
+
+    e, h, i, top_k = 8, 576, 320, 3
+    gen = torch.Generator().manual_seed(32)
+    up, down = random_nvfp4(e, i, h, gen), random_nvfp4(e, h, i, gen)
+    prefix = "backbone.layers.1.mixer"
+    tensors = {f"{prefix}.experts.{x}.{proj}.{s}": t[x].clone() for x in range(e)
+               for proj, ts in (("up_proj", up), ("down_proj", down)) for s, t in zip(PROJ_SUFFIXES, ts)}
+    tensors[f"{prefix}.shared_experts.up_proj.weight"] = torch.zeros(8, h // 2, dtype=torch.uint8)  # not routed
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "nemotron_h", "hidden_size": h, "moe_intermediate_size": i, "n_routed_experts": e,
+        "num_experts_per_tok": top_k, "mlp_hidden_act": "relu2", "n_shared_experts": 1, "torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
+    (layer,) = load_model_moe(stub_bundle(), tmp_path, progress=False).values()
+    assert (layer.activation.value, layer.top_k, layer.w13.n, layer.intermediate_size) == ("relu2", top_k, i, i)
+    assert torch.equal(layer.w13.qweight, prepare_w13(*up, "bf16").qweight)
