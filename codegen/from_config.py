@@ -10,6 +10,7 @@ before it is written.
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -57,7 +58,8 @@ def spec_text(moe: MoeConfig, *, source: str, targets: tuple[str, ...] = DEFAULT
         header.append(f"#   router weight on the expert input: {moe.model_type} applies it there")
     header += [f"# {note}" for note in moe.notes]
     header.append(f"# Build: cuteaot build <this file> (then cuteaot inspect --plans generated/{moe.name})")
-    body = [f"bundle: {moe.name}", f"targets: [{', '.join(targets)}]", "moe:", f"  - name: {moe.name}"]
+    name = json.dumps(moe.name)  # quoted: a name such as 1.5 or true stays a string in YAML
+    body = [f"bundle: {name}", f"targets: [{', '.join(targets)}]", "moe:", f"  - name: {name}"]
     body += [f"    {q}: {v}" for q, v in rows]
     if moe.swiglu_limit is not None:
         body.append(f"    swiglu: {{limit: {moe.swiglu_limit}}}")

@@ -148,6 +148,11 @@ def test_the_command_writes_or_prints_the_spec(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_a_name_yaml_would_read_as_a_number_stays_a_name(tmp_path):
+    text, _ = write_spec(_model_dir(tmp_path, "1.5", CONFIGS["mixtral-8x7b"]), tmp_path / "s.yaml")
+    assert load_spec(tmp_path / "s.yaml").bundle == "1.5" and 'bundle: "1.5"' in text
+
+
 def test_names_come_from_the_directory_or_the_config():
     assert spec_name(Path("/models/Qwen3-30B-A3B"), {}) == "qwen3-30b-a3b"
     assert spec_name(Path("/x/config.json"), {"_name_or_path": "openai/gpt-oss-120b"}) == "gpt-oss-120b"
