@@ -81,84 +81,96 @@ def read_config(path: str | Path) -> tuple[dict, Path]:
 
 def moe_config(config: dict, name: str, *, dtype: str | None = None, source: str = "config.json") -> MoeConfig:
     """The routed-expert shape of `config` (a Hugging Face config dict); BadInputError naming what is missing."""
-    root = config
-    if not _has_any(config, _KEYS["num_experts"]) and isinstance(config.get("text_config"), dict):
-        config, source = config["text_config"], f"{source} text_config"  # a multimodal model's language model
-    model_type = str(config.get("model_type", "unknown"))
-    family = _FAMILY.get(model_type, {})
-    sources: dict[str, str] = {}
+    r = _Reader(config, source)
+    family = _FAMILY.get(r.model_type, {})
+    # the expert count first: a dense model fails there, with the hint
+    sizes = {q: r.value(q) for q in ("num_experts", "top_k", "hidden_size", "intermediate_size")}
+    for quantity, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadInputError(f"{r.source}: {r.sources[quantity]} is not a positive integer (per-layer lists, as "
+                                "some multimodal configs hold, are not read: write the spec by hand)")
+    activation = family.get("activation") or r.activation()
+    if "activation" in family:
+        r.sources["activation"] = f"model_type = {json.dumps(r.model_type)}"
+    return MoeConfig(
+        name=name, model_type=r.model_type, activation=activation, dtype=r.dtype(dtype),
+        swiglu_limit=r.swiglu_limit() if activation is Activation.SWIGLUOAI else None,
+        bias=bool(family.get("bias", False)), router_weight_on_input=bool(family.get("router_weight_on_input")),
+        sources=r.sources, notes=r.notes(), **sizes,
+    )
 
-    def read(quantity: str, required: bool = True):
+
+class _Reader:
+    """One config's values by quantity (`_KEYS`), recording the key each came from in `sources`."""
+
+    def __init__(self, config: dict, source: str):
+        self.root, self.config, self.source = config, config, source
+        if not _has_any(config, _KEYS["num_experts"]) and isinstance(config.get("text_config"), dict):
+            self.config, self.source = config["text_config"], f"{source} text_config"  # a multimodal model's LM
+        self.model_type = str(self.config.get("model_type", "unknown"))
+        self.sources: dict[str, str] = {}
+
+    def value(self, quantity: str, required: bool = True):
         keys = _KEYS[quantity]
-        found = [(k, config[k]) for k in keys if config.get(k) is not None]
+        found = [(k, self.config[k]) for k in keys if self.config.get(k) is not None]
         if not found and quantity == "dtype":  # a multimodal config may give it for the whole model only
-            found = [(k, root[k]) for k in keys if root.get(k) is not None]
+            found = [(k, self.root[k]) for k in keys if self.root.get(k) is not None]
         if not found:
             if not required:
                 return None
             what = "expert count" if quantity == "num_experts" else quantity.replace("_", " ")
             hint = " (a dense model? this builds MoE layers only)" if quantity == "num_experts" else ""
-            raise BadInputError(f"{source} (model_type {model_type!r}) has no {what}{hint}: looked for "
+            raise BadInputError(f"{self.source} (model_type {self.model_type!r}) has no {what}{hint}: looked for "
                                 f"{', '.join(keys)}; give the layer's sizes by hand (a spec; load_moe_layer and "
                                 "MoeLayer)")
         if quantity in _AGREE and len({json.dumps(v) for _, v in found}) > 1:
-            raise BadInputError(f"{source} disagrees with itself on {quantity.replace('_', ' ')}: "
+            raise BadInputError(f"{self.source} disagrees with itself on {quantity.replace('_', ' ')}: "
                                 + ", ".join(f"{k} = {v!r}" for k, v in found))
         key, value = found[0]
-        sources[quantity] = f"{key} = {json.dumps(value)}"
+        self.sources[quantity] = f"{key} = {json.dumps(value)}"
         return value
 
-    # the expert count first: a dense model fails there, with the hint
-    sizes = {q: read(q) for q in ("num_experts", "top_k", "hidden_size", "intermediate_size")}
-    for quantity, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadInputError(f"{source}: {sources[quantity]} is not a positive integer (per-layer lists, as "
-                                "some multimodal configs hold, are not read: write the spec by hand)")
-
-    activation = family.get("activation")
-    if activation is None:
-        act = read("activation")
-        activation = _ACTIVATIONS.get(str(act).lower())
+    def activation(self) -> Activation:
+        activation = _ACTIVATIONS.get(str(self.value("activation")).lower())
         if activation is None:
-            raise BadInputError(f"{source}: activation {sources['activation']} is not served; the kernels "
+            raise BadInputError(f"{self.source}: activation {self.sources['activation']} is not served; the kernels "
                                 f"run {sorted(_ACTIVATIONS)} (and gpt-oss's SwiGLU-OAI)")
-    else:
-        sources["activation"] = f"model_type = {json.dumps(model_type)}"
-    swiglu_limit = None
-    if activation is Activation.SWIGLUOAI:
-        limit = config.get("swiglu_limit", SWIGLUOAI_DEFAULT_LIMIT)
-        if float(limit) != SWIGLUOAI_DEFAULT_LIMIT:
-            swiglu_limit = float(limit)
-        sources["swiglu limit"] = f"swiglu_limit = {json.dumps(limit)}" if "swiglu_limit" in config else "default"
+        return activation
 
-    if dtype is not None:
-        chosen = DType(dtype)
-        sources["dtype"] = "--dtype"
-    else:
-        raw = read("dtype", required=False)
-        chosen = _DTYPES.get(str(raw).removeprefix("torch."))
-        if chosen is None:
-            raise BadInputError(f"{source}: the activations' dtype {sources.get('dtype', '(none given)')} is not "
-                                "bfloat16 or float16; pass --dtype bf16 or --dtype fp16")
+    def swiglu_limit(self) -> float | None:
+        """SwiGLU-OAI's clamp, None where it is the runtime's default (as the shipped specs leave it)."""
+        limit = self.config.get("swiglu_limit", SWIGLUOAI_DEFAULT_LIMIT)
+        self.sources["swiglu limit"] = f"swiglu_limit = {json.dumps(limit)}" if "swiglu_limit" in self.config \
+            else "default"
+        return None if float(limit) == SWIGLUOAI_DEFAULT_LIMIT else float(limit)
 
-    notes = []
-    shared = [k for k in _SHARED_EXPERT_KEYS if config.get(k)]
-    if shared:
-        notes.append(f"Shared experts ({', '.join(shared)}) are a dense MLP outside this layer.")
-    quant = root.get("quantization_config") or config.get("quantization_config") or {}
-    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
-    algo = str(quant.get("quant_algo", "")).upper() if isinstance(quant, dict) else ""
-    if method == "mxfp4":
-        notes.append("MXFP4 checkpoint: load_moe_layer packs its blocks for these NVFP4 kernels exactly.")
-    elif not (method == "modelopt" and "NVFP4" in algo):
-        what = f"{method} {algo}".strip() + " checkpoint" if method else "Unquantized checkpoint"
-        notes.append(f"{what[0].upper()}{what[1:]}: the kernels read NVFP4 (or MXFP4) experts; serve a ModelOpt "
-                     "NVFP4 export of this model.")
-    return MoeConfig(
-        name=name, model_type=model_type, activation=activation, dtype=chosen, swiglu_limit=swiglu_limit,
-        bias=bool(family.get("bias", False)), router_weight_on_input=bool(family.get("router_weight_on_input")),
-        sources=sources, notes=tuple(notes), **sizes,
-    )
+    def dtype(self, chosen: str | None) -> DType:
+        if chosen is not None:
+            self.sources["dtype"] = "--dtype"
+            return DType(chosen)
+        found = _DTYPES.get(str(self.value("dtype", required=False)).removeprefix("torch."))
+        if found is None:
+            raise BadInputError(f"{self.source}: the activations' dtype {self.sources.get('dtype', '(none given)')} "
+                                "is not bfloat16 or float16; choose one: dtype=\"bf16\" or \"fp16\" "
+                                "(cuteaot spec --dtype)")
+        return found
+
+    def notes(self) -> tuple[str, ...]:
+        """What the spec's reader should know: shared experts left out, a checkpoint that is not NVFP4."""
+        notes = []
+        shared = [k for k in _SHARED_EXPERT_KEYS if self.config.get(k)]
+        if shared:
+            notes.append(f"Shared experts ({', '.join(shared)}) are a dense MLP outside this layer.")
+        quant = self.root.get("quantization_config") or self.config.get("quantization_config") or {}
+        method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
+        algo = str(quant.get("quant_algo", "")).upper() if isinstance(quant, dict) else ""
+        if method == "mxfp4":
+            notes.append("MXFP4 checkpoint: load_moe_layer packs its blocks for these NVFP4 kernels exactly.")
+        elif not (method == "modelopt" and "NVFP4" in algo):
+            what = f"{method} {algo}".strip() + " checkpoint" if method else "Unquantized checkpoint"
+            notes.append(f"{what[0].upper()}{what[1:]}: the kernels read NVFP4 (or MXFP4) experts; serve a ModelOpt "
+                         "NVFP4 export of this model.")
+        return tuple(notes)
 
 
 def _has_any(config: dict, keys: tuple[str, ...]) -> bool:

@@ -120,7 +120,8 @@ def test_options_reach_the_spec(tmp_path):
     ({**CONFIGS["mixtral-8x7b"], "num_experts": 16}, "disagrees with itself on num experts: num_local_experts = 8, "
                                                       "num_experts = 16"),
     ({**CONFIGS["mixtral-8x7b"], "hidden_act": "gelu"}, "activation hidden_act = \"gelu\" is not served"),
-    ({**CONFIGS["mixtral-8x7b"], "torch_dtype": "float32"}, "pass --dtype bf16 or --dtype fp16"),
+    ({**CONFIGS["mixtral-8x7b"], "torch_dtype": "float32"},
+     r"is not bfloat16 or float16; choose one: dtype=\"bf16\" or \"fp16\" \(cuteaot spec --dtype\)"),
     ({**CONFIGS["ernie-4.5-21b-a3b"], "moe_num_experts": [64, 64]}, "is not a positive integer"),
     ({key: v for key, v in CONFIGS["mixtral-8x7b"].items() if key != "num_experts_per_tok"},
      "has no top k: looked for num_experts_per_tok, experts_per_token, moe_k, moe_top_k"),
