@@ -46,8 +46,14 @@ from pathlib import Path
 import torch
 
 from .errors import BadInputError
+from .model_config import moe_config, read_config
 from .modelopt import prepare_w2_modelopt, prepare_w13_modelopt
-from .types import DType
+from .moe import MoeLayer
+from .parallel import (
+    ModelOptTensors, ParallelMoeLayer, Shard, ep_partition, tp_shard_bias2, tp_shard_bias13, tp_shard_w2,
+    tp_shard_w2_mxfp4, tp_shard_w13, tp_shard_w13_mxfp4,
+)
+from .types import Activation, DType
 from .weights import (
     MXFP4_BLOCK_BYTES, MXFP4_BLOCK_K, PackedNvfp4, W13Order, prepare_w2, prepare_w2_mxfp4, prepare_w13,
     prepare_w13_mxfp4,
@@ -303,6 +309,65 @@ def _modelopt_expects(lead: tuple[int, ...], n: int, half_k: int, scale_2_shapes
     }
 
 
+# ---- one rank's part -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Which part of a layer this process loads: every expert and all of I, or one tensor-parallel rank's
+    slice of I (`tp`), or one expert-parallel rank's experts (`ep`; runtime/parallel.py cuts both)."""
+
+    num_experts: int
+    tp: Shard | None = None
+    ep: Shard | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep is not None:
+            ep_partition(self.num_experts, *self.ep)  # a rank in range, at least one expert each: before any read
+
+    @property
+    def experts(self) -> range:
+        """The global ids of the experts this process reads."""
+        return ep_partition(self.num_experts, *self.ep)[1] if self.ep else range(self.num_experts)
+
+    def select(self, tensors: dict) -> dict:
+        """The local experts' entries of per-expert stacked tensors (every value's first axis is E)."""
+        if self.ep is None:
+            return tensors
+        pick = slice(self.experts.start, self.experts.stop)
+        return {k: None if v is None else v[pick].contiguous() for k, v in tensors.items()}
+
+    def nvfp4(self, t13: dict, t2: dict, order: W13Order, gated: bool) -> tuple[dict, dict, W13Order]:
+        """The ModelOpt tensors of this rank's slice of I (rows of W13 in gate|up order, columns of W2)."""
+        if self.tp is None:
+            return t13, t2, order
+        act = Activation.SILU if gated else Activation.RELU2  # what decides the row layout, not the math
+        rows_order = order if gated else None
+        weight, scale, scale_2 = tp_shard_w13(ModelOptTensors(t13["weight"], t13["weight_scale"],
+                                                              t13["weight_scale_2"]), *self.tp, activation=act,
+                                              order=rows_order)
+        bias = t13.get("bias")
+        t13 = {"weight": weight, "weight_scale": scale, "weight_scale_2": scale_2,
+               "bias": None if bias is None else tp_shard_bias13(bias, *self.tp, activation=act, order=rows_order)}
+        weight, scale, scale_2 = tp_shard_w2(ModelOptTensors(t2["weight"], t2["weight_scale"], t2["weight_scale_2"]),
+                                             *self.tp)
+        bias = t2.get("bias")
+        t2 = {"weight": weight, "weight_scale": scale, "weight_scale_2": scale_2,
+              "bias": None if bias is None else tp_shard_bias2(bias, *self.tp)}
+        return t13, t2, W13Order.GATE_UP
+
+
+def _shard(name: str, value) -> Shard | None:
+    """`tp=` / `ep=` as a Shard: None, or (rank, world)."""
+    if value is None:
+        return None
+    try:
+        rank, world = value
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{name} must be (rank, world), e.g. {name}=(0, 2), got {value!r}") from None
+    return Shard(rank, world)
+
+
 # ---- layouts -------------------------------------------------------------------------------------
 
 
@@ -330,7 +395,7 @@ def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
     )
 
 
-def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored, part) -> tuple[PackedNvfp4, PackedNvfp4]:
     name13 = "w13" if layout is CheckpointLayout.W13 else "w31"
     base = f"{prefix}.experts."
     _, shape13, path = files.header(f"{base}{name13}_weight", prefix)
@@ -351,7 +416,7 @@ def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored) ->
     _check_optional(files, f"{base}w2_input_scale", prefix, spec2["input_scale"])
     t13["bias"] = _read_bias(files, f"{base}{name13}_bias", prefix, (e, 2 * inter), f"{name13} bias [E, 2I]")
     t2["bias"] = _read_bias(files, f"{base}w2_bias", prefix, (e, h), "w2 bias [E, H]")
-    return _prepare(t13, t2, dtype, _FUSED_ORDER[layout], device, as_stored)
+    return _prepare(part.select(t13), part.select(t2), dtype, _FUSED_ORDER[layout], device, as_stored, part=part)
 
 
 _PER_EXPERT_SCALAR = ((), (1,))
@@ -365,7 +430,7 @@ def _first_projection(files: CheckpointFiles, prefix: str) -> str:
     return "gate_proj" if gated else "up_proj"
 
 
-def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored, part) -> tuple[PackedNvfp4, PackedNvfp4]:
     lead = _first_projection(files, prefix)
     projections = _PROJECTIONS if lead == "gate_proj" else _UNGATED_PROJECTIONS
     first = f"{prefix}.experts.0.{lead}.weight"
@@ -381,7 +446,7 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tu
         "down_proj": _modelopt_expects((), h, inter // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "down_proj [H, I]"),
     }
     specs = {proj: specs[proj] for proj in projections}
-    experts = [_read_expert(files, prefix, e, specs, lead_shape) for e in range(num_experts)]
+    experts = [_read_expert(files, prefix, e, specs, lead_shape) for e in part.experts]  # the local ones only
 
     def stacked(proj: str, suffix: str) -> torch.Tensor:
         return torch.stack([ex[proj][suffix] for ex in experts])
@@ -412,7 +477,7 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored) -> tu
         t13["weight_scale_2"] = t13["weight_scale_2"][:, 0]  # (E,): one projection, one global scale
         t13["bias"] = bias("up_proj")
     t2["bias"] = bias("down_proj")
-    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored, gated=len(w13_projections) == 2)
+    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored, gated=len(w13_projections) == 2, part=part)
 
 
 def _read_expert(files, prefix, expert, specs, lead_shape) -> dict[str, dict[str, torch.Tensor]]:
@@ -441,10 +506,13 @@ def _to(tensors: dict, device) -> dict:
     return {k: None if v is None else v.to(device) for k, v in tensors.items()}
 
 
-def _prepare(t13, t2, dtype, order, device, as_stored=False, gated=True) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _prepare(t13, t2, dtype, order, device, as_stored=False, gated=True, part=None) -> tuple[PackedNvfp4, PackedNvfp4]:
     """Pack on `device` (vectorised torch: the GPU packs a large layer far faster than the CPU), or with
     `as_stored` wrap the tensors moved there as they are (runtime/modelopt.py: no repacking pass).
-    `gated=False`: W13 is one projection (relu2), which packs as is."""
+    `gated=False`: W13 is one projection (relu2), which packs as is.  `part`: a tensor-parallel rank's slice
+    of I is cut first (the tensors hold the local experts already)."""
+    if part is not None:
+        t13, t2, order = part.nvfp4(t13, t2, order, gated)
     on = _to(t13, device)
     if as_stored:
         w13 = prepare_w13_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
@@ -458,7 +526,7 @@ def _prepare(t13, t2, dtype, order, device, as_stored=False, gated=True) -> tupl
     return w13, w2
 
 
-def _load_gpt_oss(files, prefix, num_experts, dtype, device) -> tuple[PackedNvfp4, PackedNvfp4]:
+def _load_gpt_oss(files, prefix, num_experts, dtype, device, part) -> tuple[PackedNvfp4, PackedNvfp4]:
     base = f"{prefix}.experts."
     first = f"{base}gate_up_proj_blocks"
     _, shape13, path = files.header(first, prefix)
@@ -480,12 +548,24 @@ def _load_gpt_oss(files, prefix, num_experts, dtype, device) -> tuple[PackedNvfp
         scales = _read(files, f"{base}{name}_scales", prefix, _Expect(
             torch.uint8, ((e, n, k // MXFP4_BLOCK_K),), f"{what}: one e8m0 scale per 32 k"))
         bias = _read_bias(files, f"{base}{name}_bias", prefix, (e, n), f"{name} bias [E, N]")
-        return _to({"blocks": blocks, "scales": scales, "bias": bias}, device)
+        return part.select({"blocks": blocks, "scales": scales, "bias": bias})
 
-    t13 = mx("gate_up_proj", rows, h)
-    w13 = prepare_w13_mxfp4(t13["blocks"], t13["scales"], dtype, order=W13Order.INTERLEAVED, bias=t13["bias"])
+    t13, order = mx("gate_up_proj", rows, h), W13Order.INTERLEAVED
+    if part.tp is not None:  # this rank's gate and up rows, in gate|up order
+        bias = t13["bias"]
+        t13 = dict(zip(("blocks", "scales"), tp_shard_w13_mxfp4(t13["blocks"], t13["scales"], *part.tp, order=order)),
+                   bias=None if bias is None else tp_shard_bias13(bias, *part.tp, activation=Activation.SWIGLUOAI,
+                                                                  order=order))
+        order = W13Order.GATE_UP
+    t13 = _to(t13, device)
+    w13 = prepare_w13_mxfp4(t13["blocks"], t13["scales"], dtype, order=order, bias=t13["bias"])
     del t13
     t2 = mx("down_proj", h, inter)
+    if part.tp is not None:  # this rank's K blocks; W2's bias on rank 0 only (the all-reduce adds it once)
+        bias = t2["bias"]
+        t2 = dict(zip(("blocks", "scales"), tp_shard_w2_mxfp4(t2["blocks"], t2["scales"], *part.tp)),
+                  bias=None if bias is None else tp_shard_bias2(bias, *part.tp))
+    t2 = _to(t2, device)
     w2 = prepare_w2_mxfp4(t2["blocks"], t2["scales"], dtype, bias=t2["bias"])
     return w13, w2
 
@@ -502,13 +582,19 @@ def load_moe_layer(
     layout: CheckpointLayout | str = CheckpointLayout.AUTO,
     device: torch.device | str = "cpu",
     as_stored: bool = False,
+    tp: Shard | tuple[int, int] | None = None,
+    ep: Shard | tuple[int, int] | None = None,
 ) -> tuple[PackedNvfp4, PackedNvfp4]:
     """(w13, w2) of the MoE layer under `prefix` (e.g. ``model.layers.3.mlp``), packed for the GEMM
     with `dtype` activations, on `device`.  `files` is a `CheckpointFiles` or what its `open` takes.
 
     `as_stored=True` (NVFP4 layouts): the tensors as the checkpoint stores them, `ModelOptNvfp4`
     for the `weights: modelopt` / `modelopt_w31` kernels, with no repacking (a per-expert checkpoint's
-    projections are stacked into one (E, 2I, H/2) tensor: that is the only copy)."""
+    projections are stacked into one (E, 2I, H/2) tensor: that is the only copy).
+
+    `tp=(rank, world)`: this tensor-parallel rank's slice of I (`tp_shard_*` of runtime/parallel.py);
+    `ep=(rank, world)`: this expert-parallel rank's experts (`ep_partition`; a per-expert checkpoint
+    reads only those).  `num_experts` stays the checkpoint's (global) count; one of the two at most."""
     if not isinstance(files, CheckpointFiles):
         files = CheckpointFiles.open(files)
     try:
@@ -518,17 +604,21 @@ def load_moe_layer(
         raise CheckpointError(f"layout must be one of {allowed}, got {layout!r}") from None
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
         raise CheckpointError(f"num_experts must be a positive int (the layer's expert count), got {num_experts!r}")
+    if tp is not None and ep is not None:
+        raise CheckpointError(f"pass tp= or ep=, not both (got tp={tp!r}, ep={ep!r}): a rank holds a slice of I "
+                              "of every expert, or whole experts")
     if chosen is CheckpointLayout.AUTO:
         chosen = detect_layout(files, prefix)
     try:
+        part = _Part(num_experts, _shard("tp", tp), _shard("ep", ep))
         if chosen is CheckpointLayout.PER_EXPERT:
-            return _load_per_expert(files, prefix, num_experts, dtype, device, as_stored)
+            return _load_per_expert(files, prefix, num_experts, dtype, device, as_stored, part)
         if chosen is CheckpointLayout.GPT_OSS:
             if as_stored:
                 raise CheckpointError(f"layer {prefix!r} holds gpt-oss MXFP4 weights, which are packed "
                                       "(prepare_w13_mxfp4); as_stored reads ModelOpt NVFP4 layouts only")
-            return _load_gpt_oss(files, prefix, num_experts, dtype, device)
-        return _load_fused(files, prefix, num_experts, dtype, chosen, device, as_stored)
+            return _load_gpt_oss(files, prefix, num_experts, dtype, device, part)
+        return _load_fused(files, prefix, num_experts, dtype, chosen, device, as_stored, part)
     except CheckpointError:
         raise
     except BadInputError as e:  # prepare_w13 / prepare_w2 rejected the values: say which layer and files
@@ -570,38 +660,42 @@ def moe_layer_prefixes(files: CheckpointFiles) -> list[str]:
 
 
 def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = None, as_stored: bool = False,
-                   progress: bool = True, **layer_options) -> dict[str, "MoeLayer"]:
-    """Every MoE layer of a Hugging Face model directory (config.json and safetensors files) as a `MoeLayer`
-    on the bundle's device, by layer prefix.
+                   tp: Shard | tuple[int, int] | None = None, ep: Shard | tuple[int, int] | None = None, group=None,
+                   progress: bool = True, **layer_options) -> dict[str, MoeLayer | ParallelMoeLayer]:
+    """Every MoE layer of a Hugging Face model directory (config.json and safetensors files) on the bundle's
+    device, by layer prefix: `MoeLayer`s, or with `tp=` / `ep=` this rank's `ParallelMoeLayer`s.
 
     The routed experts' shape and options come from config.json (`model_config.moe_config`: top-k,
     activation, SwiGLU limit, router weight on the input, the activations' dtype unless `dtype` is given),
     the layers from the checkpoint's keys (`moe_layer_prefixes`); each is read by `load_moe_layer`
-    (`as_stored`: NVFP4 as stored, for `weights: modelopt` bundles) and built into a `MoeLayer` with
-    `layer_options` (max_tokens, deterministic, validate_ids, ...).  The bundle must hold the model's
-    kernels: `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.  One GPU: for
-    tensor or expert parallelism, shard `load_moe_layer`'s weights (`tp_shard_*`, `ep_select`) and build
-    `ParallelMoeLayer`s.
+    (`as_stored`: NVFP4 as stored, for `weights: modelopt` bundles) and built with `layer_options`
+    (max_tokens, deterministic, validate_ids, ...).  `tp=(rank, world)`: this rank's slice of every
+    expert's I (the bundle needs the `<name>-tp<world>` problems: `cuteaot spec --tp`); `ep=(rank, world)`:
+    this rank's experts and their `expert_map` (`cuteaot spec --ep`); both all-reduce over `group` (the
+    default process group when None), so torch.distributed must be initialised.  The bundle must hold
+    the model's kernels: `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.
     """
-    from .model_config import moe_config, read_config
-    from .moe import MoeLayer
-
     config, file = read_config(model)
     moe = moe_config(config, Path(model).name, dtype=None if dtype is None else DType(dtype).value, source=str(file))
-    for option in ("top_k", "activation", "swiglu_limit", "router_weight_on_input"):
+    decided = {"top_k": "config.json", "activation": "config.json", "swiglu_limit": "config.json",
+               "router_weight_on_input": "config.json", "expert_map": "ep=(rank, world)"}
+    for option, source in decided.items():
         if option in layer_options:
-            raise CheckpointError(f"{option} comes from {file}; pass the layers' other options only")
+            raise CheckpointError(f"{option} comes from {file if source == 'config.json' else source}; pass the "
+                                  "layers' other options only")
     files = CheckpointFiles.open(file.parent)
     prefixes = moe_layer_prefixes(files)
     if not prefixes:
         raise CheckpointError(f"no MoE layer in {[str(p) for p in files.files]}: no key holds '.experts.'")
     weights = load_moe_layers(files, prefixes, num_experts=moe.num_experts, dtype=moe.dtype, device=bundle.device,
-                              as_stored=as_stored, progress=progress)
-    return {
-        prefix: MoeLayer(bundle, w13, w2, top_k=moe.top_k, activation=moe.activation, swiglu_limit=moe.swiglu_limit,
-                         router_weight_on_input=moe.router_weight_on_input, **layer_options)
-        for prefix, (w13, w2) in zip(prefixes, weights)
-    }
+                              as_stored=as_stored, tp=tp, ep=ep, progress=progress)
+    options = dict(top_k=moe.top_k, activation=moe.activation, swiglu_limit=moe.swiglu_limit,
+                   router_weight_on_input=moe.router_weight_on_input, **layer_options)
+    if tp is None and ep is None:
+        return {prefix: MoeLayer(bundle, w13, w2, **options) for prefix, (w13, w2) in zip(prefixes, weights)}
+    expert_map = None if ep is None else ep_partition(moe.num_experts, *_shard("ep", ep), device=bundle.device)[0]
+    return {prefix: ParallelMoeLayer(bundle, w13, w2, group=group, expert_map=expert_map, **options)
+            for prefix, (w13, w2) in zip(prefixes, weights)}
 
 
 def _progress(total: int):

@@ -12,6 +12,10 @@ import pytest
 import torch
 
 from cuteaot.runtime import BadInputError, CheckpointError, CheckpointFiles, load_moe_layer, load_moe_layers
+from cuteaot.runtime.parallel import (
+    ModelOptTensors, ep_partition, ep_select, tp_shard_bias13, tp_shard_w2, tp_shard_w2_mxfp4, tp_shard_w13,
+    tp_shard_w13_mxfp4,
+)
 from cuteaot.runtime.weights import prepare_w2, prepare_w2_mxfp4, prepare_w13, prepare_w13_mxfp4, unpack_nvfp4
 
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
@@ -534,6 +538,9 @@ def test_relu2_experts_without_a_gate_projection(tmp_path):
     for got, want in ((w13, want13), (w2, want2)):
         for name in ("qweight", "scales", "global_scale"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+    _assert_packed_equal(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(1, 2)),
+                         (prepare_w13(*tp_shard_w13(ModelOptTensors(*up), 1, 2, activation="relu2"), "bf16"),
+                          prepare_w2(*tp_shard_w2(ModelOptTensors(*down), 1, 2), "bf16")))  # rows of the one projection
     stored13, _ = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", as_stored=True)
     assert stored13.global_scale.dim() == prepare_w13_modelopt(*up, "bf16", gated=False).global_scale.dim() == 1
     del tensors[f"{PREFIX}.experts.1.up_proj.weight"]
@@ -564,3 +571,120 @@ def test_load_model_moe_reads_a_relu2_model(tmp_path, monkeypatch):
     (layer,) = load_model_moe(stub_bundle(), tmp_path, progress=False).values()
     assert (layer.activation.value, layer.top_k, layer.w13.n, layer.intermediate_size) == ("relu2", top_k, i, i)
     assert torch.equal(layer.w13.qweight, prepare_w13(*up, "bf16").qweight)
+
+
+# ---- one rank's part: tensor- and expert-parallel loading ----------------------------------------
+
+
+def _stacked(moe):
+    """The layer's ModelOpt tensors stacked as prepare_w13 / prepare_w2 take them ([gate | up], (E, 2) scales)."""
+    gate, up, down = moe["gate_proj"], moe["up_proj"], moe["down_proj"]
+    w13 = ModelOptTensors(torch.cat((gate[0], up[0]), dim=1), torch.cat((gate[1], up[1]), dim=1),
+                          torch.stack((gate[2], up[2]), dim=1))
+    return w13, ModelOptTensors(*down)
+
+
+def _assert_packed_equal(got, want):
+    for g, w in zip(got, want):
+        assert (g.n, g.k, g.num_experts) == (w.n, w.k, w.num_experts)
+        for name in ("qweight", "scales", "global_scale", "bias"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "w31"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_loads_its_slice_of_every_expert(tmp_path, moe, layout, rank):
+    """tp=(rank, 2): the packing of tp_shard_w13 / tp_shard_w2 of the whole layer's tensors, whatever the layout."""
+    if layout == "per_expert":
+        _per_expert_checkpoint(tmp_path, moe)
+    else:
+        save_file(_fused_tensors(moe, "w31"), str(tmp_path / "model.safetensors"))
+    w13, w2 = _stacked(moe)
+    want = (prepare_w13(*tp_shard_w13(w13, rank, 2, activation="silu"), "bf16"),
+            prepare_w2(*tp_shard_w2(w2, rank, 2), "bf16"))
+    got = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(rank, 2))
+    assert got[0].n == 2 * I // 2 and got[1].k == I // 2
+    _assert_packed_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "w13"])
+def test_an_expert_parallel_rank_loads_its_experts(tmp_path, moe, layout):
+    """ep=(rank, 3) over 4 experts: ranks hold 2, 1, 1 experts, each the packing of ep_select's tensors."""
+    if layout == "per_expert":
+        _per_expert_checkpoint(tmp_path, moe)
+    else:
+        save_file(_fused_tensors(moe, "w13"), str(tmp_path / "model.safetensors"))
+    w13, w2 = _stacked(moe)
+    for rank, count in enumerate((2, 1, 1)):
+        local = ep_partition(E, rank, 3)[1]
+        got = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", ep=(rank, 3))
+        assert got[0].num_experts == count
+        want = prepare_w13(*ep_select(w13, local), "bf16"), prepare_w2(*ep_select(w2, local), "bf16")
+        _assert_packed_equal(got, want)
+
+
+def test_gpt_oss_loads_per_rank(tmp_path):
+    """MXFP4 under tp=(1, 2): rows cut from the interleaved gate/up pairs, W2's bias on rank 0 only; under ep:
+    the local experts' blocks, scales and biases."""
+    tensors = _gpt_oss_tensors(seed=9)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    base = f"{PREFIX}.experts."
+    blocks13, scales13, bias13 = (tensors[f"{base}gate_up_proj_{n}"] for n in ("blocks", "scales", "bias"))
+    blocks2, scales2, bias2 = (tensors[f"{base}down_proj_{n}"] for n in ("blocks", "scales", "bias"))
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(1, 2))
+    want13 = prepare_w13_mxfp4(*tp_shard_w13_mxfp4(blocks13, scales13, 1, 2), "bf16", order="gate_up",
+                               bias=tp_shard_bias13(bias13, 1, 2, activation="swigluoai", order="interleaved"))
+    want2 = prepare_w2_mxfp4(*tp_shard_w2_mxfp4(blocks2, scales2, 1, 2), "bf16")
+    _assert_packed_equal((w13, w2), (want13, want2))
+    assert w2.bias is None  # rank 1: the all-reduce adds rank 0's
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", ep=(1, 2))
+    want13 = prepare_w13_mxfp4(blocks13[2:], scales13[2:], "bf16", order="interleaved", bias=bias13[2:])
+    want2 = prepare_w2_mxfp4(blocks2[2:], scales2[2:], "bf16", bias=bias2[2:])
+    _assert_packed_equal((w13, w2), (want13, want2))
+
+
+def test_a_rank_that_cannot_be_cut_says_why(tmp_path, moe):
+    _per_expert_checkpoint(tmp_path, moe)
+    with pytest.raises(CheckpointError, match="pass tp= or ep=, not both"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(0, 2), ep=(0, 2))
+    with pytest.raises(CheckpointError, match=r"tp must be \(rank, world\)"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=2)
+    with pytest.raises(BadInputError, match="need 0 <= rank < world"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", ep=(3, 3))
+    with pytest.raises(BadInputError, match="5 experts|4 experts cannot be spread over 5 ranks"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", ep=(0, 5))
+    with pytest.raises(CheckpointError, match=r"layer 'model.layers.3.mlp'.*does not split 3 ways"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(0, 3))
+
+
+def test_load_model_moe_builds_one_ranks_parallel_layers(tmp_path, monkeypatch):
+    """With ep=: ParallelMoeLayers whose local layer holds the rank's experts and ep_partition's map (a
+    one-process gloo group stands in for NCCL)."""
+    import torch.distributed as dist
+
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.runtime import load_model_moe
+    from cuteaot.runtime.parallel import ParallelMoeLayer
+    from tests.stub_bundle import StubLaunch, stub_bundle
+
+    e, h, i = 16, 512, 256
+    gen = torch.Generator().manual_seed(41)
+    w13, w2 = random_nvfp4(e, 2 * i, h, gen), random_nvfp4(e, h, i, gen)
+    base = "model.layers.0.mlp.experts."
+    tensors = {f"{base}w13_{s}": t for s, t in zip(PROJ_SUFFIXES, w13)}
+    tensors.update({f"{base}w2_{s}": t for s, t in zip(PROJ_SUFFIXES, w2)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": h, "moe_intermediate_size": i, "num_experts": e,
+        "num_experts_per_tok": 4, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
+    with pytest.raises(CheckpointError, match=r"expert_map comes from ep=\(rank, world\)"):
+        load_model_moe(stub_bundle(), tmp_path, progress=False, expert_map=torch.zeros(e, dtype=torch.int32))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        (layer,) = load_model_moe(stub_bundle(), tmp_path, progress=False, ep=(1, 4)).values()
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(layer, ParallelMoeLayer) and layer.layer.w13.num_experts == 4
+    assert torch.equal(layer.layer.expert_map, ep_partition(e, 1, 4)[0])
