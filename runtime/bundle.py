@@ -95,7 +95,23 @@ def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) ->
         bx, by, bz = kernel.block
         (err,) = driver.cuLaunchKernel(kernel.function, grid_x, 1, 1, bx, by, bz, kernel.smem, stream, params, 0)
     if err:  # CUresult is an int; CUDA_SUCCESS == 0
-        check_cu((err,), f"launching {kernel.record.symbol} (grid=({grid_x}, 1, 1))")
+        try:
+            check_cu((err,), f"launching {kernel.record.symbol} (grid=({grid_x}, 1, 1))")
+        except LaunchError as exc:
+            hint = _context_hint(kernel)
+            if not hint:
+                raise
+            raise LaunchError(f"{exc}{hint}") from None
+
+
+def _context_hint(kernel: "LoadedKernel") -> str:
+    """Why a launch may have failed where another device's context is current (a process driving several
+    GPUs): the kernel's function belongs to its bundle's device.  Asked only after a failure."""
+    err, current = driver.cuCtxGetCurrent()
+    if err or int(current or 0) == int(kernel.context or 0):
+        return ""
+    return ("; another device's CUDA context is current, and the kernel was loaded for its bundle's device: call "
+            "the layer under `with torch.cuda.device(bundle.device):` (or torch.cuda.set_device once per process)")
 
 
 def current_stream_handle(device_index: int) -> int:

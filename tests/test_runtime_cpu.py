@@ -192,6 +192,23 @@ def _kernel_on_stub_driver(monkeypatch, sig):
     return stub, kernel
 
 
+def test_a_failed_launch_under_another_devices_context_says_so(monkeypatch):
+    """A launch the driver refuses raises LaunchError; where another context than the kernel's is current (a
+    process driving two GPUs, the other device current), the message says which device to make current."""
+    from cuteaot.runtime.errors import LaunchError
+    from cuteaot.runtime.kernels import GemmSpec
+
+    sig = GemmSpec.SIGNATURE
+    stub, kernel = _kernel_on_stub_driver(monkeypatch, sig)
+    stub.cuGetErrorName = lambda err: (0, b"CUDA_ERROR_INVALID_HANDLE")
+    stub.cuLaunchKernel = lambda *args: (400,)
+    with pytest.raises(LaunchError, match=r"INVALID_HANDLE$"):  # the kernel's own context is current: no hint
+        kernel.launch(3, 0, **_distinct_values(sig))
+    stub.cuCtxGetCurrent = lambda: (0, 2)
+    with pytest.raises(LaunchError, match=r"INVALID_HANDLE; another device's CUDA context is current.*torch\.cuda\.device"):
+        kernel.launch(3, 0, **_distinct_values(sig))
+
+
 def _distinct_values(sig) -> dict:
     """A value per parameter, no two alike: pointers 0x1000 apart, ints counting from 1."""
     return {p.name: 0x1000 * (i + 1) if p.kind.value == "ptr" else i + 1 for i, p in enumerate(sig.params)}
