@@ -84,3 +84,31 @@ def test_a_model_directory_loads_into_layers_that_match_the_checkpoint(fused_bun
     layer = layers[PREFIX]
     assert layer.w13.qweight.is_cuda and layer.top_k == TOP_K
     _assert_serves(layer, w13_q, w2_q, (1, 64), seed=23)
+
+
+def test_expert_parallel_ranks_loaded_from_the_checkpoint_add_up_to_the_layer(fused_bundle_dir, tmp_path):
+    """load_moe_layer(ep=(rank, 3)): each rank reads its experts of the per-expert checkpoint; the ranks' layers
+    (expert maps from ep_partition), run one after another on one GPU, add up to the whole layer (what the
+    all-reduce computes) and to the float32 reference."""
+    from cuteaot.runtime.parallel import ep_partition
+
+    bundle = load_bundle(fused_bundle_dir)
+    w13_q, w2_q = _checkpoint(tmp_path)
+    full = MoeLayer(bundle, *load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", device="cuda"),
+                    top_k=TOP_K)
+    ranks = [MoeLayer(bundle, *load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", device="cuda",
+                                              ep=(rank, 3)),
+                      top_k=TOP_K, expert_map=ep_partition(E, rank, 3, device="cuda")[0]) for rank in range(3)]
+    assert [layer.w13.num_experts for layer in ranks] == [6, 5, 5]
+    w13_f, w2_f = dequantize_modelopt(*w13_q).cuda(), dequantize_modelopt(*w2_q).cuda()
+    g = torch.Generator().manual_seed(24)
+    for m in (1, 37, 600):
+        x = torch.randn(m, H, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.rand(m, E, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(m, TOP_K, generator=g), dim=1).cuda()
+        total = sum(layer(x, w, ids).float() for layer in ranks)
+        whole = full(x, w, ids).float()
+        ref, _, _ = moe_reference(x, w13_f, w2_f, w, ids, "silu")
+        for what, err in (("the whole layer", (total - whole).norm() / whole.norm()),
+                          ("the float32 reference", (total - ref).norm() / ref.norm())):
+            assert float(err) <= 1e-2, f"M={m}: the ranks' sum against {what}: rel err {float(err):.2e}"
