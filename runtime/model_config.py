@@ -62,6 +62,7 @@ class MoeConfig:
     router_weight_on_input: bool = False
     sources: dict[str, str] = field(default_factory=dict)  # quantity -> "key = value" it was read from
     notes: tuple[str, ...] = ()
+    quant_method: str = ""  # the checkpoint's quantization_config.quant_method ("modelopt", "mxfp4", ...), or ""
 
 
 def read_config(path: str | Path) -> tuple[dict, Path]:
@@ -96,7 +97,7 @@ def moe_config(config: dict, name: str, *, dtype: str | None = None, source: str
         name=name, model_type=r.model_type, activation=activation, dtype=r.dtype(dtype),
         swiglu_limit=r.swiglu_limit() if activation is Activation.SWIGLUOAI else None,
         bias=bool(family.get("bias", False)), router_weight_on_input=bool(family.get("router_weight_on_input")),
-        sources=r.sources, notes=r.notes(), **sizes,
+        sources=r.sources, notes=r.notes(), quant_method=r.quant_method(), **sizes,
     )
 
 
@@ -155,15 +156,20 @@ class _Reader:
                                 "(cuteaot spec --dtype)")
         return found
 
+    def _quantization(self) -> dict:
+        quant = self.root.get("quantization_config") or self.config.get("quantization_config") or {}
+        return quant if isinstance(quant, dict) else {}
+
+    def quant_method(self) -> str:
+        return str(self._quantization().get("quant_method", "")).lower()
+
     def notes(self) -> tuple[str, ...]:
         """What the spec's reader should know: shared experts left out, a checkpoint that is not NVFP4."""
         notes = []
         shared = [k for k in _SHARED_EXPERT_KEYS if self.config.get(k)]
         if shared:
             notes.append(f"Shared experts ({', '.join(shared)}) are a dense MLP outside this layer.")
-        quant = self.root.get("quantization_config") or self.config.get("quantization_config") or {}
-        method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
-        algo = str(quant.get("quant_algo", "")).upper() if isinstance(quant, dict) else ""
+        method, algo = self.quant_method(), str(self._quantization().get("quant_algo", "")).upper()
         if method == "mxfp4":
             notes.append("MXFP4 checkpoint: load_moe_layer packs its blocks for these NVFP4 kernels exactly.")
         elif not (method == "modelopt" and "NVFP4" in algo):

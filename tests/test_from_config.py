@@ -131,6 +131,14 @@ def test_configs_that_cannot_be_read_say_why(config, message):
         moe_config(config, "m")
 
 
+def test_an_mxfp4_checkpoint_refuses_tensor_parallel_degrees_that_cut_its_blocks(tmp_path):
+    d = _model_dir(tmp_path, "oss", CONFIGS["gpt-oss-120b"])  # I = 2880: 1440 a rank at TP 2, 720 (22.5 blocks) at 4
+    with pytest.raises(BadInputError, match=r"does not split into whole 32-wide blocks for tp=\[4\]"):
+        write_spec(d, tp=(1, 2, 4))
+    text, _ = write_spec(d, tp=(1, 2))
+    assert "tp: [1, 2]" in text
+
+
 def test_a_spec_that_would_not_build_is_not_written(tmp_path):
     d = _model_dir(tmp_path, "qwen", CONFIGS["qwen3-30b-a3b"])
     with pytest.raises(BadInputError, match=r"would not build: moe\[0\]\.tp: intermediate_size 768 is not divisible"):
