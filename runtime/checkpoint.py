@@ -661,7 +661,8 @@ def moe_layer_prefixes(files: CheckpointFiles) -> list[str]:
 
 def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = None, as_stored: bool = False,
                    tp: Shard | tuple[int, int] | None = None, ep: Shard | tuple[int, int] | None = None, group=None,
-                   progress: bool = True, **layer_options) -> dict[str, MoeLayer | ParallelMoeLayer]:
+                   prefixes: Iterable[str] | None = None, progress: bool = True,
+                   **layer_options) -> dict[str, MoeLayer | ParallelMoeLayer]:
     """Every MoE layer of a Hugging Face model directory (config.json and safetensors files) on the bundle's
     device, by layer prefix: `MoeLayer`s, or with `tp=` / `ep=` this rank's `ParallelMoeLayer`s.
 
@@ -672,8 +673,9 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     (max_tokens, deterministic, validate_ids, ...).  `tp=(rank, world)`: this rank's slice of every
     expert's I (the bundle needs the `<name>-tp<world>` problems: `cuteaot spec --tp`); `ep=(rank, world)`:
     this rank's experts and their `expert_map` (`cuteaot spec --ep`); both all-reduce over `group` (the
-    default process group when None), so torch.distributed must be initialised.  The bundle must hold
-    the model's kernels: `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.
+    default process group when None), so torch.distributed must be initialised.  `prefixes`: only these
+    of the model's MoE layers (a pipeline stage's).  The bundle must hold the model's kernels:
+    `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.
     """
     config, file = read_config(model)
     moe = moe_config(config, Path(model).name, dtype=None if dtype is None else DType(dtype).value, source=str(file))
@@ -684,9 +686,17 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
             raise CheckpointError(f"{option} comes from {file if source == 'config.json' else source}; pass the "
                                   "layers' other options only")
     files = CheckpointFiles.open(file.parent)
-    prefixes = moe_layer_prefixes(files)
-    if not prefixes:
+    found = moe_layer_prefixes(files)
+    if not found:
         raise CheckpointError(f"no MoE layer in {[str(p) for p in files.files]}: no key holds '.experts.'")
+    if prefixes is None:
+        prefixes = found
+    else:
+        prefixes = list(prefixes)
+        unknown = [p for p in prefixes if p not in found]
+        if unknown:
+            raise CheckpointError(f"{unknown} are not MoE layers of {file.parent}; its MoE layers are {found[:4]}"
+                                  f"{' ...' if len(found) > 4 else ''} ({len(found)})")
     weights = load_moe_layers(files, prefixes, num_experts=moe.num_experts, dtype=moe.dtype, device=bundle.device,
                               as_stored=as_stored, tp=tp, ep=ep, progress=progress)
     options = dict(top_k=moe.top_k, activation=moe.activation, swiglu_limit=moe.swiglu_limit,

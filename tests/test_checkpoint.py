@@ -515,6 +515,10 @@ def test_load_model_moe_builds_every_layer_from_the_config(tmp_path, monkeypatch
         assert torch.equal(layer.w13.qweight, want13.qweight) and torch.equal(layer.w2.scales, want2.scales)
     with pytest.raises(CheckpointError, match="top_k comes from"):
         load_model_moe(stub_bundle(), tmp_path, progress=False, top_k=2)
+    assert list(load_model_moe(stub_bundle(), tmp_path, progress=False, prefixes=["model.layers.10.mlp"])) == [
+        "model.layers.10.mlp"]  # one pipeline stage's layers
+    with pytest.raises(CheckpointError, match=r"\['model.layers.0.mlp'\] are not MoE layers of .*model.layers.2.mlp"):
+        load_model_moe(stub_bundle(), tmp_path, progress=False, prefixes=["model.layers.0.mlp"])
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": h}))
     with pytest.raises(BadInputError, match="has no expert count"):
         load_model_moe(stub_bundle(), tmp_path, progress=False)
