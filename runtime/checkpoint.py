@@ -287,7 +287,10 @@ def _read_bias(files: CheckpointFiles, key: str, prefix: str, shape: tuple[int, 
         raise CheckpointError(f"{key} in {path}: expected a bf16, f16 or f32 bias ({what}), got {_dtype_name(st_dtype)}")
     if found != shape:
         raise CheckpointError(f"{key} in {path}: expected shape {shape} ({what}), got {found}")
-    return files.read(key, prefix)
+    bias = files.read(key, prefix)
+    # a tensor read in place from the file starts wherever its data does (safetensors aligns to 8 bytes); the
+    # kernels read biases in 16-byte vectors, and a bias of the layer's dtype is used as read
+    return bias if bias.data_ptr() % 16 == 0 else bias.clone()
 
 
 def _modelopt_expects(lead: tuple[int, ...], n: int, half_k: int, scale_2_shapes, what: str) -> dict[str, _Expect]:

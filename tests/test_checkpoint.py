@@ -692,3 +692,43 @@ def test_load_model_moe_builds_one_ranks_parallel_layers(tmp_path, monkeypatch):
         dist.destroy_process_group()
     assert isinstance(layer, ParallelMoeLayer) and layer.layer.w13.num_experts == 4
     assert torch.equal(layer.layer.expert_map, ep_partition(e, 1, 4)[0])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_model_directory_goes_through_spec_bundle_and_layers(tmp_path, monkeypatch, family):
+    """The whole path on the CPU: config.json + checkpoint -> `cuteaot spec` -> the spec's planned table (the
+    stub bundle a build of it would load) -> load_model_moe.  The layers resolve every token count of the
+    spec: what the spec declares (swigluoai's default limit, gpt-oss's biases) and what the loader builds are
+    the same layer facts.  (It found that a bias read in place from the file may start 8-byte aligned.)"""
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.codegen.from_config import write_spec
+    from cuteaot.runtime import load_model_moe
+    from tests.reference.mxfp4 import random_mxfp4
+    from tests.stub_bundle import StubLaunch, stub_bundle
+
+    e, h, i, top_k = 8, 512, 256, 2
+    gen = torch.Generator().manual_seed(51)
+    base = "model.layers.0.mlp.experts."
+    if family == "gpt_oss":
+        config = {"num_local_experts": e, "intermediate_size": i, "swiglu_limit": 7.0,
+                  "quantization_config": {"quant_method": "mxfp4"}}
+        (b13, s13), (b2, s2) = random_mxfp4(e, 2 * i, h, gen), random_mxfp4(e, h, i, gen)
+        tensors = {f"{base}gate_up_proj_blocks": b13, f"{base}gate_up_proj_scales": s13,
+                   f"{base}gate_up_proj_bias": torch.randn(e, 2 * i, generator=gen).to(torch.bfloat16),
+                   f"{base}down_proj_blocks": b2, f"{base}down_proj_scales": s2,
+                   f"{base}down_proj_bias": torch.randn(e, h, generator=gen).to(torch.bfloat16)}
+    else:
+        config = {"num_experts": e, "moe_intermediate_size": i, "intermediate_size": 4 * h}
+        w13, w2 = random_nvfp4(e, 2 * i, h, gen), random_nvfp4(e, h, i, gen)
+        tensors = {f"{base}w13_{s}": t for s, t in zip(PROJ_SUFFIXES, w13)}
+        tensors.update({f"{base}w2_{s}": t for s, t in zip(PROJ_SUFFIXES, w2)})
+    config.update(model_type=family, hidden_size=h, num_experts_per_tok=top_k, hidden_act="silu",
+                  torch_dtype="bfloat16")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, spec = write_spec(tmp_path, tmp_path / "spec.yaml", targets=("h200",), max_tokens=64)
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
+    (layer,) = load_model_moe(stub_bundle(spec), tmp_path, progress=False).values()
+    assert [layer.resolve(m).launch.m_min <= m for m in range(1, 65)] == [True] * 64
+    assert (layer.w13_bias is not None) == (family == "gpt_oss")
+    assert layer.facts.swiglu_limit == (7.0 if family == "gpt_oss" else None)  # the layer's facts fill the default
