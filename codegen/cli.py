@@ -10,6 +10,7 @@ import argparse
 import re
 import sys
 import textwrap
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -225,7 +226,7 @@ def cmd_spec(args) -> int:
     return 0
 
 
-def _names(choices) -> "callable":
+def _names(choices) -> Callable[[str], list[str]]:
     """argparse type of a comma-separated list of names from `choices`."""
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]

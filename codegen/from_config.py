@@ -18,7 +18,7 @@ from pathlib import Path
 from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.model_config import CONFIG_FILE, MoeConfig, moe_config, read_config
 from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_LIMIT, Activation, WeightFormat
-from cuteaot.runtime.weights import MXFP4_BLOCK_K
+from cuteaot.runtime.parallel import mxfp4_tp_blocks
 
 DEFAULT_TARGETS = ("h200", "h100")  # the profiles the product is measured on (others build, untuned)
 DEFAULT_MAX_TOKENS = 16384  # the largest bucket of the shipped specs; larger calls run in chunks
@@ -92,12 +92,12 @@ def write_spec(model: str | Path, out: str | Path | None = None, *, name: str | 
 
     config, file = read_config(model)
     moe = moe_config(config, name or spec_name(Path(model), config), dtype=dtype, source=str(file))
-    if moe.quant_method == "mxfp4":  # W2's slice of I must be whole MXFP4 blocks (runtime/parallel.py)
-        cut = [t for t in options.get("tp", ()) if (moe.intermediate_size // t) % MXFP4_BLOCK_K]
-        if cut:
-            raise BadInputError(f"{file}: an MXFP4 checkpoint's intermediate size {moe.intermediate_size} does not "
-                                f"split into whole {MXFP4_BLOCK_K}-wide blocks for tp={cut} (each rank's W2 would "
-                                "cut a scale block); leave those degrees out")
+    if moe.quant_method == "mxfp4":  # the loader cuts W2 in whole MXFP4 blocks: refuse now what it would refuse
+        for world in options.get("tp", ()):
+            try:
+                mxfp4_tp_blocks(moe.intermediate_size, 0, world)
+            except BadInputError as exc:
+                raise BadInputError(f"{file} (an MXFP4 checkpoint), tp={world}: {exc}") from None
     text = spec_text(moe, source=str(file), **options)
     with tempfile.TemporaryDirectory() as tmp:
         check = Path(tmp) / f"{moe.name}.yaml"

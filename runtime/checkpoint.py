@@ -186,8 +186,11 @@ class CheckpointFiles:
         return info.get_dtype(), tuple(info.get_shape()), path
 
     def read(self, key: str, prefix: str) -> torch.Tensor:
-        """The tensor `key`, read from its file (CPU)."""
-        return self._handle(self._file_of(key, prefix)).get_tensor(key)
+        """The tensor `key`, read from its file (CPU), starting 16-byte aligned: a tensor read in place starts
+        where its data does in the file (safetensors aligns to 8 bytes), and the kernels read every operand
+        in 16-byte vectors (weights read as stored and biases are used as read), so such a one is copied."""
+        t = self._handle(self._file_of(key, prefix)).get_tensor(key)
+        return t if t.data_ptr() % 16 == 0 else t.clone()
 
     def close(self) -> None:
         """Drop the open file handles (they are reopened on the next read)."""
@@ -287,10 +290,7 @@ def _read_bias(files: CheckpointFiles, key: str, prefix: str, shape: tuple[int, 
         raise CheckpointError(f"{key} in {path}: expected a bf16, f16 or f32 bias ({what}), got {_dtype_name(st_dtype)}")
     if found != shape:
         raise CheckpointError(f"{key} in {path}: expected shape {shape} ({what}), got {found}")
-    bias = files.read(key, prefix)
-    # a tensor read in place from the file starts wherever its data does (safetensors aligns to 8 bytes); the
-    # kernels read biases in 16-byte vectors, and a bias of the layer's dtype is used as read
-    return bias if bias.data_ptr() % 16 == 0 else bias.clone()
+    return files.read(key, prefix)
 
 
 def _modelopt_expects(lead: tuple[int, ...], n: int, half_k: int, scale_2_shapes, what: str) -> dict[str, _Expect]:
@@ -324,14 +324,12 @@ class _Part:
     tp: Shard | None = None
     ep: Shard | None = None
 
-    def __post_init__(self) -> None:
-        if self.ep is not None:
-            ep_partition(self.num_experts, *self.ep)  # a rank in range, at least one expert each: before any read
+    experts: range = dataclasses.field(init=False)  # the global ids of the experts this process reads
 
-    @property
-    def experts(self) -> range:
-        """The global ids of the experts this process reads."""
-        return ep_partition(self.num_experts, *self.ep)[1] if self.ep else range(self.num_experts)
+    def __post_init__(self) -> None:
+        # ep_partition checks the rank (in range, at least one expert each) before any read
+        local = ep_partition(self.num_experts, *self.ep)[1] if self.ep else range(self.num_experts)
+        object.__setattr__(self, "experts", local)
 
     def select(self, tensors: dict) -> dict:
         """The local experts' entries of per-expert stacked tensors (every value's first axis is E)."""
@@ -682,12 +680,11 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     """
     config, file = read_config(model)
     moe = moe_config(config, Path(model).name, dtype=None if dtype is None else DType(dtype).value, source=str(file))
-    decided = {"top_k": "config.json", "activation": "config.json", "swiglu_limit": "config.json",
-               "router_weight_on_input": "config.json", "expert_map": "ep=(rank, world)"}
-    for option, source in decided.items():
-        if option in layer_options:
-            raise CheckpointError(f"{option} comes from {file if source == 'config.json' else source}; pass the "
-                                  "layers' other options only")
+    decided = {"top_k": file, "activation": file, "swiglu_limit": file, "router_weight_on_input": file,
+               "expert_map": "ep=(rank, world)"}
+    clash = sorted(decided.keys() & layer_options.keys())
+    if clash:
+        raise CheckpointError(f"{clash[0]} comes from {decided[clash[0]]}; pass the layers' other options only")
     files = CheckpointFiles.open(file.parent)
     found = moe_layer_prefixes(files)
     if not found:

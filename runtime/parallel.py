@@ -35,7 +35,8 @@ from .weights import MXFP4_BLOCK_K, SCALE_GROUP_K, PackedNvfp4, W13Order
 
 
 __all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "tp_shard_bias13", "tp_shard_bias2",
-           "tp_shard_w13_mxfp4", "tp_shard_w2_mxfp4", "ep_partition", "ep_select", "ParallelMoeLayer"]
+           "tp_shard_w13_mxfp4", "tp_shard_w2_mxfp4", "mxfp4_tp_blocks", "ep_partition", "ep_select",
+           "ParallelMoeLayer"]
 
 
 class ModelOptTensors(NamedTuple):
@@ -159,13 +160,19 @@ def tp_shard_w2_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, rank: int,
             or scales.dim() != 3 or blocks.shape[:3] != scales.shape:
         raise BadInputError(f"MXFP4 W2 must be blocks (E, H, I/32, 16) and scales (E, H, I/32), got "
                             f"{tuple(getattr(blocks, 'shape', ()))} and {tuple(getattr(scales, 'shape', ()))}")
-    inter = blocks.shape[2] * MXFP4_BLOCK_K
-    s = tp_slice(inter, rank, world)
-    if s.start % MXFP4_BLOCK_K or s.stop % MXFP4_BLOCK_K:
-        raise BadInputError(f"intermediate_size {inter} / {world} = {inter // world} is not a multiple of the MXFP4 "
-                            f"block ({MXFP4_BLOCK_K}): the shard boundary would cut a scale block; use fewer ranks")
-    b = slice(s.start // MXFP4_BLOCK_K, s.stop // MXFP4_BLOCK_K)
+    b = mxfp4_tp_blocks(blocks.shape[2] * MXFP4_BLOCK_K, rank, world)
     return blocks[:, :, b].contiguous(), scales[:, :, b].contiguous()
+
+
+def mxfp4_tp_blocks(intermediate_size: int, rank: int, world: int) -> slice:
+    """The MXFP4 blocks (32 k each) of I that rank `rank` of `world` holds in W2; BadInputError where the
+    shard boundary would cut a block (gpt-oss's 2880 splits 2 ways, not 4)."""
+    s = tp_slice(intermediate_size, rank, world)
+    if s.start % MXFP4_BLOCK_K or s.stop % MXFP4_BLOCK_K:
+        raise BadInputError(f"intermediate_size {intermediate_size} / {world} = {intermediate_size // world} is not a "
+                            f"multiple of the MXFP4 block ({MXFP4_BLOCK_K}): the shard boundary would cut a scale "
+                            "block; use fewer ranks")
+    return slice(s.start // MXFP4_BLOCK_K, s.stop // MXFP4_BLOCK_K)
 
 
 def tp_shard_bias13(bias: torch.Tensor, rank: int, world: int, *, activation: Activation | str,
