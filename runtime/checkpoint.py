@@ -1,12 +1,16 @@
 """Checkpoint loading: the FP4 tensors of one MoE layer, read from safetensors files, -> PackedNvfp4.
 
-Two ModelOpt NVFP4 key layouts and gpt-oss's MXFP4 one are read (``P`` is the layer prefix, e.g.
+Two NVFP4 key layouts (per expert, as ModelOpt and llm-compressor export them, and ModelOpt's fused
+stacks) and gpt-oss's MXFP4 one are read (``P`` is the layer prefix, e.g.
 ``model.layers.3.mlp``):
 
     per_expert  P.experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2, input_scale}
                 weight (N, K/2) u8, weight_scale (N, K/16) e4m3fn, weight_scale_2 and input_scale
                 () or (1,) f32; gate/up: (N, K) = (I, H), down: (H, I); experts without gate_proj
-                (relu2: Nemotron) have W13 = up_proj alone
+                (relu2: Nemotron) have W13 = up_proj alone.  Two variants are read alike:
+                Mixtral's and Phi-3.5-MoE's projection names (w1 gate, w3 up, w2 down), and
+                compressed-tensors' (llm-compressor's) NVFP4 tensor names: weight_packed,
+                weight_scale, weight_global_scale (= 1 / weight_scale_2), input_global_scale
     w13 / w31   P.experts.{w13,w31}_{weight, weight_scale, weight_scale_2, input_scale} and
                 P.experts.w2_{...}: the same tensors stacked over experts, gate rows first (w13)
                 or up rows first (w31); weight_scale_2 (E,), (E, 1) or, for w13/w31, (E, 2)
@@ -250,6 +254,7 @@ class _Expect:
     dtype: torch.dtype
     shapes: tuple[tuple[int, ...], ...]
     what: str
+    checkpoint: str = "an NVFP4 (ModelOpt or compressed-tensors)"  # what a wrong dtype suggests it is not
 
 
 def _dtype_name(safetensors_dtype: str) -> str:
@@ -262,7 +267,7 @@ def _check_header(files: CheckpointFiles, key: str, prefix: str, expect: _Expect
     if SAFETENSORS_DTYPES.get(st_dtype) != expect.dtype:
         raise CheckpointError(
             f"{key} in {path}: expected dtype {str(expect.dtype).removeprefix('torch.')} ({expect.what}), "
-            f"got {_dtype_name(st_dtype)}; is this a ModelOpt NVFP4 checkpoint?"
+            f"got {_dtype_name(st_dtype)}; is this {expect.checkpoint} checkpoint?"
         )
     if shape not in expect.shapes:
         raise CheckpointError(
@@ -276,7 +281,7 @@ def _read(files: CheckpointFiles, key: str, prefix: str, expect: _Expect) -> tor
 
 
 def _check_optional(files: CheckpointFiles, key: str, prefix: str, expect: _Expect) -> None:
-    """input_scale: checked when present (a wrong one means a wrong file), never needed by W4A16."""
+    """The input scale: checked when present (a wrong one means a wrong file), never needed by W4A16."""
     if files.has(key):
         _check_header(files, key, prefix, expect)
 
@@ -374,13 +379,16 @@ def _shard(name: str, value) -> Shard | None:
 
 def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
     """The one NVFP4 layout whose keys exist under `prefix`; errors when none or several do."""
+    naming = _per_expert_naming(files, prefix)
     markers = {
-        CheckpointLayout.PER_EXPERT: f"{prefix}.experts.0.{_first_projection(files, prefix)}.weight",
+        CheckpointLayout.PER_EXPERT: naming.key(prefix, 0, naming.projections[0], "weight") if naming
+        else f"{prefix}.experts.0.{{gate_proj,w1}}.{{weight,weight_packed}}",
         CheckpointLayout.W13: f"{prefix}.experts.w13_weight",
         CheckpointLayout.W31: f"{prefix}.experts.w31_weight",
         CheckpointLayout.GPT_OSS: f"{prefix}.experts.gate_up_proj_blocks",
     }
-    found = [layout for layout, key in markers.items() if files.has(key)]
+    found = [layout for layout, key in markers.items() if files.has(key) or (layout is CheckpointLayout.PER_EXPERT
+                                                                               and naming is not None)]
     if len(found) == 1:
         return found[0]
     if found:
@@ -421,86 +429,147 @@ def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored, pa
 
 
 _PER_EXPERT_SCALAR = ((), (1,))
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_UNGATED_PROJECTIONS = ("up_proj", "down_proj")  # relu2 experts (Nemotron): W13 is the up projection alone
 
 
-def _first_projection(files: CheckpointFiles, prefix: str) -> str:
-    """gate_proj, or up_proj for experts without a gate projection (relu2)."""
-    gated = files.has(f"{prefix}.experts.0.gate_proj.weight") or not files.has(f"{prefix}.experts.0.up_proj.weight")
-    return "gate_proj" if gated else "up_proj"
+@dataclass(frozen=True)
+class _Naming:
+    """How a per-expert checkpoint names one expert's projections and each projection's tensors.
+
+    `gate` is None for experts without a gate projection (relu2: W13 is the up projection alone).
+    The tensors are addressed by their ModelOpt names (`_PACKED_SUFFIXES`, "input_scale") and stored
+    under `suffixes`' names; `inverse_global`: the file holds 1 / weight_scale_2 (compressed-tensors'
+    weight_global_scale, the factor a weight is divided by)."""
+
+    gate: str | None
+    up: str
+    down: str
+    suffixes: dict[str, str]
+    inverse_global: bool
+    label: str  # the checkpoint's kind, for messages
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projections' names, W13's first ((gate, up) or (up,)), down last."""
+        return (self.up, self.down) if self.gate is None else (self.gate, self.up, self.down)
+
+    def key(self, prefix: str, expert: int, projection: str, tensor: str) -> str:
+        return f"{prefix}.experts.{expert}.{projection}.{self.suffixes.get(tensor, tensor)}"
+
+
+_PROJECTION_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # HF's; Mixtral's, Phi-3.5-MoE's
+_TENSOR_NAMES = (
+    ("ModelOpt NVFP4", {}, False),
+    ("compressed-tensors NVFP4", {"weight": "weight_packed", "weight_scale_2": "weight_global_scale",
+                                  "input_scale": "input_global_scale"}, True),
+)
+_RELU2_NAMES = (None, "up_proj", "down_proj")  # experts without a gate projection (Nemotron)
+_NAMINGS = tuple(
+    _Naming(gate, up, down, suffixes, inverse, label)
+    for label, suffixes, inverse in _TENSOR_NAMES
+    for gate, up, down in _PROJECTION_NAMES + (_RELU2_NAMES,)
+)
+
+
+def _per_expert_naming(files: CheckpointFiles, prefix: str) -> _Naming | None:
+    """The naming whose expert-0 keys the layer holds (every projection's codes), None where none does;
+    CheckpointError where several do (a checkpoint mixing two exports)."""
+    found = [n for n in _NAMINGS if all(files.has(n.key(prefix, 0, p, "weight")) for p in n.projections)]
+    gated = [n for n in found if n.gate is not None]
+    found = gated or found  # a gated layer also holds the relu2 naming's up_proj and down_proj
+    if len(found) > 1:
+        raise CheckpointError(
+            f"layer {prefix!r} holds expert 0 under several namings: "
+            f"{[n.key(prefix, 0, n.projections[0], 'weight') for n in found]}; a checkpoint holds one export"
+        )
+    return found[0] if found else None
 
 
 def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored, part) -> tuple[PackedNvfp4, PackedNvfp4]:
-    lead = _first_projection(files, prefix)
-    projections = _PROJECTIONS if lead == "gate_proj" else _UNGATED_PROJECTIONS
-    first = f"{prefix}.experts.0.{lead}.weight"
+    naming = _per_expert_naming(files, prefix) or _NAMINGS[0]  # none: reading gate_proj says what is missing
+    lead = naming.projections[0]
+    first = naming.key(prefix, 0, lead, "weight")
     _, lead_shape, path = files.header(first, prefix)
     if len(lead_shape) != 2:
         raise CheckpointError(f"{first} in {path}: expected a 2-D (I, H/2) weight, got shape {lead_shape}")
     inter, h = lead_shape[0], lead_shape[1] * FP4_PER_BYTE
     if inter % FP4_PER_BYTE:
         raise CheckpointError(f"{first} in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
-    specs = {
-        "gate_proj": _modelopt_expects((), inter, h // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "gate_proj [I, H]"),
-        "up_proj": _modelopt_expects((), inter, h // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "up_proj [I, H]"),
-        "down_proj": _modelopt_expects((), h, inter // FP4_PER_BYTE, _PER_EXPERT_SCALAR, "down_proj [H, I]"),
-    }
-    specs = {proj: specs[proj] for proj in projections}
-    experts = [_read_expert(files, prefix, e, specs, lead_shape) for e in part.experts]  # the local ones only
+
+    def expects(n: int, half_k: int, what: str) -> dict[str, _Expect]:
+        found = _modelopt_expects((), n, half_k, _PER_EXPERT_SCALAR, what)
+        if naming.inverse_global:
+            found["weight_scale_2"] = dataclasses.replace(found["weight_scale_2"], what=f"{what}: 1 / global scale")
+        return {name: dataclasses.replace(e, checkpoint=f"a {naming.label}") for name, e in found.items()}
+
+    specs = {proj: expects(inter, h // FP4_PER_BYTE, f"{proj} [I, H]") for proj in naming.projections[:-1]}
+    specs[naming.down] = expects(h, inter // FP4_PER_BYTE, f"{naming.down} [H, I]")
+    experts = [_read_expert(files, prefix, e, specs, lead_shape, naming) for e in part.experts]  # the local ones
 
     def stacked(proj: str, suffix: str) -> torch.Tensor:
         return torch.stack([ex[proj][suffix] for ex in experts])
 
-    w13_projections = projections[:-1]  # (gate, up) or (up,)
+    w13_projections = naming.projections[:-1]  # (gate, up) or (up,)
     t13 = {
         "weight": torch.cat([stacked(proj, "weight") for proj in w13_projections], dim=1),
         "weight_scale": torch.cat([stacked(proj, "weight_scale") for proj in w13_projections], dim=1),
         # gated: (E, 2) = (gate, up), which prepare_w13 keeps exact when equal and merges when not
         "weight_scale_2": torch.stack([stacked(proj, "weight_scale_2") for proj in w13_projections], dim=1),
     }
-    t2 = {s: stacked("down_proj", s) for s in _PACKED_SUFFIXES}
-    biases = {proj: [ex[proj].get("bias") for ex in experts] for proj in projections}
+    t2 = {s: stacked(naming.down, s) for s in _PACKED_SUFFIXES}
+    biases = {proj: [ex[proj].get("bias") for ex in experts] for proj in naming.projections}
     for proj, found in biases.items():
         if any(b is not None for b in found) and any(b is None for b in found):
-            missing = [e for e, b in enumerate(found) if b is None]
+            missing = [e for e, b in zip(part.experts, found) if b is None]
             raise CheckpointError(f"layer {prefix!r}: {proj}.bias exists for some experts but not for {missing[:8]}")
 
     def bias(proj: str) -> torch.Tensor | None:
         return None if biases[proj][0] is None else torch.stack(biases[proj])
 
-    if len(w13_projections) == 2:
-        gate, up = bias("gate_proj"), bias("up_proj")
+    if naming.gate is not None:
+        gate, up = bias(naming.gate), bias(naming.up)
         if (gate is None) != (up is None):
-            raise CheckpointError(f"layer {prefix!r}: gate_proj and up_proj must both have biases or neither")
+            raise CheckpointError(f"layer {prefix!r}: {naming.gate} and {naming.up} must both have biases or neither")
         t13["bias"] = None if gate is None else torch.cat((gate, up), dim=1)
     else:
         t13["weight_scale_2"] = t13["weight_scale_2"][:, 0]  # (E,): one projection, one global scale
-        t13["bias"] = bias("up_proj")
-    t2["bias"] = bias("down_proj")
-    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored, gated=len(w13_projections) == 2, part=part)
+        t13["bias"] = bias(naming.up)
+    t2["bias"] = bias(naming.down)
+    return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored, gated=naming.gate is not None, part=part)
 
 
-def _read_expert(files, prefix, expert, specs, lead_shape) -> dict[str, dict[str, torch.Tensor]]:
-    """One expert's projections (weight_scale_2 as a 0-d tensor), checked against expert 0's shapes."""
-    base = f"{prefix}.experts.{expert}"
+def _read_expert(files, prefix, expert, specs, lead_shape, naming: _Naming) -> dict[str, dict[str, torch.Tensor]]:
+    """One expert's projections by ModelOpt tensor name (weight_scale_2 as a 0-d tensor, the reciprocal of a
+    stored global scale), checked against expert 0's shapes."""
     lead = next(iter(specs))
-    _, shape, path = files.header(f"{base}.{lead}.weight", prefix)
+    lead_key = naming.key(prefix, expert, lead, "weight")
+    _, shape, path = files.header(lead_key, prefix)
     if shape != lead_shape:
         raise CheckpointError(
-            f"{base}.{lead}.weight in {path} has shape {shape}, expert 0's {lead}.weight {lead_shape}; "
+            f"{lead_key} in {path} has shape {shape}, expert 0's {lead_shape}; "
             "every expert of a layer must have the same shape (a mixed or truncated checkpoint?)"
         )
     out = {}
     for proj in specs:
         spec = specs[proj]
-        t = {s: _read(files, f"{base}.{proj}.{s}", prefix, spec[s]) for s in _PACKED_SUFFIXES}
+        t = {s: _read(files, naming.key(prefix, expert, proj, s), prefix, spec[s]) for s in _PACKED_SUFFIXES}
         t["weight_scale_2"] = t["weight_scale_2"].reshape(())
-        _check_optional(files, f"{base}.{proj}.input_scale", prefix, spec["input_scale"])
+        if naming.inverse_global:
+            t["weight_scale_2"] = _inverse_global(t["weight_scale_2"], naming.key(prefix, expert, proj, "weight_scale_2"))
+        _check_optional(files, naming.key(prefix, expert, proj, "input_scale"), prefix, spec["input_scale"])
         n = spec["weight"].shapes[0][0]
-        t["bias"] = _read_bias(files, f"{base}.{proj}.bias", prefix, (n,), f"{proj} bias [N]")
+        t["bias"] = _read_bias(files, naming.key(prefix, expert, proj, "bias"), prefix, (n,), f"{proj} bias [N]")
         out[proj] = t
     return out
+
+
+def _inverse_global(global_scale: torch.Tensor, key: str) -> torch.Tensor:
+    """ModelOpt's weight_scale_2 of a compressed-tensors weight_global_scale (the weight is codes x block scale
+    / global scale), which must be positive and finite."""
+    value = float(global_scale)
+    if not (0.0 < value < float("inf")):
+        raise CheckpointError(f"{key} = {value:g}: a global scale divides the weights, so it must be positive and "
+                              "finite (compressed-tensors: 448 * 6 / amax)")
+    return torch.reciprocal(global_scale)
 
 
 def _to(tensors: dict, device) -> dict:
@@ -527,6 +596,9 @@ def _prepare(t13, t2, dtype, order, device, as_stored=False, gated=True, part=No
     return w13, w2
 
 
+GPT_OSS = "a gpt-oss MXFP4"
+
+
 def _load_gpt_oss(files, prefix, num_experts, dtype, device, part) -> tuple[PackedNvfp4, PackedNvfp4]:
     base = f"{prefix}.experts."
     first = f"{base}gate_up_proj_blocks"
@@ -545,9 +617,9 @@ def _load_gpt_oss(files, prefix, num_experts, dtype, device, part) -> tuple[Pack
     def mx(name: str, n: int, k: int) -> dict:
         what = f"{name} [E, N, K] = [{e}, {n}, {k}]"
         blocks = _read(files, f"{base}{name}_blocks", prefix, _Expect(
-            torch.uint8, ((e, n, k // MXFP4_BLOCK_K, MXFP4_BLOCK_BYTES),), f"{what}: two e2m1 codes a byte"))
+            torch.uint8, ((e, n, k // MXFP4_BLOCK_K, MXFP4_BLOCK_BYTES),), f"{what}: two e2m1 codes a byte", GPT_OSS))
         scales = _read(files, f"{base}{name}_scales", prefix, _Expect(
-            torch.uint8, ((e, n, k // MXFP4_BLOCK_K),), f"{what}: one e8m0 scale per 32 k"))
+            torch.uint8, ((e, n, k // MXFP4_BLOCK_K),), f"{what}: one e8m0 scale per 32 k", GPT_OSS))
         bias = _read_bias(files, f"{base}{name}_bias", prefix, (e, n), f"{name} bias [E, N]")
         return part.select({"blocks": blocks, "scales": scales, "bias": bias})
 

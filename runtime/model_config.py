@@ -172,11 +172,27 @@ class _Reader:
         method, algo = self.quant_method(), str(self._quantization().get("quant_algo", "")).upper()
         if method == "mxfp4":
             notes.append("MXFP4 checkpoint: load_moe_layer packs its blocks for these NVFP4 kernels exactly.")
-        elif not (method == "modelopt" and "NVFP4" in algo):
-            what = f"{method} {algo}".strip() + " checkpoint" if method else "Unquantized checkpoint"
-            notes.append(f"{what[0].upper()}{what[1:]}: the kernels read NVFP4 (or MXFP4) experts; serve a ModelOpt "
-                         "NVFP4 export of this model.")
+        elif not self._nvfp4():
+            what = f"{method} {algo or self._quantization().get('format', '')}".strip() + " checkpoint" if method \
+                else "Unquantized checkpoint"
+            notes.append(f"{what[0].upper()}{what[1:]}: the kernels read NVFP4 (or MXFP4) experts; serve an NVFP4 "
+                         "export of this model (ModelOpt, or llm-compressor's compressed-tensors).")
         return tuple(notes)
+
+    def _nvfp4(self) -> bool:
+        """An NVFP4 checkpoint: ModelOpt's quant_algo NVFP4, or compressed-tensors weights of 4-bit floats
+        with a scale per 16 (its "nvfp4-pack-quantized" format; W4A4 or W4A16 alike)."""
+        quant = self._quantization()
+        method = self.quant_method()
+        if method == "modelopt":
+            return "NVFP4" in str(quant.get("quant_algo", "")).upper()
+        if method != "compressed-tensors":
+            return False
+        groups = quant.get("config_groups")
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)] \
+            if isinstance(groups, dict) else []
+        return quant.get("format") == "nvfp4-pack-quantized" or any(
+            w.get("num_bits") == 4 and w.get("type") == "float" and w.get("group_size") == 16 for w in weights)
 
 
 def _has_any(config: dict, keys: tuple[str, ...]) -> bool:

@@ -4,6 +4,7 @@ written with safetensors, loaded, and compared with prepare_w13 / prepare_w2 of 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -732,3 +733,162 @@ def test_a_model_directory_goes_through_spec_bundle_and_layers(tmp_path, monkeyp
     assert [layer.resolve(m).launch.m_min <= m for m in range(1, 65)] == [True] * 64
     assert (layer.w13_bias is not None) == (family == "gpt_oss")
     assert layer.facts.swiglu_limit == (7.0 if family == "gpt_oss" else None)  # the layer's facts fill the default
+
+
+# ---- other exports' names: Mixtral's projections, compressed-tensors' tensors ----------------------------------
+
+MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+COMPRESSED = {"weight": "weight_packed", "weight_scale": "weight_scale", "weight_scale_2": "weight_global_scale"}
+
+
+def _renamed_checkpoint(tmp_path, moe, projections: dict, tensors: dict, inverse: bool, prefix: str = PREFIX):
+    """moe's per-expert tensors under other names; `inverse`: the global scale stored as 1 / weight_scale_2
+    (computed in float64, so the file holds the nearest float32 to the exact reciprocal)."""
+    out = {}
+    for e in range(E):
+        for proj, ts in moe.items():
+            base = f"{prefix}.experts.{e}.{projections.get(proj, proj)}"
+            for suffix, t in zip(PROJ_SUFFIXES, ts):
+                value = t[e].clone()
+                if suffix == "weight_scale_2":
+                    value = (1.0 / value.double()).float().reshape(1) if inverse else value
+                out[f"{base}.{tensors.get(suffix, suffix)}"] = value
+            out[f"{base}.{'input_global_scale' if inverse else 'input_scale'}"] = torch.tensor([50.0])
+    out[f"{prefix}.gate.weight"] = torch.zeros(E, H, dtype=torch.bfloat16)  # the router: not the experts'
+    save_file(out, str(tmp_path / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("projections", [{}, MIXTRAL], ids=["hf_names", "mixtral_names"])
+def test_mixtral_projection_names(tmp_path, moe, projections):
+    """experts.{e}.{w1,w3,w2} (Mixtral, Phi-3.5-MoE: w1 gate, w3 up, w2 down) load as gate/up/down_proj do."""
+    _renamed_checkpoint(tmp_path, moe, projections, {}, inverse=False)
+    _assert_same(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16"), _expected(moe, "bf16"), moe)
+
+
+@pytest.mark.parametrize("projections", [{}, MIXTRAL], ids=["hf_names", "mixtral_names"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_compressed_tensors_nvfp4(tmp_path, moe, projections, dtype):
+    """llm-compressor's NVFP4 export (weight_packed, weight_scale, weight_global_scale = 1 / ModelOpt's
+    weight_scale_2): the layer's values are codes x block scale / global scale, checked against an
+    independent float64 dequantization of the file's own tensors; the codes and block scales are kept
+    byte for byte."""
+    from tests.reference.nvfp4 import decode_packed_like_device
+
+    written = _renamed_checkpoint(tmp_path, moe, projections, COMPRESSED, inverse=True)
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype=dtype)
+    names = {p: projections.get(p, p) for p in moe}
+
+    def reference(rows: list[str]) -> torch.Tensor:  # (E, N, K) float64 of the file's tensors
+        per_expert = []
+        for e in range(E):
+            parts = []
+            for proj in rows:
+                base = f"{PREFIX}.experts.{e}.{names[proj]}."
+                codes = written[base + "weight_packed"].long()
+                codes = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2)
+                magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)[codes & 7]
+                e2m1 = torch.where(codes >= 8, -magnitude, magnitude)
+                block = written[base + "weight_scale"].double().repeat_interleave(16, dim=-1)
+                parts.append(e2m1 * block / written[base + "weight_global_scale"].double())
+            per_expert.append(torch.cat(parts))
+        return torch.stack(per_expert)
+
+    for got, rows in ((w13, ["gate_proj", "up_proj"]), (w2, ["down_proj"])):
+        want = reference(rows)
+        have = decode_packed_like_device(got.qweight, got.scales, got.global_scale, dtype).double()
+        assert want.abs().max() > 0
+        # the reciprocal in float32 (one rounding) and the packed global scale's own: a few float32 ulps
+        torch.testing.assert_close(have, want, rtol=4e-7, atol=0)
+        weight, scale, _ = unpack_nvfp4(got)
+        assert torch.equal(weight, torch.cat([moe[p][0] for p in rows], dim=1))
+        assert torch.equal(scale.view(torch.uint8), torch.cat([moe[p][1] for p in rows], dim=1).view(torch.uint8))
+
+
+def test_compressed_tensors_as_stored_tensor_parallel_and_expert_parallel(tmp_path, moe):
+    """The same reads as ModelOpt's per-expert keys: as stored (the checkpoint's bytes, the reciprocal global
+    scales), one tensor-parallel rank's slice, one expert-parallel rank's experts."""
+    from cuteaot.runtime import ModelOptNvfp4
+
+    written = _renamed_checkpoint(tmp_path, moe, {}, COMPRESSED, inverse=True)
+    inverse = {p: torch.stack([torch.reciprocal(written[f"{PREFIX}.experts.{e}.{p}.weight_global_scale"][0])
+                               for e in range(E)]) for p in moe}
+    as_modelopt = {p: (ts[0], ts[1], inverse[p]) for p, ts in moe.items()}
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", as_stored=True)
+    assert isinstance(w13, ModelOptNvfp4)
+    assert torch.equal(w13.qweight, torch.cat((moe["gate_proj"][0], moe["up_proj"][0]), dim=1))
+    assert torch.equal(w2.qweight, moe["down_proj"][0])
+    _assert_packed_equal(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16"), _expected(as_modelopt, "bf16"))
+    full13, full2 = _stacked(as_modelopt)
+    _assert_packed_equal(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(1, 2)),
+                         (prepare_w13(*tp_shard_w13(full13, 1, 2, activation="silu"), "bf16"),
+                          prepare_w2(*tp_shard_w2(full2, 1, 2), "bf16")))
+    local = ep_partition(E, 1, 2)[1]
+    _assert_packed_equal(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", ep=(1, 2)),
+                         (prepare_w13(*ep_select(full13, local), "bf16"), prepare_w2(*ep_select(full2, local), "bf16")))
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan")])
+def test_a_compressed_tensors_global_scale_that_cannot_divide_is_refused(tmp_path, moe, bad):
+    written = _renamed_checkpoint(tmp_path, moe, {}, COMPRESSED, inverse=True)
+    key = f"{PREFIX}.experts.2.up_proj.weight_global_scale"
+    written[key] = torch.tensor([bad])
+    save_file(written, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key)} = {bad:g}: .* must be positive and finite"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_a_compressed_tensors_scale_of_the_wrong_dtype_names_the_key(tmp_path, moe):
+    written = _renamed_checkpoint(tmp_path, moe, MIXTRAL, COMPRESSED, inverse=True)
+    key = f"{PREFIX}.experts.1.w2.weight_scale"
+    written[key] = written[key].float()
+    save_file(written, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key)} in .*expected dtype float8_e4m3fn .*got float32"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_two_exports_of_one_layer_are_refused(tmp_path, moe):
+    """A file with expert 0 both as ModelOpt's weight and compressed-tensors' weight_packed: which one is meant
+    is not ours to guess."""
+    written = _renamed_checkpoint(tmp_path, moe, {}, COMPRESSED, inverse=True)
+    written.update(_per_expert_tensors(moe, range(E)))
+    save_file(written, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="several namings.*gate_proj.weight'.*gate_proj.weight_packed"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+def test_load_model_moe_reads_a_compressed_tensors_mixtral(tmp_path, monkeypatch):
+    """A Mixtral config with llm-compressor's quantization_config and its checkpoint (model.layers.N.
+    block_sparse_moe.experts.{e}.{w1,w3,w2}.weight_packed ...), at tiny-fused's shape: MoeLayers of the
+    weights load_moe_layer reads."""
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.runtime import load_model_moe
+    from tests.stub_bundle import StubLaunch, stub_bundle
+
+    e, h, i = 16, 512, 256
+    gen = torch.Generator().manual_seed(41)
+    tensors = {}
+    for layer in (0, 1):
+        w13, w2 = random_nvfp4(e, 2 * i, h, gen), random_nvfp4(e, h, i, gen)
+        for x in range(e):
+            base = f"model.layers.{layer}.block_sparse_moe.experts.{x}."
+            for name, rows in (("w1", slice(0, i)), ("w3", slice(i, 2 * i))):
+                tensors[base + f"{name}.weight_packed"] = w13[0][x, rows].clone()
+                tensors[base + f"{name}.weight_scale"] = w13[1][x, rows].clone()
+                tensors[base + f"{name}.weight_global_scale"] = (1 / w13[2][x].double()).float().reshape(1)
+            tensors[base + "w2.weight_packed"] = w2[0][x].clone()
+            tensors[base + "w2.weight_scale"] = w2[1][x].clone()
+            tensors[base + "w2.weight_global_scale"] = (1 / w2[2][x].double()).float().reshape(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": h, "intermediate_size": i, "num_local_experts": e,
+        "num_experts_per_tok": 4, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}))
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
+
+    layers = load_model_moe(stub_bundle(), tmp_path, progress=False, max_tokens=64)
+    assert list(layers) == ["model.layers.0.block_sparse_moe", "model.layers.1.block_sparse_moe"]
+    for prefix, layer in layers.items():
+        assert (layer.top_k, layer.num_experts, layer.w13.n, layer.w13.k) == (4, e, 2 * i, h)
+        want13, want2 = load_moe_layer(tmp_path, prefix, num_experts=e, dtype="bf16")
+        assert torch.equal(layer.w13.qweight, want13.qweight) and torch.equal(layer.w2.global_scale, want2.global_scale)

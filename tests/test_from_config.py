@@ -92,7 +92,7 @@ def test_the_header_says_where_each_value_came_from(tmp_path):
     assert "intermediate_size 1408  <- moe_intermediate_size = 1408" in text  # not the dense 10944
     assert "num_experts 128" in text and "<- n_routed_experts = 128" in text
     assert "Shared experts (n_shared_experts) are a dense MLP outside this layer." in text
-    assert "serve a ModelOpt NVFP4 export" in text  # an unquantized checkpoint
+    assert "Unquantized checkpoint: the kernels read NVFP4" in text and "serve an NVFP4 export" in text
     qwen, _ = write_spec(_model_dir(tmp_path, "qwen", CONFIGS["qwen3-30b-a3b"]))
     assert "NVFP4 export" not in qwen and "MXFP4" not in qwen
     oss, _ = write_spec(_model_dir(tmp_path, "oss", CONFIGS["gpt-oss-120b"]))
@@ -167,3 +167,26 @@ def test_names_come_from_the_directory_or_the_config():
     assert spec_name(Path("/x/config.json"), {"_name_or_path": "openai/gpt-oss-120b"}) == "gpt-oss-120b"
     assert spec_name(Path("/models/Mixtral 8x7B/config.json"), {}) == "mixtral-8x7b"
     assert Activation.RELU2 is moe_config(CONFIGS["nemotron-3-nano"], "n").activation
+
+
+# llm-compressor's NVFP4 export (RedHatAI's checkpoints): W4A4 and W4A16 schemes, as its config.json says them
+_FP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group", "symmetric": True}
+
+
+@pytest.mark.parametrize("quant, nvfp4", [
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": _FP4_WEIGHTS,
+                                    "input_activations": dict(_FP4_WEIGHTS, dynamic="local")}}}, True),
+    ({"quant_method": "compressed-tensors", "format": "mixed-precision",  # NVFP4A16 beside another group
+      "config_groups": {"group_0": {"weights": _FP4_WEIGHTS, "input_activations": None},
+                        "group_1": {"weights": {"num_bits": 8, "type": "float"}}}}, True),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",  # int4 GPTQ-style: not ours
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}, False),
+])
+def test_a_compressed_tensors_nvfp4_config_is_recognised(tmp_path, quant, nvfp4):
+    config = dict(CONFIGS["qwen3-30b-a3b"], quantization_config=quant)
+    text, _ = write_spec(_model_dir(tmp_path, "q", config))
+    assert ("serve an NVFP4 export" in text) is not nvfp4
+    if not nvfp4:
+        assert "Compressed-tensors pack-quantized checkpoint" in text
+

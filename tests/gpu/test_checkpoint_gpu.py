@@ -1,7 +1,8 @@
 """A layer loaded from a safetensors checkpoint straight onto the GPU serves the checkpoint's weights.
 
 Bundle: specs/tiny-fused.yaml (the silu problem: H 512, I 256, 16 experts, top 4, bf16).  A
-synthetic ModelOpt NVFP4 checkpoint (per-expert keys, two shards with an index) is written,
+synthetic NVFP4 checkpoint (per-expert keys, two shards with an index; ModelOpt's names, or
+compressed-tensors' with Mixtral's projection names) is written,
 loaded with device="cuda", and the layer's output is compared with the float32 reference of the
 dequantised checkpoint tensors, outputs poisoned first.
 """
@@ -25,11 +26,16 @@ H, I, E, TOP_K = 512, 256, 16, 4
 PREFIX = "model.layers.0.mlp"
 
 
-def _checkpoint(tmp_path):
+def _checkpoint(tmp_path, export: str = "modelopt"):
+    """The layer's ModelOpt tensors, written as `export` stores them: "modelopt" (gate_proj / up_proj /
+    down_proj, weight_scale_2) or "compressed-tensors" with Mixtral's names (w1 / w3 / w2, weight_packed,
+    weight_global_scale = 1 / weight_scale_2)."""
     g = torch.Generator().manual_seed(21)
     w13, w2 = random_nvfp4(E, 2 * I, H, g), random_nvfp4(E, H, I, g)  # rows [gate | up]
-    projections = {"gate_proj": tuple(t[:, :I] if t.dim() == 3 else t for t in w13),
-                   "up_proj": tuple(t[:, I:] if t.dim() == 3 else t for t in w13), "down_proj": w2}
+    mixtral = export == "compressed-tensors"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    projections = dict(zip(names, (tuple(t[:, :I] if t.dim() == 3 else t for t in w13),
+                                   tuple(t[:, I:] if t.dim() == 3 else t for t in w13), w2)))
     shards, weight_map = [{}, {}], {}
     for e in range(E):
         for proj, (weight, scale, scale_2) in projections.items():
@@ -37,6 +43,9 @@ def _checkpoint(tmp_path):
             shard = shards[e * 2 // E]
             shard.update({f"{key}.weight": weight[e].contiguous(), f"{key}.weight_scale": scale[e].contiguous(),
                           f"{key}.weight_scale_2": scale_2[e].clone()})
+            if mixtral:
+                shard[f"{key}.weight_packed"] = shard.pop(f"{key}.weight")
+                shard[f"{key}.weight_global_scale"] = (1 / shard.pop(f"{key}.weight_scale_2").double()).float()
     for i, tensors in enumerate(shards):
         name = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file(tensors, str(tmp_path / name))
@@ -45,9 +54,10 @@ def _checkpoint(tmp_path):
     return w13, w2
 
 
-def test_a_layer_loaded_onto_the_gpu_matches_the_checkpoint(fused_bundle_dir, tmp_path):
+@pytest.mark.parametrize("export", ["modelopt", "compressed-tensors"])
+def test_a_layer_loaded_onto_the_gpu_matches_the_checkpoint(fused_bundle_dir, tmp_path, export):
     bundle = load_bundle(fused_bundle_dir)
-    w13_q, w2_q = _checkpoint(tmp_path)
+    w13_q, w2_q = _checkpoint(tmp_path, export)
     w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", device="cuda")
     assert w13.device.type == w2.device.type == "cuda"
     _assert_serves(MoeLayer(bundle, w13, w2, top_k=TOP_K), w13_q, w2_q, (1, 37, 600), seed=22)
