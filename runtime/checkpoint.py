@@ -732,6 +732,19 @@ def moe_layer_prefixes(files: CheckpointFiles) -> list[str]:
     return sorted(found, key=lambda p: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p)])
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def is_draft_layer(prefix: str, num_layers: int | None) -> bool:
+    """Whether a MoE layer is a multi-token-prediction (MTP) layer that the checkpoint keeps beside the main
+    model's, for a speculative draft: DeepSeek-V3's and GLM-4.5's `model.layers.{num_hidden_layers + i}`,
+    Qwen3-Next's `mtp.` keys, MiMo's `mtp_layers`.  A serving engine's main model does not load them."""
+    if any(part == "mtp" or part.startswith("mtp_") for part in prefix.split(".")):
+        return True
+    index = _LAYER_INDEX.search(prefix)
+    return num_layers is not None and index is not None and int(index.group(1)) >= num_layers
+
+
 def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = None, as_stored: bool = False,
                    tp: Shard | tuple[int, int] | None = None, ep: Shard | tuple[int, int] | None = None, group=None,
                    prefixes: Iterable[str] | None = None, progress: bool = True,
@@ -747,7 +760,9 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     expert's I (the bundle needs the `<name>-tp<world>` problems: `cuteaot spec --tp`); `ep=(rank, world)`:
     this rank's experts and their `expert_map` (`cuteaot spec --ep`); both all-reduce over `group` (the
     default process group when None), so torch.distributed must be initialised.  `prefixes`: only these
-    of the model's MoE layers (a pipeline stage's).  The bundle must hold the model's kernels:
+    of the model's MoE layers (a pipeline stage's); by default every MoE layer of the main model, without
+    the multi-token-prediction layers some checkpoints keep for a draft model (`is_draft_layer`: DeepSeek-V3's
+    layer 61, Qwen3-Next's `mtp.`), which `prefixes=` loads when named.  The bundle must hold the model's kernels:
     `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.
     """
     config, file = read_config(model)
@@ -762,7 +777,10 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     if not found:
         raise CheckpointError(f"no MoE layer in {[str(p) for p in files.files]}: no key holds '.experts.'")
     if prefixes is None:
-        prefixes = found
+        prefixes = [p for p in found if not is_draft_layer(p, moe.num_layers)]
+        if not prefixes:
+            raise CheckpointError(f"every MoE layer of {file.parent} ({found[:4]}) is a multi-token-prediction "
+                                  "layer beyond the main model's; pass prefixes= to load them")
     else:
         prefixes = list(prefixes)
         unknown = [p for p in prefixes if p not in found]

@@ -30,6 +30,7 @@ _KEYS = {
     "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_top_k"),
     "activation": ("mlp_hidden_act", "hidden_act", "hidden_activation"),
     "dtype": ("torch_dtype", "dtype"),
+    "num_layers": ("num_hidden_layers", "num_layers", "n_layers"),
 }
 # counts that several keys of one config may hold: they must agree (the others: the first key wins)
 _AGREE = ("num_experts", "top_k")
@@ -63,6 +64,7 @@ class MoeConfig:
     sources: dict[str, str] = field(default_factory=dict)  # quantity -> "key = value" it was read from
     notes: tuple[str, ...] = ()
     quant_method: str = ""  # the checkpoint's quantization_config.quant_method ("modelopt", "mxfp4", ...), or ""
+    num_layers: int | None = None  # the main model's decoder layers (num_hidden_layers), where the config says
 
 
 def read_config(path: str | Path) -> tuple[dict, Path]:
@@ -97,7 +99,7 @@ def moe_config(config: dict, name: str, *, dtype: str | None = None, source: str
         name=name, model_type=r.model_type, activation=activation, dtype=r.dtype(dtype),
         swiglu_limit=r.swiglu_limit() if activation is Activation.SWIGLUOAI else None,
         bias=bool(family.get("bias", False)), router_weight_on_input=bool(family.get("router_weight_on_input")),
-        sources=r.sources, notes=r.notes(), quant_method=r.quant_method(), **sizes,
+        sources=r.sources, notes=r.notes(), quant_method=r.quant_method(), num_layers=r.num_layers(), **sizes,
     )
 
 
@@ -130,6 +132,10 @@ class _Reader:
         key, value = found[0]
         self.sources[quantity] = f"{key} = {json.dumps(value)}"
         return value
+
+    def num_layers(self) -> int | None:
+        value = self.value("num_layers", required=False)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     def activation(self) -> Activation:
         activation = _ACTIVATIONS.get(str(self.value("activation")).lower())

@@ -892,3 +892,43 @@ def test_load_model_moe_reads_a_compressed_tensors_mixtral(tmp_path, monkeypatch
         assert (layer.top_k, layer.num_experts, layer.w13.n, layer.w13.k) == (4, e, 2 * i, h)
         want13, want2 = load_moe_layer(tmp_path, prefix, num_experts=e, dtype="bf16")
         assert torch.equal(layer.w13.qweight, want13.qweight) and torch.equal(layer.w2.global_scale, want2.global_scale)
+
+
+def test_is_draft_layer():
+    from cuteaot.runtime.checkpoint import is_draft_layer
+
+    assert is_draft_layer("model.layers.61.mlp", 61) and not is_draft_layer("model.layers.60.mlp", 61)
+    assert not is_draft_layer("model.layers.61.mlp", None)  # no layer count in the config: nothing is dropped
+    assert is_draft_layer("mtp.layers.0.mlp", 48) and is_draft_layer("model.mtp_layers.0.mlp", 36)
+    assert not is_draft_layer("language_model.model.layers.47.feed_forward", 48)
+    assert not is_draft_layer("backbone.layers.51.mixer", 52) and not is_draft_layer("model.layers.2.smtp.mlp", 3)
+
+
+def test_load_model_moe_leaves_out_multi_token_prediction_layers(tmp_path, monkeypatch):
+    """DeepSeek-V3-style: num_hidden_layers = 2 and the checkpoint's MoE layers 1 and 2 (2: the MTP layer a
+    draft model uses), plus Qwen3-Next-style `mtp.layers.0.mlp`: the main model's layer 1 only, unless
+    `prefixes=` names the others."""
+    import cuteaot.runtime.moe as moe_module
+    from cuteaot.runtime import load_model_moe
+    from tests.stub_bundle import StubLaunch, stub_bundle
+
+    e, h, i = 16, 512, 256
+    gen = torch.Generator().manual_seed(43)
+    tensors = {}
+    for prefix in ("model.layers.1.mlp", "model.layers.2.mlp", "mtp.layers.0.mlp"):
+        w13, w2 = random_nvfp4(e, 2 * i, h, gen), random_nvfp4(e, h, i, gen)
+        tensors.update({f"{prefix}.experts.w13_{s}": t for s, t in zip(PROJ_SUFFIXES, w13)})
+        tensors.update({f"{prefix}.experts.w2_{s}": t for s, t in zip(PROJ_SUFFIXES, w2)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = {"model_type": "deepseek_v3", "hidden_size": h, "moe_intermediate_size": i, "n_routed_experts": e,
+              "num_experts_per_tok": 4, "hidden_act": "silu", "torch_dtype": "bfloat16", "num_hidden_layers": 2,
+              "num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
+
+    assert list(load_model_moe(stub_bundle(), tmp_path, progress=False, max_tokens=64)) == ["model.layers.1.mlp"]
+    drafts = ["model.layers.2.mlp", "mtp.layers.0.mlp"]
+    assert list(load_model_moe(stub_bundle(), tmp_path, progress=False, max_tokens=64, prefixes=drafts)) == drafts
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    with pytest.raises(CheckpointError, match="every MoE layer .* is a multi-token-prediction layer"):
+        load_model_moe(stub_bundle(), tmp_path, progress=False, prefixes=None)
