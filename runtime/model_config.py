@@ -20,6 +20,7 @@ from .errors import BadInputError
 from .types import SWIGLUOAI_DEFAULT_LIMIT, Activation, DType
 
 CONFIG_FILE = "config.json"
+MODELOPT_QUANT_FILE = "hf_quant_config.json"  # {"producer": {"name": "modelopt"}, "quantization": {"quant_algo"...}}
 
 # quantity -> config keys, most specific first: an expert's intermediate size is `moe_intermediate_size`
 # where a config also has the dense MLP's `intermediate_size`
@@ -68,18 +69,33 @@ class MoeConfig:
 
 
 def read_config(path: str | Path) -> tuple[dict, Path]:
-    """The config of a model directory (its config.json) or of a config file, and the file read."""
+    """The config of a model directory (its config.json) or of a config file, and the file read.
+
+    A ModelOpt export that states its quantization in `hf_quant_config.json` beside config.json (older
+    exports do; config.json then has no `quantization_config`) gets it as config.json would say it:
+    {"quant_method": "modelopt", "quant_algo": ...}."""
     path = Path(path)
     file = path / CONFIG_FILE if path.is_dir() else path
+    config = _read_json(file, "a model config")
+    quant_file = file.parent / MODELOPT_QUANT_FILE
+    if "quantization_config" not in config and quant_file.is_file():
+        quant = _read_json(quant_file, "a ModelOpt quantization config").get("quantization")
+        if not isinstance(quant, dict):
+            raise BadInputError(f"{quant_file} has no 'quantization' object (ModelOpt writes its quant_algo there)")
+        config = dict(config, quantization_config=dict(quant, quant_method="modelopt"))
+    return config, file
+
+
+def _read_json(file: Path, what: str) -> dict:
     try:
-        config = json.loads(file.read_text())
+        found = json.loads(file.read_text())
     except OSError as exc:
         raise BadInputError(f"cannot read {file}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise BadInputError(f"{file} is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise BadInputError(f"{file} holds a JSON {type(config).__name__}, not a model config object")
-    return config, file
+    if not isinstance(found, dict):
+        raise BadInputError(f"{file} holds a JSON {type(found).__name__}, not {what} object")
+    return found
 
 
 def moe_config(config: dict, name: str, *, dtype: str | None = None, source: str = "config.json") -> MoeConfig:

@@ -190,3 +190,22 @@ def test_a_compressed_tensors_nvfp4_config_is_recognised(tmp_path, quant, nvfp4)
     if not nvfp4:
         assert "Compressed-tensors pack-quantized checkpoint" in text
 
+
+
+def test_a_modelopt_export_that_states_its_quantization_beside_the_config(tmp_path):
+    """Older ModelOpt exports keep quant_algo in hf_quant_config.json, not in config.json."""
+    plain = {k: v for k, v in CONFIGS["qwen3-30b-a3b"].items() if k != "quantization_config"}
+    for algo, nvfp4 in (("NVFP4", True), ("FP8", False)):
+        d = _model_dir(tmp_path, f"q-{algo}", plain)
+        (d / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt", "version": "0.29.0"},
+             "quantization": {"quant_algo": algo, "group_size": 16, "exclude_modules": ["lm_head"]}}))
+        text, _ = write_spec(d)
+        assert ("serve an NVFP4 export" in text) is not nvfp4
+        assert nvfp4 or "Modelopt FP8 checkpoint" in text
+    (d / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}}))
+    with pytest.raises(BadInputError, match="hf_quant_config.json has no 'quantization' object"):
+        write_spec(d)
+    (d / "hf_quant_config.json").write_text("[1, 2]")
+    with pytest.raises(BadInputError, match="holds a JSON list, not a ModelOpt quantization config object"):
+        write_spec(d)
