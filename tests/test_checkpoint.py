@@ -932,3 +932,23 @@ def test_load_model_moe_leaves_out_multi_token_prediction_layers(tmp_path, monke
     (tmp_path / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
     with pytest.raises(CheckpointError, match="every MoE layer .* is a multi-token-prediction layer"):
         load_model_moe(stub_bundle(), tmp_path, progress=False, prefixes=None)
+
+
+def test_compressed_tensors_relu2_experts(tmp_path):
+    """Nemotron-style experts (up_proj and down_proj only) in compressed-tensors' names: W13 is the up projection,
+    its global scale the reciprocal of the file's divisor."""
+    gen = torch.Generator().manual_seed(47)
+    up, down = random_nvfp4(E, I, H, gen), random_nvfp4(E, H, I, gen)
+    tensors = {}
+    for e in range(E):
+        for proj, (weight, scale, scale_2) in (("up_proj", up), ("down_proj", down)):
+            base = f"{PREFIX}.experts.{e}.{proj}."
+            tensors[base + "weight_packed"], tensors[base + "weight_scale"] = weight[e].clone(), scale[e].clone()
+            tensors[base + "weight_global_scale"] = (1 / scale_2[e].double()).float().reshape(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    w13, w2 = load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+    inverse = {p: torch.stack([torch.reciprocal(tensors[f"{PREFIX}.experts.{e}.{p}.weight_global_scale"][0])
+                               for e in range(E)]) for p in ("up_proj", "down_proj")}
+    _assert_packed_equal((w13, w2), (prepare_w13(up[0], up[1], inverse["up_proj"], "bf16"),
+                                     prepare_w2(down[0], down[1], inverse["down_proj"], "bf16")))
+    assert (w13.n, w13.k) == (I, H)
