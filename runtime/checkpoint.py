@@ -59,8 +59,8 @@ from .parallel import (
 )
 from .types import Activation, DType
 from .weights import (
-    MXFP4_BLOCK_BYTES, MXFP4_BLOCK_K, PackedNvfp4, W13Order, prepare_w2, prepare_w2_mxfp4, prepare_w13,
-    prepare_w13_mxfp4,
+    MXFP4_BLOCK_BYTES, MXFP4_BLOCK_K, PackedNvfp4, W13Order, _check_dtype, prepare_w2, prepare_w2_mxfp4,
+    prepare_w13, prepare_w13_mxfp4,
 )
 
 INDEX_FILE = "model.safetensors.index.json"  # the Hugging Face shard index: {"weight_map": {key: file}}
@@ -494,6 +494,7 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored, part)
     inter, h = lead_shape[0], lead_shape[1] * FP4_PER_BYTE
     if inter % FP4_PER_BYTE:
         raise CheckpointError(f"{first} in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
+    _check_expert_keys(files, prefix, num_experts, naming)
 
     def expects(n: int, half_k: int, what: str) -> dict[str, _Expect]:
         found = _modelopt_expects((), n, half_k, _PER_EXPERT_SCALAR, what)
@@ -535,6 +536,24 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored, part)
         t13["bias"] = bias(naming.up)
     t2["bias"] = bias(naming.down)
     return _prepare(t13, t2, dtype, W13Order.GATE_UP, device, as_stored, gated=naming.gate is not None, part=part)
+
+
+def _check_expert_keys(files: CheckpointFiles, prefix: str, num_experts: int, naming: _Naming) -> None:
+    """Refuse a layer that holds more experts than `num_experts` (their weights would be dropped), and one whose
+    expert 0 has no gate projection while others do (it would load as ungated)."""
+    lead = naming.projections[0]
+    if files.has(naming.key(prefix, num_experts, lead, "weight")):
+        pattern = re.compile(re.escape(f"{prefix}.experts.") + r"(\d+)" + re.escape(
+            naming.key("", 0, lead, "weight").removeprefix(".experts.0")) + "$")
+        held = max(int(m.group(1)) for k in files.keys_under(f"{prefix}.experts") if (m := pattern.match(k))) + 1
+        raise CheckpointError(f"layer {prefix!r} holds {held} experts ({naming.key(prefix, held - 1, lead, 'weight')}"
+                              f" exists), but num_experts={num_experts}: the experts past it would be dropped")
+    if naming.gate is None:
+        gated = dataclasses.replace(naming, gate=_PROJECTION_NAMES[0][0])
+        stray = [e for e in range(num_experts) if files.has(gated.key(prefix, e, gated.gate, "weight"))]
+        if stray:
+            raise CheckpointError(f"layer {prefix!r}: expert 0 has no {gated.gate} but experts {stray[:8]} do; "
+                                  "a layer's experts are all gated or none (a truncated checkpoint?)")
 
 
 def _read_expert(files, prefix, expert, specs, lead_shape, naming: _Naming) -> dict[str, dict[str, torch.Tensor]]:
@@ -668,6 +687,7 @@ def load_moe_layer(
     `tp=(rank, world)`: this tensor-parallel rank's slice of I (`tp_shard_*` of runtime/parallel.py);
     `ep=(rank, world)`: this expert-parallel rank's experts (`ep_partition`; a per-expert checkpoint
     reads only those).  `num_experts` stays the checkpoint's (global) count; one of the two at most."""
+    dtype = _check_dtype(dtype)  # before any read
     if not isinstance(files, CheckpointFiles):
         files = CheckpointFiles.open(files)
     try:
@@ -766,7 +786,8 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     `cuteaot spec <model> -o spec.yaml` and `cuteaot build spec.yaml` make it.
     """
     config, file = read_config(model)
-    moe = moe_config(config, Path(model).name, dtype=None if dtype is None else DType(dtype).value, source=str(file))
+    moe = moe_config(config, Path(model).name, dtype=None if dtype is None else _check_dtype(dtype).value,
+                     source=str(file))
     decided = {"top_k": file, "activation": file, "swiglu_limit": file, "router_weight_on_input": file,
                "expert_map": "ep=(rank, world)"}
     clash = sorted(decided.keys() & layer_options.keys())

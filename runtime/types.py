@@ -23,6 +23,20 @@ class DType(str, Enum):
     def from_torch(cls, dtype: torch.dtype) -> "DType | None":
         return {torch.bfloat16: cls.BF16, torch.float16: cls.FP16}.get(dtype)
 
+    @classmethod
+    def parse(cls, value: object) -> "DType | None":
+        """A DType from any usual spelling: DType, "bf16" / "fp16", Hugging Face's "bfloat16" / "float16"
+        (config.json's torch_dtype), "torch.bfloat16", or a torch dtype; None for anything else."""
+        if isinstance(value, torch.dtype):
+            return cls.from_torch(value)
+        if not isinstance(value, str):
+            return None
+        return _DTYPE_NAMES.get(value.lower().removeprefix("torch."))
+
+
+_DTYPE_NAMES = {"bf16": DType.BF16, "bfloat16": DType.BF16, "fp16": DType.FP16, "float16": DType.FP16,
+                "half": DType.FP16}
+
 
 class Activation(str, Enum):
     SILU = "silu"  # SwiGLU: silu(gate) * up, gate half first

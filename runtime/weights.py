@@ -405,17 +405,11 @@ def _pack_mxfp4(blocks, scales, dtype: DType, num_experts: int, n: int, k: int, 
 
 
 def _check_dtype(dtype: object) -> DType:
-    if isinstance(dtype, torch.dtype):
-        found = DType.from_torch(dtype)
-    else:
-        try:
-            found = DType(dtype)
-        except (ValueError, TypeError):
-            found = None
+    found = DType.parse(dtype)
     if found is None:
         raise BadInputError(
-            f"dtype (the GEMM's activation dtype) must be one of {[d.value for d in DType]} "
-            f"or torch.bfloat16 / torch.float16, got {dtype!r}"
+            f"dtype (the activations' dtype) must be one of {[d.value for d in DType]} (or \"bfloat16\" / "
+            f"\"float16\", torch.bfloat16 / torch.float16), got {dtype!r}"
         )
     return found
 

@@ -952,3 +952,41 @@ def test_compressed_tensors_relu2_experts(tmp_path):
     _assert_packed_equal((w13, w2), (prepare_w13(up[0], up[1], inverse["up_proj"], "bf16"),
                                      prepare_w2(down[0], down[1], inverse["down_proj"], "bf16")))
     assert (w13.n, w13.k) == (I, H)
+
+
+@pytest.mark.parametrize("projections, tensors", [({}, {}), (MIXTRAL, COMPRESSED)], ids=["modelopt", "compressed"])
+def test_a_layer_with_more_experts_than_asked_is_refused(tmp_path, moe, projections, tensors):
+    """num_experts=3 on a 4-expert layer would drop expert 3: refused, with the count the layer holds."""
+    _renamed_checkpoint(tmp_path, moe, projections, tensors, inverse=bool(tensors))
+    with pytest.raises(CheckpointError, match=r"holds 4 experts .*experts\.3\..* but num_experts=3"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=3, dtype="bf16")
+    load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", ep=(0, 2))  # a rank's part is not a smaller E
+
+
+def test_expert_0_without_a_gate_projection_among_gated_experts_is_refused(tmp_path, moe):
+    written = _per_expert_tensors(moe, range(E))
+    for suffix in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+        del written[f"{PREFIX}.experts.0.gate_proj.{suffix}"]
+    save_file(written, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"expert 0 has no gate_proj but experts \[1, 2, 3\] do"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "torch.bfloat16", torch.bfloat16])
+def test_hugging_face_dtype_spellings(tmp_path, moe, dtype):
+    _per_expert_checkpoint(tmp_path, moe)
+    assert load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype=dtype)[0].dtype.value == "bf16"
+
+
+def test_a_bad_dtype_is_refused_before_any_read(tmp_path, moe, monkeypatch):
+    from cuteaot.runtime import load_model_moe
+
+    _per_expert_checkpoint(tmp_path, moe)
+    monkeypatch.setattr(CheckpointFiles, "read", lambda *a: pytest.fail("read a tensor"))
+    with pytest.raises(BadInputError, match=r"dtype .* must be one of \['bf16', 'fp16'\].*got 'float32'"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": H, "moe_intermediate_size": I, "num_experts": E,
+        "num_experts_per_tok": 2, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+    with pytest.raises(BadInputError, match="got torch.float32"):
+        load_model_moe(None, tmp_path, dtype=torch.float32)

@@ -248,8 +248,9 @@ def test_pack_rejects_bad_input_with_a_clear_message(args, match):
 
 def test_dtype_and_overflow_errors():
     weight, scale, scale_2 = _ok()
-    with pytest.raises(BadInputError, match=r"dtype \(the GEMM's activation dtype\) must be one of"):
+    with pytest.raises(BadInputError, match=r"dtype \(the activations' dtype\) must be one of"):
         pack_nvfp4(weight, scale, scale_2, "fp32")
+    assert pack_nvfp4(weight, scale, scale_2, "bfloat16").dtype is pack_nvfp4(weight, scale, scale_2, "bf16").dtype
     with pytest.raises(BadInputError, match="must be one of"):
         pack_nvfp4(weight, scale, scale_2, torch.float32)
     big = torch.tensor([1.0, 2.0**26])  # 2**26 * 2**103 overflows float32
