@@ -50,7 +50,9 @@ from cuteaot.runtime.errors import BadInputError, SpecError
 from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.resolution import MoeLayerFacts
-from cuteaot.runtime.kernels.route_pack import IdsDType
+from cuteaot.runtime.kernels.route_pack import MAX_EXPERTS, IdsDType
+from cuteaot.runtime.nf3 import NF3_BLOCK_K
+from cuteaot.runtime.weights import SCALE_GROUP_K
 from cuteaot.runtime.types import Activation, DType, WeightFormat
 
 from .kernels.w4a16.fused_planning import fused_spec_for, plan_layer
@@ -330,7 +332,25 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
             check()
         except BadInputError as exc:
             raise r.fail(m.get(name, node), f"{field}.{name}", str(exc)) from None
+    if problem.gemm or problem.fused:
+        _check_layer_sizes(r, m, field, problem)
     return problem
+
+
+def _check_layer_sizes(r: _Reader, m: dict, field: str, problem: MoeProblem) -> None:
+    """What MoeLayer and the weights' preparation would refuse at serve time, refused when the spec is read:
+    more experts than the route tables hold, and GEMM K sizes the weights' block scales do not divide."""
+    if problem.num_experts > MAX_EXPERTS:
+        raise r.fail(m["num_experts"], f"{field}.num_experts", f"num_experts {problem.num_experts} exceeds "
+                     f"{MAX_EXPERTS}, the most experts the route tables hold (per-expert counts in shared memory)")
+    k_block = NF3_BLOCK_K if WeightFormat.NF3 in problem.weights else SCALE_GROUP_K
+    for size_name, gemm in (("hidden_size", "FC1"), ("intermediate_size", "FC2")):
+        size = getattr(problem, size_name)
+        if size % k_block:
+            where = "tp" if size_name == "intermediate_size" and "tp" in m else size_name
+            what = f"intermediate_size / tp = {size}" if where == "tp" else f"{size_name} {size}"
+            raise r.fail(m[where], f"{field}.{where}", f"{what} is not a multiple of {k_block}: it is {gemm}'s K, "
+                         f"and the weights carry one scale per {k_block} of K")
 
 
 def _check_int32_routes(r: _Reader, node: _Node, field: str, problem: MoeProblem) -> None:

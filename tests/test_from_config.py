@@ -209,3 +209,10 @@ def test_a_modelopt_export_that_states_its_quantization_beside_the_config(tmp_pa
     (d / "hf_quant_config.json").write_text("[1, 2]")
     with pytest.raises(BadInputError, match="holds a JSON list, not a ModelOpt quantization config object"):
         write_spec(d)
+
+
+@pytest.mark.parametrize("edit, message", [({"hidden_size": 520}, "hidden_size 520 is not a multiple of 16"),
+                                           ({"num_experts": 1024}, "num_experts 1024 exceeds 512")])
+def test_a_layer_the_runtime_would_refuse_gets_no_spec(tmp_path, edit, message):
+    with pytest.raises(BadInputError, match=f"would not build: .*{message}"):
+        write_spec(_model_dir(tmp_path, "m", dict(CONFIGS["qwen3-30b-a3b"], **edit)))

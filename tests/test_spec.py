@@ -72,6 +72,20 @@ def test_intermediate_not_vectorisable(tmp_path):
     assert err.line == 6 and err.field == "moe[0].intermediate_size" and "multiple of 8" in str(err)
 
 
+@pytest.mark.parametrize("edit, field, message", [
+    (("hidden_size: 256", "hidden_size: 264"), "hidden_size", "hidden_size 264 is not a multiple of 16: it is FC1's K"),
+    (("intermediate_size: 128", "intermediate_size: 136"), "intermediate_size",
+     "intermediate_size 136 is not a multiple of 16: it is FC2's K"),
+    (("tokens: [1, 8]", "tokens: [1, 8]\n    tp: 16"), "tp", "intermediate_size / tp = 8 is not a multiple of 16"),
+    (("num_experts: 8", "num_experts: 513"), "num_experts", "num_experts 513 exceeds 512"),
+])
+def test_sizes_no_weights_can_have_are_refused(tmp_path, edit, field, message):
+    """What prepare_w13 / MoeLayer would refuse at serve time, refused when the spec is read."""
+    err = _error(tmp_path, GOOD.replace(*edit) + "    fused: true\n")
+    assert err.field == f"moe[0].{field}" and message in str(err)
+    load_spec(_write(tmp_path, GOOD.replace(*edit)))  # element-wise kernels only: no weights, any size
+
+
 def test_top_k_above_experts(tmp_path):
     err = _error(tmp_path, GOOD.replace("top_k: 2", "top_k: 9"))
     assert err.field == "moe[0].top_k" and "exceeds num_experts" in str(err)
