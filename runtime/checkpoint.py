@@ -172,6 +172,11 @@ class CheckpointFiles:
         result._handles.update(found._handles)
         return result
 
+    def __repr__(self) -> str:
+        files = self.files
+        where = str(files[0].parent) if files else "no files"
+        return f"CheckpointFiles({where}: {len(files)} file(s), {len(self.key_files)} tensors)"
+
     @property
     def files(self) -> list[Path]:
         return sorted(set(self.key_files.values()))

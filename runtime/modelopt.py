@@ -43,7 +43,7 @@ MODELOPT_COMPENSATION = {
 }  # bf16: 2**111, fp16: 2**14
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # __repr__: shapes, not tensor dumps
 class ModelOptNvfp4(PackedNvfp4):
     """NVFP4 weights of E experts exactly as a ModelOpt checkpoint stores them.
 

@@ -173,7 +173,7 @@ def _unpack_expert_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
 NF3_GLOBAL_SCALE_COMPENSATION = 2.0 ** -SCALE_DECODE_EXPONENT[DType.BF16]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # __repr__: shapes, not tensor dumps
 class PackedNf3(PackedNvfp4):
     """NF3 weights of E experts in the "nf3" layout, for the GEMM with bf16 activations."""
 

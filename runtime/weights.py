@@ -124,7 +124,7 @@ class W13Order(str, Enum):
     INTERLEAVED = "interleaved"  # gpt-oss: gate rows at even indices, up rows at odd ones
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # __repr__: shapes, not tensor dumps
 class PackedNvfp4:
     """NVFP4 weights of E experts in the packed layout, ready for the GEMM of one activation dtype.
 
@@ -160,6 +160,17 @@ class PackedNvfp4:
 
     # one scale (and, in this layout, one packed row) per this many k
     scale_group_k: ClassVar[int] = SCALE_GROUP_K
+
+    def __repr__(self) -> str:
+        bias = ", bias" if self.bias is not None else ""
+        return (f"{type(self).__name__}({self.weights.value}, experts={self.num_experts}, n={self.n}, k={self.k}, "
+                f"{self.dtype.value}{bias}, {self.qweight.device}, {self.nbytes / 2**20:.1f} MiB)")
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the weights: codes, scales, global scales and bias."""
+        tensors = (self.qweight, self.scales, self.global_scale, self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def _qweight_shape(self) -> tuple[int, int, int]:
         return (self.num_experts, self.k_stored // SCALE_GROUP_K, 2 * self.n_stored)

@@ -141,6 +141,11 @@ def test_per_expert_distinct_gate_up_global_scales(tmp_path, moe):
     assert not torch.equal(got[0].scales, _expected(moe, "bf16")[0].scales), "the up half was not rescaled"
 
 
+def test_checkpoint_files_print_a_summary(tmp_path, moe):
+    files = CheckpointFiles.open(_per_expert_checkpoint(tmp_path, moe))
+    assert repr(files) == f"CheckpointFiles({tmp_path}: 2 file(s), {len(files.key_files)} tensors)"
+
+
 def test_file_list_without_index(tmp_path, moe):
     save_file(_per_expert_tensors(moe, range(0, 3)), str(tmp_path / "a.safetensors"))
     save_file(_per_expert_tensors(moe, range(3, E)), str(tmp_path / "b.safetensors"))

@@ -280,3 +280,18 @@ def test_packed_object_checks_its_tensors():
         PackedNvfp4(packed.qweight, packed.scales[:, :2], packed.global_scale, 2, 64, 64, DType.BF16)
     with pytest.raises(BadInputError, match="packed must be a PackedNvfp4"):
         unpack_nvfp4(packed.qweight)
+
+
+def test_prepared_weights_print_as_shapes_not_tensors():
+    from cuteaot.runtime.modelopt import prepare_w13_modelopt
+    from cuteaot.runtime.nf3 import prepare_w13_nf3, quantize_nf3
+
+    weight, scale, scale_2 = _ok()
+    packed = pack_nvfp4(weight, scale, scale_2, "bf16")
+    text = repr(packed)
+    assert text.startswith(f"PackedNvfp4(nvfp4, experts={packed.num_experts}, n={packed.n}, k={packed.k}, bf16, cpu, ")
+    assert "tensor(" not in text and packed.nbytes == sum(t.numel() * t.element_size() for t in (
+        packed.qweight, packed.scales, packed.global_scale))
+    assert repr(prepare_w13_modelopt(weight, scale, scale_2, "bf16", gated=False)).startswith("ModelOptNvfp4(modelopt,")
+    codes, nf3_scales, nf3_scale_2 = quantize_nf3(torch.randn(2, 128, 128))
+    assert repr(prepare_w13_nf3(codes, nf3_scales, nf3_scale_2)).startswith("PackedNf3(nf3, experts=2, n=128, k=128,")
