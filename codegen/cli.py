@@ -19,6 +19,17 @@ from cuteaot.runtime.manifest import SCHEMA_VERSION
 
 from . import CODEGEN_EXTRA_MODULES
 
+DESCRIPTION = """\
+Ahead-of-time CuTeDSL kernels for LLM serving.  A spec (YAML) lists the kernels of your MoE layers;
+`build` compiles them into a bundle (cubins + manifest.json) on a machine with or without a GPU, and
+the runtime (cuteaot.runtime) serves it with no compiler.  Typical flow:
+
+  cuteaot spec path/to/model -o specs/my-model.yaml     # a spec from the model's config.json
+  cuteaot build specs/my-model.yaml --targets h200      # -> generated/my-model
+  cuteaot inspect --plans generated/my-model            # what each token count launches
+  cuteaot verify generated/my-model                     # checksums; runs on the serving machine too
+"""
+
 LINE_WIDTH = 160  # `inspect` keeps its lines within this; `-v` prints the long facts wrapped
 PLANS_HEADING = "plans (what each token range launches, decided when the bundle was built):"
 
@@ -81,7 +92,7 @@ def cmd_build(args) -> int:
     from .build import build
 
     for spec in args.spec:
-        targets = args.targets.split(",") if args.targets else None
+        targets = [t.strip().lower() for t in args.targets.split(",")] if args.targets else None
         report = build(spec, args.out, workers=args.jobs, shard=args.shard, progress=not args.quiet, targets=targets)
         print(report.summary())
     return 0
@@ -157,7 +168,9 @@ def cmd_inspect(args) -> int:
         print("\n(facts cut to fit; `cuteaot inspect -v` prints every kernel's facts, file and symbol)")
     if args.plans:
         print(f"\n{PLANS_HEADING}\n")
-        print(_plans(m, args.problem))
+        text, found = _plans(m, args.problem)
+        print(text)
+        return 0 if found else 1
     return 0
 
 
@@ -188,8 +201,9 @@ def _plan_text(launch, op: str, specs: dict) -> str:
         f"{variant} {s.mainloop.value} {s.tile_n}x{s.tile_k}" for variant, s in specs.items())
 
 
-def _plans(m: dict, problems: list[str] | None) -> str:
-    """Per resolution entry (optionally only `problems`), which plan each token range runs."""
+def _plans(m: dict, problems: list[str] | None) -> tuple[str, bool]:
+    """Per resolution entry (optionally only `problems`), which plan each token range runs; and whether every
+    problem asked for has entries."""
     from cuteaot.runtime.kernels import FAMILIES
     from cuteaot.runtime.resolution import Entry
 
@@ -207,29 +221,32 @@ def _plans(m: dict, problems: list[str] | None) -> str:
             tokens = str(launch.m_min) if launch.m_min == launch.m_max else f"{launch.m_min}-{launch.m_max}"
             rows.append([tokens, _plan_text(launch, entry.op, specs)])
         blocks.append(_entry_title(entry, arch) + "\n" + _table(["tokens", "plan"], rows))
-    if not blocks:
-        wanted = f" for {', '.join(problems)}" if problems else ""
-        known = sorted({r["problem"] for r in m["resolution"]})
-        return f"no resolution entries{wanted} (the bundle's problems: {', '.join(known) or 'none'})"
-    return "\n\n".join(blocks)
+    known = sorted({r["problem"] for r in m["resolution"]})
+    unknown = [p for p in problems or () if p not in known]
+    if unknown or not blocks:
+        wanted = f" for {', '.join(unknown)}" if unknown else ""
+        blocks.append(f"no resolution entries{wanted} (the bundle's problems: {', '.join(known) or 'none'})")
+    return "\n\n".join(blocks), not unknown
 
 
 def cmd_spec(args) -> int:
-    from .from_config import write_spec
+    from .from_config import notes_of, write_spec
 
     text, written = write_spec(args.model, args.out, name=args.name, dtype=args.dtype, targets=tuple(args.targets),
                                tp=tuple(args.tp or ()), ep=args.ep, weights=args.weights, max_tokens=args.max_tokens)
     if written is None:
         print(text, end="")
     else:
+        for note in notes_of(text):  # what the header says about the checkpoint, where the user sees it
+            print(f"note: {note}", file=sys.stderr)
         print(f"wrote {written}; build it with: cuteaot build {written}")
     return 0
 
 
 def _names(choices) -> Callable[[str], list[str]]:
-    """argparse type of a comma-separated list of names from `choices`."""
+    """argparse type of a comma-separated list of names from `choices` (any case)."""
     def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
+        names = [n.strip().lower() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in choices]
         if unknown or not names:
             raise argparse.ArgumentTypeError(f"expected names from {sorted(choices)}, got {text!r}")
@@ -258,26 +275,27 @@ def cmd_verify(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cuteaot", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cuteaot", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="compile spec(s) into generated/<bundle>")
-    p.add_argument("spec", nargs="+", type=Path)
+    p.add_argument("spec", nargs="+", type=Path, help="spec YAML file(s), e.g. specs/qwen3-30b-a3b.yaml")
     p.add_argument("--out", type=Path, default=Path("generated"), help="output root (default: generated)")
     p.add_argument("--jobs", "-j", type=_jobs, default=None, help="worker processes, 1 or more (default: CPU count)")
     p.add_argument("--shard", type=_shard, help="build only shard i of N (i/N, 0 <= i < N); join with `cuteaot merge`")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.add_argument("--targets", help="build only these of the spec's device profiles (comma-separated names)")
+    p.add_argument("--targets", help="build only these of the spec's device profiles (comma-separated, e.g. h200)")
     p.set_defaults(run=cmd_build)
     p = sub.add_parser("list", help="print the specializations a spec enumerates")
-    p.add_argument("spec", nargs="+", type=Path)
+    p.add_argument("spec", nargs="+", type=Path, help="spec YAML file(s)")
     p.set_defaults(run=cmd_list)
     p = sub.add_parser("merge", help="join shard bundles into one")
-    p.add_argument("shards", nargs="+", type=Path)
-    p.add_argument("--out", type=Path, default=Path("generated"))
+    p.add_argument("shards", nargs="+", type=Path, help="the bundles of `build --shard 0/N` ... `N-1/N`")
+    p.add_argument("--out", type=Path, default=Path("generated"), help="output root (default: generated)")
     p.set_defaults(run=cmd_merge)
     p = sub.add_parser("inspect", help="table of a bundle's kernels per arch")
-    p.add_argument("bundle", type=Path)
+    p.add_argument("bundle", type=Path, help="a bundle folder, e.g. generated/qwen3-30b-a3b")
     p.add_argument("--verbose", "-v", action="store_true", help="also every kernel's full facts, file and symbol")
     p.add_argument("--plans", action="store_true",
                    help="also the resolution table: the plan (path, main loop, tiles, grid) of each token range")
@@ -302,15 +320,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16384, help="largest token bucket (default: 16384)")
     p.set_defaults(run=cmd_spec)
     p = sub.add_parser("verify", help="check a bundle's schema and checksums (no GPU needed)")
-    p.add_argument("bundle", type=Path)
+    p.add_argument("bundle", type=Path, help="a bundle folder, e.g. generated/qwen3-30b-a3b")
     p.set_defaults(run=cmd_verify)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "problem", None) and not args.plans:
+        parser.error("--problem selects entries of --plans; add --plans")
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a reader that left shows up here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:  # `cuteaot inspect ... | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except CuteAotError as exc:
         print(f"cuteaot {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

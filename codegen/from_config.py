@@ -22,15 +22,31 @@ from cuteaot.runtime.parallel import mxfp4_tp_blocks
 
 DEFAULT_TARGETS = ("h200", "h100")  # the profiles the product is measured on (others build, untuned)
 DEFAULT_MAX_TOKENS = 16384  # the largest bucket of the shipped specs; larger calls run in chunks
+HF_CACHE_PREFIX = "models--"  # huggingface_hub's cache: models--<org>--<name>/snapshots/<commit>/
+NOTE_PREFIX = "# note: "  # a header line with something the user must know about the checkpoint
 
 
 def spec_name(path: Path, config: dict) -> str:
-    """A bundle / problem name for the model: its directory's (or `_name_or_path`'s) last part, lowercased."""
-    raw = Path(str(config.get("_name_or_path") or "")).name if path.name == CONFIG_FILE else path.name
-    if path.name == CONFIG_FILE and not raw:
-        raw = path.resolve().parent.name
-    name = re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-._")
-    return name or str(config.get("model_type", "model")).replace("_", "-")
+    """A bundle / problem name for the model: its directory's (or `_name_or_path`'s) last part, lowercased;
+    in the Hugging Face cache (models--<org>--<name>/snapshots/<commit>) the model's name, not the commit."""
+    directory = path.resolve().parent if path.name == CONFIG_FILE else path.resolve()
+    cached = directory.parent.parent.name if directory.parent.name == "snapshots" else ""
+    if cached.startswith(HF_CACHE_PREFIX):
+        raw = cached.split("--")[-1]
+    elif path.name == CONFIG_FILE:
+        raw = Path(str(config.get("_name_or_path") or "")).name or directory.name
+    else:
+        raw = path.name
+    return _safe_name(raw) or str(config.get("model_type", "model")).replace("_", "-")
+
+
+def _safe_name(raw: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-._")
+
+
+def notes_of(text: str) -> list[str]:
+    """The notes a spec's header carries about its checkpoint (shared experts, weight format), one string each."""
+    return [line[2:] for line in text.splitlines() if line.startswith(NOTE_PREFIX)]
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -57,7 +73,7 @@ def spec_text(moe: MoeConfig, *, source: str, targets: tuple[str, ...] = DEFAULT
         header.append(f"#   expert biases: {moe.model_type} checkpoints carry them")
     if moe.router_weight_on_input:
         header.append(f"#   router weight on the expert input: {moe.model_type} applies it there")
-    header += [f"# {note}" for note in moe.notes]
+    header += [f"{NOTE_PREFIX}{note}" for note in moe.notes]
     header.append(f"# Build: cuteaot build <this file> (then cuteaot inspect --plans generated/{moe.name})")
     name = json.dumps(moe.name)  # quoted: a name such as 1.5 or true stays a string in YAML
     body = [f"bundle: {name}", f"targets: [{', '.join(targets)}]", "moe:", f"  - name: {name}"]
@@ -91,6 +107,9 @@ def write_spec(model: str | Path, out: str | Path | None = None, *, name: str | 
     from .spec import load_spec
 
     config, file = read_config(model)
+    if name is not None and _safe_name(name) != name:
+        raise BadInputError(f"--name {name!r}: a bundle name is lower-case letters, digits, '.', '_' and '-' "
+                            f"(it names generated/<name>); e.g. {_safe_name(name) or 'my-model'!r}")
     moe = moe_config(config, name or spec_name(Path(model), config), dtype=dtype, source=str(file))
     if moe.quant_method == "mxfp4":  # the loader cuts W2 in whole MXFP4 blocks: refuse now what it would refuse
         for world in options.get("tp", ()):

@@ -377,6 +377,10 @@ def _fused_variants(r: _Reader, node: _Node, field: str) -> tuple[tuple[bool, bo
 def load_spec(path: str | Path) -> BundleSpec:
     path = Path(path)
     file = str(path)
+    if path.is_dir():
+        hint = " (a model directory: `cuteaot spec DIR -o SPEC.yaml` writes its spec)" \
+            if (path / "config.json").is_file() else ""
+        raise SpecError(file, None, "(file)", f"is a directory; pass a spec YAML file{hint}")
     try:
         text = path.read_text()
     except OSError as exc:
@@ -390,6 +394,10 @@ def load_spec(path: str | Path) -> BundleSpec:
         raise SpecError(file, 1, "(top level)", "the spec is empty")
     r = _Reader(file)
     top_node = _convert(root, file)
+    if isinstance(top_node.value, dict) and "bundle" not in top_node.value and (
+            {"model_type", "architectures"} & top_node.value.keys()):
+        raise r.fail(top_node, "(top level)", "this is a Hugging Face model config, not a cuteaot spec; "
+                     "`cuteaot spec MODEL_DIR -o SPEC.yaml` writes the spec of its MoE layers")
     top = r.mapping(top_node, "", required={"bundle", "targets"},
                     optional={"description", "moe", "probes", "allow_spills"})
     probes = r.boolean(top["probes"], "probes") if "probes" in top else False

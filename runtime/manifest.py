@@ -91,14 +91,17 @@ def _require(obj: dict, fields: dict, where: str) -> None:
 def _no_manifest(bundle_dir: Path) -> str:
     """What is wrong with a folder that is not a bundle, and how to make one."""
     how = "build one with `cuteaot build SPEC --out DIR` (it is written to DIR/<bundle name from the spec>)"
+    if bundle_dir.is_file():
+        return f"{bundle_dir} is a file; pass the bundle folder that holds {MANIFEST_NAME} ({bundle_dir.parent})"
     if not bundle_dir.is_dir():
         return f"{bundle_dir} does not exist (expected a bundle folder holding {MANIFEST_NAME}); {how}"
     # `cuteaot verify generated` instead of `generated/<bundle>`: name the bundles inside
     inside = sorted(str(d) for d in bundle_dir.iterdir() if (d / MANIFEST_NAME).is_file())
     if inside:
+        more = f" ... ({len(inside)} in all)" if len(inside) > 5 else ""
         return (
             f"{bundle_dir} has no {MANIFEST_NAME}: it is a build output folder holding the bundle(s) "
-            f"{', '.join(inside[:5])}; pass one of those"
+            f"{', '.join(inside[:5])}{more}; pass one of those"
         )
     return f"{bundle_dir} has no {MANIFEST_NAME}, so it is not a cuteaot bundle; {how}"
 

@@ -75,6 +75,9 @@ def read_config(path: str | Path) -> tuple[dict, Path]:
     exports do; config.json then has no `quantization_config`) gets it as config.json would say it:
     {"quant_method": "modelopt", "quant_algo": ...}."""
     path = Path(path)
+    if not path.exists() and not path.is_absolute() and len(path.parts) == 2 and not str(path).startswith("."):
+        raise BadInputError(f"{path} does not exist here; if it is a Hugging Face repository id, download the model "
+                            f"first (e.g. `huggingface-cli download {path}`) and pass its local directory")
     file = path / CONFIG_FILE if path.is_dir() else path
     config = _read_json(file, "a model config")
     quant_file = file.parent / MODELOPT_QUANT_FILE

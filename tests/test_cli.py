@@ -155,7 +155,9 @@ def test_plans_of_a_planned_table_cover_every_entry_and_token_range(spec_name):
                     for arch, keys in planned.keys.items() for key in keys],
         "resolution": [entry.to_json() for entry in planned.entries],
     }
-    blocks = _plans(manifest, None).split("\n\n")
+    text, found = _plans(manifest, None)
+    assert found
+    blocks = text.split("\n\n")
     assert len(blocks) == len(planned.entries)
     for block, entry in zip(blocks, planned.entries):
         title, _, _, *rows = block.splitlines()
@@ -171,4 +173,41 @@ def test_plans_of_a_planned_table_cover_every_entry_and_token_range(spec_name):
         facts = entry.facts.to_json()
         for option in ("expert_map", "calibration", "deterministic", "bias", "router_weight_on_input"):
             assert (f" {option}" in title) == bool(facts.get(option)), (option, title)
-    assert _plans(manifest, ["nope"]).startswith("no resolution entries for nope (the bundle's problems: ")
+    text, found = _plans(manifest, ["nope"])
+    assert not found and text.startswith("no resolution entries for nope (the bundle's problems: ")
+    text, found = _plans(manifest, [spec.moe[0].name, "nope"])  # one known, one not: both said
+    assert not found and text.startswith(f"{spec.moe[0].name} on ") and "no resolution entries for nope" in text
+
+
+def test_verify_of_the_manifest_file_says_to_pass_its_folder(bundle, capsys):
+    assert cli(["verify", str(bundle / "manifest.json")]) == 1
+    assert f"{bundle / 'manifest.json'} is a file; pass the bundle folder that holds manifest.json ({bundle})" in \
+        capsys.readouterr().err
+
+
+def test_problem_needs_plans_and_an_unknown_problem_fails(bundle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli(["inspect", "--problem", "x", str(bundle)])
+    assert exc.value.code == 2 and "--problem selects entries of --plans; add --plans" in capsys.readouterr().err
+    assert cli(["inspect", "--plans", "--problem", "x", str(bundle)]) == 1
+    assert "no resolution entries for x" in capsys.readouterr().out
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(bundle):
+    """`cuteaot inspect ... | head -1`: no BrokenPipeError traceback once the reader has gone."""
+    shell = f"{sys.executable} -m cuteaot.codegen.cli inspect -v {bundle} | head -1"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", shell], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("bundle ") and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_help_shows_the_flow_and_every_positional_says_what_it_is(capsys):
+    with pytest.raises(SystemExit):
+        cli(["--help"])
+    text = capsys.readouterr().out
+    assert "cuteaot spec path/to/model -o specs/my-model.yaml" in text and "imports nothing else" not in text
+    for command in ("build", "list", "merge", "inspect", "verify"):
+        with pytest.raises(SystemExit):
+            cli([command, "--help"])
+        text = capsys.readouterr().out
+        positional = text.split("positional arguments:")[1].split("options:")[0]
+        assert all(len(line.split(None, 1)) == 2 for line in positional.strip().splitlines()), (command, positional)

@@ -216,3 +216,40 @@ def test_a_modelopt_export_that_states_its_quantization_beside_the_config(tmp_pa
 def test_a_layer_the_runtime_would_refuse_gets_no_spec(tmp_path, edit, message):
     with pytest.raises(BadInputError, match=f"would not build: .*{message}"):
         write_spec(_model_dir(tmp_path, "m", dict(CONFIGS["qwen3-30b-a3b"], **edit)))
+
+
+def test_what_the_header_notes_is_said_when_the_spec_is_written_to_a_file(tmp_path, capsys):
+    config = dict(CONFIGS["deepseek-v3"])  # FP8 and shared experts: two notes
+    assert main(["spec", str(_model_dir(tmp_path, "ds", config)), "-o", str(tmp_path / "ds.yaml"), "--tp", "8",
+                 "--targets", "H200"]) == 0  # profile names in any case
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 2 and "Shared experts" in notes[0] and "Fp8 checkpoint" in notes[1]
+    assert "serve an NVFP4 export" in notes[1] and "wrote" in captured.out
+
+
+def test_names_a_bundle_can_take(tmp_path, capsys):
+    d = _model_dir(tmp_path, "qwen", CONFIGS["qwen3-30b-a3b"])
+    with pytest.raises(BadInputError, match=r"--name 'My Model': .* lower-case .* e\.g\. 'my-model'"):
+        write_spec(d, name="My Model")
+    # the Hugging Face cache keeps the repository's name above the commit: that names the bundle
+    snapshot = tmp_path / "hub" / "models--nvidia--Qwen3-30B-A3B-FP4" / "snapshots" / "0a1b2c3d4e5f"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(CONFIGS["qwen3-30b-a3b"]))
+    for path in (snapshot, snapshot / "config.json"):
+        assert spec_name(path, CONFIGS["qwen3-30b-a3b"]) == "qwen3-30b-a3b-fp4"
+
+
+def test_a_repository_id_is_not_a_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInputError, match=r"nvidia/Qwen3-30B-A3B-FP4 does not exist here; .*huggingface-cli "
+                                            r"download nvidia/Qwen3-30B-A3B-FP4"):
+        write_spec("nvidia/Qwen3-30B-A3B-FP4")
+
+
+def test_a_model_directory_or_config_given_to_build_or_list_points_to_spec(tmp_path, capsys):
+    d = _model_dir(tmp_path, "qwen", dict(CONFIGS["qwen3-30b-a3b"], architectures=["Qwen3MoeForCausalLM"]))
+    assert main(["list", str(d / "config.json")]) == 1
+    assert "this is a Hugging Face model config, not a cuteaot spec; `cuteaot spec MODEL_DIR" in capsys.readouterr().err
+    assert main(["list", str(d)]) == 1
+    assert "is a directory; pass a spec YAML file (a model directory: `cuteaot spec DIR" in capsys.readouterr().err
