@@ -37,6 +37,15 @@ class HybridMoeLayer:
         if len(parts) < 2:
             raise BadInputError(f"a hybrid layer has two or more parts (w13, w2, experts), got {len(parts)}")
         ids = [self._expert_ids(experts, w13, i) for i, (w13, _, experts) in enumerate(parts)]
+        first = parts[0][0]
+        for index, (w13, w2, _) in enumerate(parts):  # before any part reserves memory
+            if not isinstance(w2, PackedNvfp4):
+                raise BadInputError(f"part {index}: w2 must be prepared weights (prepare_w2, ...), got "
+                                    f"{type(w2).__name__}")
+            if (w13.k, w2.k, w13.dtype) != (first.k, parts[0][1].k, first.dtype):
+                raise BadInputError(f"the parts must share H, I and the activation dtype: part {index} has H = {w13.k}, "
+                                    f"I = {w2.k}, {w13.dtype.value}; part 0 H = {first.k}, I = {parts[0][1].k}, "
+                                    f"{first.dtype.value}")
         total = sum(len(e) for e in ids)
         seen = torch.zeros(total, dtype=torch.int64)
         for e in ids:
@@ -55,19 +64,17 @@ class HybridMoeLayer:
             self.parts.append(MoeLayer(bundle, w13, w2, top_k=top_k, expert_map=expert_map.to(bundle.device),
                                        max_tokens=max_tokens, accumulate=index > 0, **options))
         first = self.parts[0]
-        for part in self.parts[1:]:
-            if (part.hidden_size, part.intermediate_size, part.dtype) != (first.hidden_size, first.intermediate_size,
-                                                                          first.dtype):
-                raise BadInputError("the parts must share H, I and the activation dtype")
         self.device, self.hidden_size, self.dtype = first.device, first.hidden_size, first.dtype
         self.max_tokens = min(p.max_tokens for p in self.parts)
 
     @staticmethod
     def _expert_ids(experts, w13: PackedNvfp4, index: int) -> torch.Tensor:
+        if not isinstance(w13, PackedNvfp4):
+            raise BadInputError(f"part {index}: w13 must be prepared weights (prepare_w13, prepare_w13_nf3, ...), got "
+                                f"{type(w13).__name__}")
         e = torch.as_tensor(experts).to(torch.int64).flatten().cpu()
-        if not isinstance(w13, PackedNvfp4) or e.numel() != w13.num_experts:
-            raise BadInputError(f"part {index}: give the global ids of its {getattr(w13, 'num_experts', '?')} "
-                                f"experts, got {e.numel()}")
+        if e.numel() != w13.num_experts:
+            raise BadInputError(f"part {index}: give the global ids of its {w13.num_experts} experts, got {e.numel()}")
         return e
 
     def reserve(self, streams: Iterable[torch.cuda.Stream]) -> None:

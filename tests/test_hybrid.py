@@ -56,6 +56,14 @@ def test_refusals(calls):
         HybridMoeLayer(bundle, [parts[0], (*parts[1][:2], list(range(8, 15)))], top_k=TOP_K)
     with pytest.raises(BadInputError, match="expert maps"):
         HybridMoeLayer(bundle, _parts(list(range(8)), list(range(8, 16))), top_k=TOP_K, expert_map=None)
+    with pytest.raises(BadInputError, match="part 1: w13 must be prepared weights .*, got Tensor"):
+        HybridMoeLayer(bundle, [parts[0], (parts[1][0].qweight, *parts[1][1:])], top_k=TOP_K)
+    with pytest.raises(BadInputError, match="part 1: w2 must be prepared weights .*, got Tensor"):
+        HybridMoeLayer(bundle, [parts[0], (parts[1][0], parts[1][1].qweight, parts[1][2])], top_k=TOP_K)
+    g = torch.Generator().manual_seed(1)  # a part of another H: refused before any part reserves memory
+    other = (prepare_w13(*random_nvfp4(8, 2 * I, 2 * H, g), "bf16"), prepare_w2(*random_nvfp4(8, 2 * H, I, g), "bf16"))
+    with pytest.raises(BadInputError, match=f"must share H, I and the activation dtype: part 1 has H = {2 * H}"):
+        HybridMoeLayer(bundle, [parts[0], (*other, list(range(8, 16)))], top_k=TOP_K)
 
 
 def test_chunks_above_max_tokens_and_streams(calls):
