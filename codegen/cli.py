@@ -305,19 +305,22 @@ def _parser() -> argparse.ArgumentParser:
     from cuteaot.runtime.devices import PROFILES
     from cuteaot.runtime.types import DType, WeightFormat
 
+    from .from_config import DEFAULT_MAX_TOKENS, DEFAULT_TARGETS
+
     p = sub.add_parser("spec", help="write the spec of a Hugging Face MoE model from its config.json")
     p.add_argument("model", type=Path, help="the model's directory (its config.json) or a config file")
     p.add_argument("--out", "-o", type=Path, help="write the spec here (default: print it)")
     p.add_argument("--name", help="bundle and problem name (default: the model directory's name)")
-    p.add_argument("--targets", type=_names(PROFILES), default=["h200", "h100"],
-                   help="device profiles, comma-separated (default: h200,h100)")
+    p.add_argument("--targets", type=_names(PROFILES), default=list(DEFAULT_TARGETS),
+                   help=f"device profiles, comma-separated (default: {','.join(DEFAULT_TARGETS)})")
     p.add_argument("--tp", type=_ints, help="tensor-parallel degrees to build, e.g. 1,2,4 (problems <name>-tp<N>)")
     p.add_argument("--ep", action="store_true", help="also the expert-parallel (expert_map) layers")
     p.add_argument("--weights", choices=[w.value for w in WeightFormat if w is not WeightFormat.NF3],
                    default=WeightFormat.NVFP4.value,
                    help="nvfp4 (repacked at load, default) or modelopt / modelopt_w31 (read as stored)")
     p.add_argument("--dtype", choices=[d.value for d in DType], help="activations' dtype (default: the config's)")
-    p.add_argument("--max-tokens", type=int, default=16384, help="largest token bucket (default: 16384)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"largest token bucket (default: {DEFAULT_MAX_TOKENS})")
     p.set_defaults(run=cmd_spec)
     p = sub.add_parser("verify", help="check a bundle's schema and checksums (no GPU needed)")
     p.add_argument("bundle", type=Path, help="a bundle folder, e.g. generated/qwen3-30b-a3b")

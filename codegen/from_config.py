@@ -11,6 +11,7 @@ before it is written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -29,14 +30,15 @@ NOTE_PREFIX = "# note: "  # a header line with something the user must know abou
 def spec_name(path: Path, config: dict) -> str:
     """A bundle / problem name for the model: its directory's (or `_name_or_path`'s) last part, lowercased;
     in the Hugging Face cache (models--<org>--<name>/snapshots/<commit>) the model's name, not the commit."""
-    directory = path.resolve().parent if path.name == CONFIG_FILE else path.resolve()
+    # absolute, not resolved: the cache's snapshots/<commit>/config.json is a link into its blobs/
+    directory = Path(os.path.abspath(path.parent if path.name == CONFIG_FILE else path))
     cached = directory.parent.parent.name if directory.parent.name == "snapshots" else ""
     if cached.startswith(HF_CACHE_PREFIX):
         raw = cached.split("--")[-1]
     elif path.name == CONFIG_FILE:
         raw = Path(str(config.get("_name_or_path") or "")).name or directory.name
     else:
-        raw = path.name
+        raw = directory.name
     return _safe_name(raw) or str(config.get("model_type", "model")).replace("_", "-")
 
 
@@ -130,5 +132,7 @@ def write_spec(model: str | Path, out: str | Path | None = None, *, name: str | 
         return text, None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # a reader sees the old spec or the new one
+    staging.write_text(text)
+    os.replace(staging, out)
     return text, out

@@ -36,7 +36,6 @@ _KEYS = {
 # counts that several keys of one config may hold: they must agree (the others: the first key wins)
 _AGREE = ("num_experts", "top_k")
 _ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "relu2": Activation.RELU2}
-_DTYPES = {"bfloat16": DType.BF16, "float16": DType.FP16}
 # model_type -> what its config does not say
 _FAMILY = {
     "gpt_oss": dict(activation=Activation.SWIGLUOAI, bias=True),
@@ -168,13 +167,19 @@ class _Reader:
         limit = self.config.get("swiglu_limit", SWIGLUOAI_DEFAULT_LIMIT)
         self.sources["swiglu limit"] = f"swiglu_limit = {json.dumps(limit)}" if "swiglu_limit" in self.config \
             else "default"
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise BadInputError(f"{self.source}: {self.sources['swiglu limit']} is not a positive number (SwiGLU-OAI "
+                                "clamps its gate and up inputs by it; gpt-oss uses 7.0)")
         return None if float(limit) == SWIGLUOAI_DEFAULT_LIMIT else float(limit)
 
     def dtype(self, chosen: str | None) -> DType:
         if chosen is not None:
+            found = DType.parse(chosen)
+            if found is None:
+                raise BadInputError(f"dtype {chosen!r} is not one of {[d.value for d in DType]} (or bfloat16 / float16)")
             self.sources["dtype"] = "--dtype"
-            return DType(chosen)
-        found = _DTYPES.get(str(self.value("dtype", required=False)).removeprefix("torch."))
+            return found
+        found = DType.parse(str(self.value("dtype", required=False)))
         if found is None:
             raise BadInputError(f"{self.source}: the activations' dtype {self.sources.get('dtype', '(none given)')} "
                                 "is not bfloat16 or float16; choose one: dtype=\"bf16\" or \"fp16\" "
@@ -198,8 +203,10 @@ class _Reader:
         if method == "mxfp4":
             notes.append("MXFP4 checkpoint: load_moe_layer packs its blocks for these NVFP4 kernels exactly.")
         elif not self._nvfp4():
-            what = f"{method} {algo or self._quantization().get('format', '')}".strip() + " checkpoint" if method \
-                else "Unquantized checkpoint"
+            if method:
+                what = f"{method} {algo or self._quantization().get('format', '')}".strip() + " checkpoint"
+            else:
+                what = "Unquantized checkpoint"
             notes.append(f"{what[0].upper()}{what[1:]}: the kernels read NVFP4 (or MXFP4) experts; serve an NVFP4 "
                          "export of this model (ModelOpt, or llm-compressor's compressed-tensors).")
         return tuple(notes)

@@ -228,16 +228,23 @@ def test_what_the_header_notes_is_said_when_the_spec_is_written_to_a_file(tmp_pa
     assert "serve an NVFP4 export" in notes[1] and "wrote" in captured.out
 
 
-def test_names_a_bundle_can_take(tmp_path, capsys):
+def test_names_a_bundle_can_take(tmp_path, monkeypatch):
     d = _model_dir(tmp_path, "qwen", CONFIGS["qwen3-30b-a3b"])
     with pytest.raises(BadInputError, match=r"--name 'My Model': .* lower-case .* e\.g\. 'my-model'"):
         write_spec(d, name="My Model")
     # the Hugging Face cache keeps the repository's name above the commit: that names the bundle
-    snapshot = tmp_path / "hub" / "models--nvidia--Qwen3-30B-A3B-FP4" / "snapshots" / "0a1b2c3d4e5f"
+    repo = tmp_path / "hub" / "models--nvidia--Qwen3-30B-A3B-FP4"
+    snapshot, blob = repo / "snapshots" / "0a1b2c3d4e5f", repo / "blobs" / "9f8e7d"
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(CONFIGS["qwen3-30b-a3b"]))
+    blob.parent.mkdir()
+    blob.write_text(json.dumps(CONFIGS["qwen3-30b-a3b"]))
+    (snapshot / "config.json").symlink_to(blob)  # as huggingface_hub lays files out
     for path in (snapshot, snapshot / "config.json"):
         assert spec_name(path, CONFIGS["qwen3-30b-a3b"]) == "qwen3-30b-a3b-fp4"
+    monkeypatch.chdir(snapshot)  # `cuteaot spec .`
+    assert spec_name(Path("."), CONFIGS["qwen3-30b-a3b"]) == "qwen3-30b-a3b-fp4"
+    monkeypatch.chdir(tmp_path / "hub")
+    assert spec_name(Path("."), CONFIGS["qwen3-30b-a3b"]) == "hub"
 
 
 def test_a_repository_id_is_not_a_directory(tmp_path, monkeypatch):
@@ -253,3 +260,14 @@ def test_a_model_directory_or_config_given_to_build_or_list_points_to_spec(tmp_p
     assert "this is a Hugging Face model config, not a cuteaot spec; `cuteaot spec MODEL_DIR" in capsys.readouterr().err
     assert main(["list", str(d)]) == 1
     assert "is a directory; pass a spec YAML file (a model directory: `cuteaot spec DIR" in capsys.readouterr().err
+
+
+def test_config_values_of_the_wrong_kind_are_bad_input():
+    oss = dict(CONFIGS["gpt-oss-120b"], swiglu_limit=None)
+    with pytest.raises(BadInputError, match=r"swiglu_limit = null is not a positive number"):
+        moe_config(oss, "oss")
+    qwen = CONFIGS["qwen3-30b-a3b"]
+    assert moe_config(qwen, "q", dtype="bfloat16").dtype.value == "bf16"
+    with pytest.raises(BadInputError, match="dtype 'float32' is not one of"):
+        moe_config(qwen, "q", dtype="float32")
+
