@@ -35,6 +35,10 @@ class BundleError(CuteAotError, RuntimeError):
     """A bundle cannot be used as it is."""
 
 
+class BundleNotFoundError(BundleError, FileNotFoundError):
+    """The path given as a bundle holds no manifest.json (missing, a file, or a build's output root)."""
+
+
 class SchemaMismatchError(BundleError):
     """The manifest's schema version (or structure) is not the one this runtime reads."""
 

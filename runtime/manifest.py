@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import IntegrityError, SchemaMismatchError
+from .errors import BundleNotFoundError, IntegrityError, SchemaMismatchError
 from .keys import KernelKey
 from .resolution import Entry
 
@@ -110,7 +110,7 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     """Parse and structurally check `<bundle_dir>/manifest.json`."""
     path = Path(bundle_dir) / MANIFEST_NAME
     if not path.is_file():
-        raise SchemaMismatchError(_no_manifest(Path(bundle_dir)))
+        raise BundleNotFoundError(_no_manifest(Path(bundle_dir)))
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -13,7 +13,7 @@ pytest.importorskip("cutlass", reason="the build needs CuTeDSL (cuteaot[codegen]
 
 from cuteaot.codegen.build import build, merge
 from cuteaot.codegen.cli import main as cli
-from cuteaot.runtime.errors import IntegrityError, SchemaMismatchError
+from cuteaot.runtime.errors import BundleNotFoundError, IntegrityError, SchemaMismatchError
 from cuteaot.runtime.manifest import SCHEMA_PATH, read_manifest, verify_bundle
 from tests.conftest import TINY_SPEC
 
@@ -107,7 +107,7 @@ def test_interrupted_staging_is_never_loaded(built, tmp_path):
     shutil.copytree(root / ".cache", out / ".cache")
     stale = out / ".tiny.staging-12345"
     (stale / "sm_90a").mkdir(parents=True)
-    with pytest.raises(SchemaMismatchError):
+    with pytest.raises(BundleNotFoundError):
         read_manifest(out / "tiny")
     report = build(TINY_SPEC, out, progress=False)
     assert report.built == [] and verify_bundle(out / "tiny")

@@ -98,7 +98,7 @@ def test_verify_of_a_folder_without_manifest_says_how_to_build(tmp_path, capsys)
     empty.mkdir()
     assert cli(["verify", str(empty)]) == 1
     err = capsys.readouterr().err
-    assert f"{empty} has no manifest.json" in err
+    assert f"cuteaot verify: BundleNotFoundError: {empty} has no manifest.json" in err
     assert "cuteaot build SPEC --out DIR" in err and "make kernels" not in err
 
 
