@@ -54,8 +54,8 @@ from .model_config import moe_config, read_config
 from .modelopt import prepare_w2_modelopt, prepare_w13_modelopt
 from .moe import MoeLayer
 from .parallel import (
-    ModelOptTensors, ParallelMoeLayer, Shard, ep_partition, tp_shard_bias2, tp_shard_bias13, tp_shard_w2,
-    tp_shard_w2_mxfp4, tp_shard_w13, tp_shard_w13_mxfp4,
+    ModelOptTensors, ParallelMoeLayer, Shard, _check_shard, check_group, ep_partition, mxfp4_tp_blocks,
+    tp_shard_bias2, tp_shard_bias13, tp_shard_w2, tp_shard_w2_mxfp4, tp_shard_w13, tp_shard_w13_mxfp4, tp_slice,
 )
 from .types import Activation, DType
 from .weights import (
@@ -146,6 +146,8 @@ class CheckpointFiles:
     def _from_index(cls, index: Path) -> CheckpointFiles:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"'weight_map' is a JSON {type(weight_map).__name__}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(
                 f"{index} is not a readable safetensors index (a JSON object with a 'weight_map' of "
@@ -340,6 +342,14 @@ class _Part:
         # ep_partition checks the rank (in range, at least one expert each) before any read
         local = ep_partition(self.num_experts, *self.ep)[1] if self.ep else range(self.num_experts)
         object.__setattr__(self, "experts", local)
+        if self.tp is not None:
+            _check_shard(*self.tp)
+
+    def check_split(self, intermediate_size: int, mxfp4: bool = False) -> None:
+        """Refuse, before any tensor is read, a tensor-parallel degree that cannot cut this I (NVFP4: into
+        multiples of 16; MXFP4's W2: into whole 32-k blocks)."""
+        if self.tp is not None:
+            (mxfp4_tp_blocks if mxfp4 else tp_slice)(intermediate_size, *self.tp)
 
     def select(self, tensors: dict) -> dict:
         """The local experts' entries of per-expert stacked tensors (every value's first axis is E)."""
@@ -348,7 +358,7 @@ class _Part:
         pick = slice(self.experts.start, self.experts.stop)
         return {k: None if v is None else v[pick].contiguous() for k, v in tensors.items()}
 
-    def nvfp4(self, t13: dict, t2: dict, order: W13Order, gated: bool) -> tuple[dict, dict, W13Order]:
+    def tp_cut(self, t13: dict, t2: dict, order: W13Order, gated: bool) -> tuple[dict, dict, W13Order]:
         """The ModelOpt tensors of this rank's slice of I (rows of W13 in gate|up order, columns of W2)."""
         if self.tp is None:
             return t13, t2, order
@@ -383,7 +393,8 @@ def _shard(name: str, value) -> Shard | None:
 
 
 def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
-    """The one NVFP4 layout whose keys exist under `prefix`; errors when none or several do."""
+    """The one layout (NVFP4 per expert or fused, gpt-oss MXFP4) whose keys exist under `prefix`; errors when none
+    or several do."""
     naming = _per_expert_naming(files, prefix)
     markers = {
         CheckpointLayout.PER_EXPERT: naming.key(prefix, 0, naming.projections[0], "weight") if naming
@@ -410,27 +421,37 @@ def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
 
 
 def _load_fused(files, prefix, num_experts, dtype, layout, device, as_stored, part) -> tuple[PackedNvfp4, PackedNvfp4]:
+    """Stacked w13 / w31 and w2: gated (W13 holds 2I rows, gate and up) or relu2 (I rows, the up projection
+    alone), which W2's K = I tells apart."""
     name13 = "w13" if layout is CheckpointLayout.W13 else "w31"
     base = f"{prefix}.experts."
     _, shape13, path = files.header(f"{base}{name13}_weight", prefix)
-    if len(shape13) != 3 or shape13[0] != num_experts or shape13[1] % 2:
+    _, shape2, path2 = files.header(f"{base}w2_weight", prefix)
+    if len(shape13) != 3 or shape13[0] != num_experts:
         raise CheckpointError(
-            f"{base}{name13}_weight in {path}: expected shape (E={num_experts}, 2I, H/2), got {shape13}"
+            f"{base}{name13}_weight in {path}: expected shape (E={num_experts}, 2I or I, H/2), got {shape13}"
         )
     e, h = num_experts, shape13[2] * FP4_PER_BYTE
-    inter = shape13[1] // 2
-    if inter % FP4_PER_BYTE:
-        raise CheckpointError(f"{base}{name13}_weight in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
-    pair = ((e,), (e, 1), (e, 2))
-    spec13 = _modelopt_expects((e,), 2 * inter, h // FP4_PER_BYTE, pair, f"{name13} [E, 2I, H]")
+    if len(shape2) != 3 or shape2[:2] != (e, h):
+        raise CheckpointError(f"{base}w2_weight in {path2}: expected shape (E={e}, H={h}, I/2), got {shape2}")
+    inter, rows = shape2[2] * FP4_PER_BYTE, shape13[1]
+    if rows not in (2 * inter, inter):
+        raise CheckpointError(f"{base}{name13}_weight in {path}: {rows} rows, but w2's K is I = {inter}: W13 holds "
+                              f"2I = {2 * inter} rows (gate and up) or I (relu2's up projection alone)")
+    gated = rows == 2 * inter
+    part.check_split(inter)
+    pair = ((e,), (e, 1), (e, 2)) if gated else ((e,), (e, 1))
+    what13 = f"{name13} [E, {'2I' if gated else 'I'}, H]"
+    spec13 = _modelopt_expects((e,), rows, h // FP4_PER_BYTE, pair, what13)
     spec2 = _modelopt_expects((e,), h, inter // FP4_PER_BYTE, ((e,), (e, 1)), "w2 [E, H, I]")
     t13 = {s: _read(files, f"{base}{name13}_{s}", prefix, spec13[s]) for s in _PACKED_SUFFIXES}
     t2 = {s: _read(files, f"{base}w2_{s}", prefix, spec2[s]) for s in _PACKED_SUFFIXES}
     _check_optional(files, f"{base}{name13}_input_scale", prefix, spec13["input_scale"])
     _check_optional(files, f"{base}w2_input_scale", prefix, spec2["input_scale"])
-    t13["bias"] = _read_bias(files, f"{base}{name13}_bias", prefix, (e, 2 * inter), f"{name13} bias [E, 2I]")
+    t13["bias"] = _read_bias(files, f"{base}{name13}_bias", prefix, (e, rows), f"{what13} bias")
     t2["bias"] = _read_bias(files, f"{base}w2_bias", prefix, (e, h), "w2 bias [E, H]")
-    return _prepare(part.select(t13), part.select(t2), dtype, _FUSED_ORDER[layout], device, as_stored, part=part)
+    order = _FUSED_ORDER[layout] if gated else W13Order.GATE_UP  # one projection: no halves to order
+    return _prepare(part.select(t13), part.select(t2), dtype, order, device, as_stored, gated=gated, part=part)
 
 
 _PER_EXPERT_SCALAR = ((), (1,))
@@ -497,8 +518,10 @@ def _load_per_expert(files, prefix, num_experts, dtype, device, as_stored, part)
     if len(lead_shape) != 2:
         raise CheckpointError(f"{first} in {path}: expected a 2-D (I, H/2) weight, got shape {lead_shape}")
     inter, h = lead_shape[0], lead_shape[1] * FP4_PER_BYTE
-    if inter % FP4_PER_BYTE:
-        raise CheckpointError(f"{first} in {path}: I = {inter} is odd; NVFP4 needs I % 16 == 0")
+    if inter % SCALE_GROUP_K:
+        raise CheckpointError(f"{first} in {path}: I = {inter} is not a multiple of {SCALE_GROUP_K}, the NVFP4 scale "
+                              "group along FC2's K")
+    part.check_split(inter)
     _check_expert_keys(files, prefix, num_experts, naming)
 
     def expects(n: int, half_k: int, what: str) -> dict[str, _Expect]:
@@ -562,8 +585,8 @@ def _check_expert_keys(files: CheckpointFiles, prefix: str, num_experts: int, na
 
 
 def _read_expert(files, prefix, expert, specs, lead_shape, naming: _Naming) -> dict[str, dict[str, torch.Tensor]]:
-    """One expert's projections by ModelOpt tensor name (weight_scale_2 as a 0-d tensor, the reciprocal of a
-    stored global scale), checked against expert 0's shapes."""
+    """One expert's projections by ModelOpt tensor name (weight_scale_2 as a 0-d tensor; for compressed-tensors,
+    the reciprocal of its weight_global_scale), checked against expert 0's shapes."""
     lead = next(iter(specs))
     lead_key = naming.key(prefix, expert, lead, "weight")
     _, shape, path = files.header(lead_key, prefix)
@@ -578,7 +601,8 @@ def _read_expert(files, prefix, expert, specs, lead_shape, naming: _Naming) -> d
         t = {s: _read(files, naming.key(prefix, expert, proj, s), prefix, spec[s]) for s in _PACKED_SUFFIXES}
         t["weight_scale_2"] = t["weight_scale_2"].reshape(())
         if naming.inverse_global:
-            t["weight_scale_2"] = _inverse_global(t["weight_scale_2"], naming.key(prefix, expert, proj, "weight_scale_2"))
+            key = naming.key(prefix, expert, proj, "weight_scale_2")
+            t["weight_scale_2"] = _inverse_global(t["weight_scale_2"], key)
         _check_optional(files, naming.key(prefix, expert, proj, "input_scale"), prefix, spec["input_scale"])
         n = spec["weight"].shapes[0][0]
         t["bias"] = _read_bias(files, naming.key(prefix, expert, proj, "bias"), prefix, (n,), f"{proj} bias [N]")
@@ -606,7 +630,7 @@ def _prepare(t13, t2, dtype, order, device, as_stored=False, gated=True, part=No
     `gated=False`: W13 is one projection (relu2), which packs as is.  `part`: a tensor-parallel rank's slice
     of I is cut first (the tensors hold the local experts already)."""
     if part is not None:
-        t13, t2, order = part.nvfp4(t13, t2, order, gated)
+        t13, t2, order = part.tp_cut(t13, t2, order, gated)
     on = _to(t13, device)
     if as_stored:
         w13 = prepare_w13_modelopt(on["weight"], on["weight_scale"], on["weight_scale_2"], dtype, order=order,
@@ -637,6 +661,7 @@ def _load_gpt_oss(files, prefix, num_experts, dtype, device, part) -> tuple[Pack
     if inter % MXFP4_BLOCK_K:
         raise CheckpointError(f"{first} in {path}: I = {inter} is not a multiple of {MXFP4_BLOCK_K}, so "
                               "down_proj has no whole MXFP4 blocks")
+    part.check_split(inter, mxfp4=True)
 
     def mx(name: str, n: int, k: int) -> dict:
         what = f"{name} [E, N, K] = [{e}, {n}, {k}]"
@@ -798,6 +823,9 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     clash = sorted(decided.keys() & layer_options.keys())
     if clash:
         raise CheckpointError(f"{clash[0]} comes from {decided[clash[0]]}; pass the layers' other options only")
+    shard = _shard("tp", tp) or _shard("ep", ep)
+    if shard is not None:
+        check_group(shard, group)  # before anything is read
     files = CheckpointFiles.open(file.parent)
     found = moe_layer_prefixes(files)
     if not found:
@@ -820,7 +848,7 @@ def load_model_moe(bundle, model: str | Path, *, dtype: DType | str | None = Non
     if tp is None and ep is None:
         return {prefix: MoeLayer(bundle, w13, w2, **options) for prefix, (w13, w2) in zip(prefixes, weights)}
     expert_map = None if ep is None else ep_partition(moe.num_experts, *_shard("ep", ep), device=bundle.device)[0]
-    return {prefix: ParallelMoeLayer(bundle, w13, w2, group=group, expert_map=expert_map, **options)
+    return {prefix: ParallelMoeLayer(bundle, w13, w2, group=group, expert_map=expert_map, shard=shard, **options)
             for prefix, (w13, w2) in zip(prefixes, weights)}
 
 

@@ -4,8 +4,8 @@ Tensor parallelism (TP, world w): every rank holds every expert but only I / w o
 intermediate size: rows [r*I/w, (r+1)*I/w) of both the gate and the up half of W13 (of W13
 itself for the non-gated relu2, whose W13 has I rows and no halves), and the same columns (K)
 of W2.  Each rank's FC2 output is a partial sum over its slice of I; the
-all-reduce adds them.  I / w must be a multiple of 16 (one NVFP4 scale group): gpt-oss's 2880
-splits 2 and 4 ways (1440, 720) but not 8 (360); that is refused with a clear error.
+all-reduce adds them.  I / w must be a multiple of 16 (one NVFP4 scale group): an NVFP4 export of
+gpt-oss (I = 2880) splits 2 and 4 ways (1440, 720) but not 8 (360); that is refused with a clear error.
 
 Expert parallelism (EP, world w): rank r holds a contiguous range of experts, the first
 E % w ranks one more than the others (uneven counts are allowed); `expert_map` maps a global
@@ -36,7 +36,7 @@ from .weights import MXFP4_BLOCK_K, SCALE_GROUP_K, PackedNvfp4, W13Order
 
 __all__ = ["Shard", "ModelOptTensors", "tp_shard_w13", "tp_shard_w2", "tp_shard_bias13", "tp_shard_bias2",
            "tp_shard_w13_mxfp4", "tp_shard_w2_mxfp4", "mxfp4_tp_blocks", "ep_partition", "ep_select",
-           "ParallelMoeLayer"]
+           "check_group", "ParallelMoeLayer"]
 
 
 class ModelOptTensors(NamedTuple):
@@ -220,30 +220,54 @@ def ep_select(tensors: ModelOptTensors, local: range) -> ModelOptTensors:
     return ModelOptTensors(weight[pick].contiguous(), scale[pick].contiguous(), scale_2[pick].contiguous())
 
 
+def _distributed():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise BadInputError("ParallelMoeLayer needs torch.distributed initialised (e.g. NCCL under torchrun)")
+    return dist
+
+
+def check_group(shard: Shard, group=None) -> int:
+    """The group's size, once this process is `shard.rank` of a group of `shard.world` ranks: a layer whose
+    all-reduce runs over other ranks than its weights were cut for adds shards twice or misses some."""
+    dist = _distributed()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (shard.rank, shard.world) != (rank, world):
+        raise BadInputError(
+            f"the weights are shard {shard.rank} of {shard.world}, but this process is rank {rank} of a group of "
+            f"{world}: pass group= the process group of that parallelism (e.g. the tensor-parallel group when data "
+            "parallelism also runs), or this rank's shard")
+    return world
+
+
 class ParallelMoeLayer:
     """The local MoeLayer of one rank plus the all-reduce that combines the ranks.
 
     w13 / w2 are this rank's prepared shards (tp_shard_* / ep_select, then prepare_*);
     expert_map is ep_partition's map for EP (None for TP).  Every rank must call it with
     the same tokens, routing and weights (replicated inputs); the output is the full layer's.
+    `shard=(rank, world)`, the one the weights were cut for, is checked against the group: a
+    group of other ranks would add shards twice or miss some, silently.
     CUDA-graph capturable per rank (the all-reduce is an NCCL collective on the current stream).
     """
 
     def __init__(self, bundle: Bundle, w13: PackedNvfp4, w2: PackedNvfp4, *, top_k: int, group=None,
-                 expert_map: torch.Tensor | None = None, **layer_options):
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise BadInputError("ParallelMoeLayer needs torch.distributed initialised (e.g. NCCL under torchrun)")
+                 expert_map: torch.Tensor | None = None, shard: Shard | tuple[int, int] | None = None,
+                 **layer_options):
+        dist = _distributed()
         self.group = group
-        self.world = dist.get_world_size(group)
+        self.world = dist.get_world_size(group) if shard is None else check_group(Shard(*shard), group)
+        self._all_reduce = dist.all_reduce
         self.layer = MoeLayer(bundle, w13, w2, top_k=top_k, expert_map=expert_map, **layer_options)
+
+    def reserve(self, streams) -> None:
+        """The local layer's per-stream workspaces (`MoeLayer.reserve`)."""
+        self.layer.reserve(streams)
 
     def __call__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        import torch.distributed as dist
-
         out = self.layer(hidden_states, topk_weights, topk_ids, out=out)
         if self.world > 1:
-            dist.all_reduce(out, group=self.group)
+            self._all_reduce(out, group=self.group)
         return out

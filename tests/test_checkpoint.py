@@ -314,7 +314,7 @@ def test_inconsistent_experts(tmp_path, moe):
 
 def test_fused_expert_count_mismatch(tmp_path, moe):
     save_file(_fused_tensors(moe, "w13"), str(tmp_path / "m.safetensors"))
-    with pytest.raises(CheckpointError, match=rf"w13_weight in .*expected shape \(E=8, 2I, H/2\), got \({E}, "):
+    with pytest.raises(CheckpointError, match=rf"w13_weight in .*expected shape \(E=8, 2I or I, H/2\), got \({E}, "):
         load_moe_layer(tmp_path, PREFIX, num_experts=8, dtype="bf16")
 
 
@@ -693,10 +693,22 @@ def test_load_model_moe_builds_one_ranks_parallel_layers(tmp_path, monkeypatch):
         load_model_moe(stub_bundle(), tmp_path, progress=False, expert_map=torch.zeros(e, dtype=torch.int32))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
+        # the one process is rank 0 of 1: a shard cut for another group is refused before anything is read
+        with monkeypatch.context() as m:
+            m.setattr(CheckpointFiles, "read", lambda *a: pytest.fail("read a tensor"))
+            with pytest.raises(BadInputError, match="the weights are shard 1 of 4, but this process is rank 0 of a "
+                                                    "group of 1: pass group="):
+                load_model_moe(stub_bundle(), tmp_path, progress=False, ep=(1, 4))
+            with pytest.raises(BadInputError, match="shard 0 of 2, but this process is rank 0 of a group of 1"):
+                load_model_moe(stub_bundle(), tmp_path, progress=False, tp=(0, 2))
+        # rank 1 of a group of 4, as the group says it is
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
         (layer,) = load_model_moe(stub_bundle(), tmp_path, progress=False, ep=(1, 4)).values()
     finally:
+        monkeypatch.undo()
         dist.destroy_process_group()
-    assert isinstance(layer, ParallelMoeLayer) and layer.layer.w13.num_experts == 4
+    assert isinstance(layer, ParallelMoeLayer) and layer.layer.w13.num_experts == 4 and layer.world == 4
     assert torch.equal(layer.layer.expert_map, ep_partition(e, 1, 4)[0])
 
 
@@ -995,3 +1007,45 @@ def test_a_bad_dtype_is_refused_before_any_read(tmp_path, moe, monkeypatch):
         "num_experts_per_tok": 2, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
     with pytest.raises(BadInputError, match="got torch.float32"):
         load_model_moe(None, tmp_path, dtype=torch.float32)
+
+
+def test_a_stacked_relu2_layer_is_read_ungated(tmp_path):
+    """experts.w13_* with I rows (relu2's up projection alone; w2's K says I): packed as one projection, and a
+    tensor-parallel rank takes the same I slice of W13's rows as of W2's columns."""
+    gen = torch.Generator().manual_seed(53)
+    up, down = random_nvfp4(E, I, H, gen), random_nvfp4(E, H, I, gen)
+    base = f"{PREFIX}.experts."
+    tensors = {f"{base}w31_{s}": t for s, t in zip(PROJ_SUFFIXES, up)}  # the order name means nothing here
+    tensors.update({f"{base}w2_{s}": t for s, t in zip(PROJ_SUFFIXES, down)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    _assert_packed_equal(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16"),
+                         (prepare_w13(*up, "bf16"), prepare_w2(*down, "bf16")))
+    _assert_packed_equal(load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(1, 2)),
+                         (prepare_w13(*tp_shard_w13(ModelOptTensors(*up), 1, 2, activation="relu2"), "bf16"),
+                          prepare_w2(*tp_shard_w2(ModelOptTensors(*down), 1, 2), "bf16")))
+    tensors[f"{base}w31_weight"] = torch.zeros(E, I + 16, H // 2, dtype=torch.uint8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{I + 16} rows, but w2's K is I = {I}: W13 holds 2I"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16")
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "w13", "gpt_oss"])
+def test_a_tensor_parallel_degree_that_cannot_cut_i_is_refused_before_any_read(tmp_path, moe, layout, monkeypatch):
+    if layout == "per_expert":
+        _per_expert_checkpoint(tmp_path, moe)
+    elif layout == "w13":
+        save_file(_fused_tensors(moe, "w13"), str(tmp_path / "model.safetensors"))
+    else:
+        save_file(_gpt_oss_tensors(), str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(CheckpointFiles, "read", lambda *a: pytest.fail("read a tensor"))
+    with pytest.raises(BadInputError, match="does not split 3 ways"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(0, 3))
+    with pytest.raises(BadInputError, match=r"need 0 <= rank < world, got rank=2, world=2"):
+        load_moe_layer(tmp_path, PREFIX, num_experts=E, dtype="bf16", tp=(2, 2))
+
+
+def test_an_index_whose_weight_map_is_not_a_mapping(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]}))
+    with pytest.raises(CheckpointError, match="not a readable safetensors index .*'weight_map' is a JSON list"):
+        CheckpointFiles.open(tmp_path)
+
