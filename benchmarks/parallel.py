@@ -60,11 +60,12 @@ def worker(rank: int, world: int, init_file: str, bundle_path: str, out_file: st
         w2 = ModelOptTensors(*random_nvfp4(e, h, i, torch.Generator(device=device).manual_seed(2)))
         full = MoeLayer(bundle, prepare_w13(*w13, "bf16"), prepare_w2(*w2, "bf16"), top_k=k, activation=act)
         tp = ParallelMoeLayer(bundle, prepare_w13(*tp_shard_w13(w13, rank, world, activation=act), "bf16"),
-                              prepare_w2(*tp_shard_w2(w2, rank, world), "bf16"), top_k=k, activation=act)
+                              prepare_w2(*tp_shard_w2(w2, rank, world), "bf16"), top_k=k, activation=act,
+                              shard=(rank, world))
         expert_map, local = ep_partition(e, rank, world, device)
         ep = ParallelMoeLayer(bundle, prepare_w13(*ep_select(w13, local), "bf16"),
                               prepare_w2(*ep_select(w2, local), "bf16"), top_k=k, activation=act,
-                              expert_map=expert_map)
+                              expert_map=expert_map, shard=(rank, world))
         del w13, w2
         say(model, "layers ready")
         for m in ms:
