@@ -322,6 +322,7 @@ class Bundle:
         self.resolution = ResolutionTable.from_manifest(manifest, profile.name)  # the build's decisions
         self.plans = BundlePlans()  # launch plans resolved once (host state only)
         self.gemm_workspaces: dict[int, object] = {}  # w4a16_moe_gemm's own scratch, per raw stream
+        self.captured_gemm_workspaces: list = []  # ones a CUDA graph launched on, replaced since: kept alive
         self.workspaces = WorkspacePool(device)  # MoE layers' scratch memory, reserved before serving
 
     # -- loading ----------------------------------------------------------------

@@ -40,7 +40,7 @@ from .kernels.w4a16.fused_spec import PACK_MAX_ROUTES
 from .kernels.w4a16.geometry import BARRIER_WORDS
 from .kernels.route_pack import (
     MAX_EXPERTS, IdsDType, PreparedRoutePack, direct_route_ids, max_packed_route_slots, route_pack_workspace,
-    route_pack_workspace_elements,
+    route_pack_elements_used,
 )
 from .resolution import MOE_LAYER, Entry, Launch, MoeLayerFacts
 from .kernels.activation import moe_activation
@@ -490,13 +490,16 @@ class MoeLayer:
             PreparedRoutePack(self.bundle, topk_ids, self.route_experts, block, expert_map=self.expert_map,
                               packed=ws.route_indices[:slots], block_ids=ws.block_experts[: slots // block],
                               count=ws.route_count,
-                              workspace=ws.route_pack[: route_pack_workspace_elements(routes, self.route_experts)])
+                              workspace=ws.route_pack[: route_pack_elements_used(routes, self.route_experts)])
             if pack else None,
             None if summed else PreparedTopkSum(self.bundle, fc2, out, topk_ids, self.route_experts,
                                                 accumulate=self.accumulate),
         )
         if len(self._steps) >= self._STEPS_CACHE:
-            self._steps.pop(next(iter(self._steps)))  # the oldest
+            try:  # the oldest; two threads (streams) may evict at once: the loser finds it gone
+                self._steps.pop(next(iter(self._steps)), None)
+            except RuntimeError:  # ("dictionary changed size during iteration": the other thread's insert)
+                pass
         self._steps[key] = steps
         return steps
 
@@ -589,9 +592,10 @@ class MoeLayer:
         if not 1 <= m <= self.max_tokens:
             raise BadInputError(f"bind() serves 1..max_tokens={self.max_tokens} tokens in one launch sequence, got {m}")
         stream = current_stream_handle(self.device.index)
+        ws = self.workspace(stream)
         with recording_launches() as launches:
-            self._launch(m, hidden_states, topk_weights, topk_ids, out, None, None, self.workspace(stream), stream)
-        return BoundMoeCall(self, tuple(launches), stream, (hidden_states, topk_weights, topk_ids, out))
+            self._launch(m, hidden_states, topk_weights, topk_ids, out, None, None, ws, stream)
+        return BoundMoeCall(self, tuple(launches), stream, (hidden_states, topk_weights, topk_ids, out), ws)
 
     # ------------------------------------------------------------------ validation
 
@@ -658,19 +662,35 @@ class MoeLayer:
 
 
 class BoundMoeCall:
-    """`MoeLayer.bind`'s result: `call()` launches the layer on its bound buffers and returns `out`."""
+    """`MoeLayer.bind`'s result: `call()` launches the layer on its bound buffers and returns `out`.
 
-    __slots__ = ("layer", "launches", "stream", "buffers", "out")
+    The launches carry the bound tensors' addresses: refill the buffers in place, never resize them (their
+    storages are held, so a resized buffer is not written, and no freed memory is).  A `reserve()` that
+    gives the bound stream its own workspace after `bind` is refused at the next call: bind again."""
 
-    def __init__(self, layer: MoeLayer, launches: tuple[RecordedLaunch | ZeroFill, ...], stream: int, buffers: tuple):
+    __slots__ = ("layer", "launches", "stream", "buffers", "storages", "out", "ws", "pool", "generation")
+
+    def __init__(self, layer: MoeLayer, launches: tuple[RecordedLaunch | ZeroFill, ...], stream: int, buffers: tuple,
+                 ws: MoeWorkspace):
         self.layer = layer  # keeps the layer, and with it the workspace, alive
         self.launches, self.stream, self.buffers = launches, stream, buffers  # the bound tensors stay alive too
+        self.storages = tuple(t.untyped_storage() for t in buffers)  # ... and the memory the launches address
         self.out = buffers[-1]
+        self.ws, self.pool = ws, layer.bundle.workspaces
+        self.generation = self.pool.generation
 
     def __call__(self) -> torch.Tensor:
+        if self.pool.generation != self.generation:  # a workspace was added or dropped somewhere: is ours still it?
+            self._check_workspace()
         for launch in self.launches:
             launch.launch(self.stream)
         return self.out
+
+    def _check_workspace(self) -> None:
+        if self.pool.get(self.layer.shape, self.stream) is not self.ws:
+            raise BadInputError("this stream's workspace changed since bind() (reserve() gave the stream its own): "
+                                "bind again, so that the call uses the stream's workspace")
+        self.generation = self.pool.generation
 
     def __repr__(self) -> str:
         names = ", ".join("memset" if isinstance(launch, ZeroFill) else launch.kernel.record.key.family
@@ -688,14 +708,17 @@ def run_w4a16_moe(bundle: Bundle, hidden_states: torch.Tensor, w13: PackedNvfp4,
 
     The layer is cached on `w13` itself, so it lives exactly as long as the weights do: dropping
     the weights drops the layer and, with the last layer of its shape, the workspaces.  Build the
-    first call of each weight pair outside CUDA-graph capture (it reserves the workspace).
+    first call of each weight pair outside CUDA-graph capture (it reserves the workspace), and pass the
+    same `expert_map` tensor every call: another one rebuilds the layer (which checks the map on the host).
     """
     check_rank(topk_ids, "topk_ids", 2, "(M, top_k)")
     if not isinstance(w13, PackedNvfp4) or not isinstance(w2, PackedNvfp4):
         raise BadInputError(f"w13 and w2 must be PackedNvfp4 (prepare_w13 / prepare_w2), got "
                             f"{type(w13).__name__} and {type(w2).__name__}")
+    # one layer per options: a call with another expert_map tensor rebuilds it (a new map each call would
+    # otherwise pile up layers that hold their maps for the weights' life)
     key = (bundle.id, id(w2), topk_ids.shape[1], str(activation), swiglu_alpha, swiglu_beta, swiglu_limit,
-           fast_math, router_weight_on_input, None if expert_map is None else id(expert_map))
+           fast_math, router_weight_on_input, expert_map is not None)
     cache = w13.functional_layers
     entry = cache.get(key)
     if entry is None or entry[0]() is not w2 or (expert_map is not None and entry[1].expert_map is not expert_map):

@@ -53,7 +53,7 @@ def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", prof
 
     return types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES[profile], resolution=table,
                                  plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub",
-                                 specs=specs, kernel=kernel)
+                                 specs=specs, kernel=kernel, gemm_workspaces={}, captured_gemm_workspaces=[])
 
 
 class _IssuesPacked:

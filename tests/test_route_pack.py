@@ -23,6 +23,7 @@ from cuteaot.runtime.kernels.route_pack import (
     RoutePackSpec,
     RouteStage,
     max_packed_route_slots,
+    route_pack_elements_used,
     route_pack_specs,
     route_pack_workspace_elements,
 )
@@ -142,7 +143,18 @@ def test_chunking_covers_the_routes(routes):
     else:
         assert c.chunk_routes % 512 == 0 and 1 <= c.num_chunks <= MULTI_MAX_CTAS <= MULTI_MAX_CHUNKS
         assert (c.num_chunks - 1) * c.chunk_routes < routes <= c.num_chunks * c.chunk_routes
-        assert route_pack_workspace_elements(routes, 64) == BARRIER_WORDS + c.num_chunks * 64
+        assert route_pack_elements_used(routes, 64) == BARRIER_WORDS + c.num_chunks * 64
+
+
+def test_a_workspace_for_some_routes_serves_every_smaller_count():
+    """The chunk count does not grow with the routes (16384 routes take 32 chunks, 24576 take 24): a workspace
+    sized for a layer's largest call (MoeLayer: max_tokens * top_k routes) must hold every smaller call's
+    counts, or a valid call would be refused (max_tokens 3072, top-k 8: M = 1537..2048)."""
+    assert RouteChunking.for_routes(16384).num_chunks == 32 and RouteChunking.for_routes(24576).num_chunks == 24
+    used = [route_pack_elements_used(r, 128) for r in range(1, 40001)]
+    for largest in (SINGLE_CTA_MAX_ROUTES + 1, 12288, 16384, 24576, 32768, 40000):
+        assert max(used[:largest]) <= route_pack_workspace_elements(largest, 128), largest
+        assert route_pack_workspace_elements(largest, 128) == max(used[:largest])  # and no larger than that
 
 
 def test_the_multi_stage_grid_fits_one_cta_per_sm_on_every_profile():

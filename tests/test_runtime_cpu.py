@@ -372,3 +372,88 @@ def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
     assert len(issued) == 2 and issued[0] == issued[1]
     with pytest.raises(BadInputError, match=r"topk_ids must have shape \(37, 4\)"):
         PreparedTopkSum(bundle, fc2, out, ids[:, :3].contiguous(), 16)
+
+
+def test_the_standalone_gemm_tells_weight_layouts_apart_and_refuses_biases(monkeypatch):
+    """A GEMM plan cached for packed NVFP4 weights is not reused for NF3 or stored weights of the same shape
+    (their bytes are laid out otherwise: the packed kernel would read past them); biased weights are refused
+    (the standalone GEMMs add none).  tiny-gemm-silu's FC1: N = 2I = 512, K = H = 512, 8 experts, top-2."""
+    import cuteaot.runtime.kernels.w4a16.gemm as gemm_mod
+    from cuteaot.runtime import BadInputError, UnknownSpecializationError, w4a16_moe_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmRoutes, GemmWorkspace
+    from cuteaot.runtime.modelopt import prepare_w13_modelopt
+    from cuteaot.runtime.nf3 import prepare_w13_nf3
+    from cuteaot.runtime.weights import prepare_w13
+    from tests.reference.nf3 import random_nf3
+    from tests.reference.nvfp4 import random_nvfp4
+    from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
+
+    monkeypatch.setattr(gemm_mod, "persistent_launch", StubLaunch)
+    monkeypatch.setattr(gemm_mod, "current_stream_handle", lambda index: 0)
+    words = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(gemm_mod, "_routes", lambda bundle, launch, ids, e, ws: GemmRoutes(
+        ids.data_ptr(), tuple(ids.shape), e, launch.route_block, words, words, words[:1]))
+    bundle = stub_bundle(ROOT / "specs" / "tiny-gemm.yaml")
+    g = torch.Generator().manual_seed(3)
+    tensors = random_nvfp4(8, 512, 512, g)
+    packed = prepare_w13(*tensors, "bf16")
+    a, ids = torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32)
+    workspace = GemmWorkspace.for_tokens(bundle, 1, 2, packed)
+    StubLaunch.calls.clear()
+    w4a16_moe_gemm(bundle, a, packed, ids, workspace=workspace)
+    assert [c[0] for c in StubLaunch.calls] == ["fused"]  # the GEMM launched (the stub records every kernel so)
+    for other in (prepare_w13_modelopt(*tensors, "bf16"), prepare_w13_nf3(*random_nf3(8, 512, 512, g))):
+        with pytest.raises(UnknownSpecializationError):  # the bundle has no GEMM of that layout
+            w4a16_moe_gemm(bundle, a, other, ids, workspace=workspace)
+    biased = prepare_w13(*tensors, "bf16", bias=torch.zeros(8, 512))
+    with pytest.raises(BadInputError, match="w4a16_moe_gemm adds no bias"):
+        w4a16_moe_gemm(bundle, a, biased, ids, workspace=workspace)
+
+
+def test_an_implicit_gemm_workspace_a_graph_captured_outlives_its_replacement(monkeypatch):
+    """w4a16_moe_gemm without workspace= grows the stream's own workspace for a larger M; one a CUDA graph
+    launched on is kept (the graph replays on its addresses), not freed."""
+    import cuteaot.runtime.kernels.w4a16.gemm as gemm_mod
+    from cuteaot.runtime import w4a16_moe_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmRoutes
+    from cuteaot.runtime.weights import prepare_w13
+    from tests.reference.nvfp4 import random_nvfp4
+    from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
+
+    monkeypatch.setattr(gemm_mod, "persistent_launch", StubLaunch)
+    monkeypatch.setattr(gemm_mod, "current_stream_handle", lambda index: 5)
+    words = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(gemm_mod, "_routes", lambda bundle, launch, ids, e, ws: GemmRoutes(
+        ids.data_ptr(), tuple(ids.shape), e, launch.route_block, words, words, words[:1]))
+    bundle = stub_bundle(ROOT / "specs" / "tiny-gemm.yaml")
+    w13 = prepare_w13(*random_nvfp4(8, 512, 512, torch.Generator().manual_seed(4)), "bf16")
+
+    def call(m: int, capturing: bool):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        w4a16_moe_gemm(bundle, torch.zeros(m, 512, dtype=torch.bfloat16), w13, torch.zeros(m, 2, dtype=torch.int32))
+        return bundle.gemm_workspaces[5]
+
+    first = call(1, False)
+    assert call(1, True) is first and first.captured  # captured on it
+    grown = call(4096, False)
+    assert grown is not first and bundle.captured_gemm_workspaces == [first]
+    assert call(4096, False) is grown and not grown.captured
+
+
+def test_a_gemm_workspace_for_some_tokens_fits_every_smaller_call():
+    """GemmWorkspace.for_tokens(max_tokens) serves every M <= max_tokens, including one whose launch range runs
+    past max_tokens (the launch's recorded route tables are its range's largest M's: tiny-gemm's direct
+    launch covers M = 1-4, and a workspace for 1 token was refused for M = 1)."""
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmWorkspace, gemm_entry
+    from cuteaot.runtime.weights import prepare_w13
+    from tests.reference.nvfp4 import random_nvfp4
+    from tests.stub_bundle import ROOT, stub_bundle
+
+    bundle = stub_bundle(ROOT / "specs" / "tiny-gemm.yaml")
+    w13 = prepare_w13(*random_nvfp4(8, 512, 512, torch.Generator().manual_seed(3)), "bf16")
+    entry = gemm_entry(bundle, w13, 2)
+    assert entry.launch(1).m_max > 1
+    for max_tokens in (1, 3, 8, 33, 100, 1000, 4096):
+        ws = GemmWorkspace.for_tokens(bundle, max_tokens, 2, w13)
+        assert all(ws.fits(entry.launch(m), m, 2, 8) for m in range(1, max_tokens + 1)), max_tokens
+

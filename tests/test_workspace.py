@@ -274,3 +274,40 @@ def test_options_the_bundle_cannot_serve_fail_at_construction(stubbed):
     moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, router_weight_on_input=True)  # tiny-fused builds this variant
     with pytest.raises(UnknownSpecializationError, match=r"(?s)swiglu_limit=5.0.*differs in \{'swiglu_limit': None\}"):
         moe.MoeLayer(bundle, w13, w2, top_k=TOP_K, swiglu_limit=5.0)  # a valid option the bundle has no kernel for
+
+
+def test_a_bound_call_refuses_a_workspace_reserved_for_its_stream_after_bind(stubbed):
+    """A call bound on stream 7 addresses the workspace stream 7 used then (the shape's default, shared with
+    other streams); once reserve() gives stream 7 its own, the bound call refuses instead of racing them.
+    (The launches themselves are left out: the check comes before them.)"""
+    from cuteaot.runtime.errors import BadInputError
+
+    bundle = stub_bundle()
+    layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K)
+    x, w, ids = _inputs(3, torch.int32)
+    out = torch.empty(3, H, dtype=torch.bfloat16)
+    call = moe.BoundMoeCall(layer, (), 7, (x, w, ids, out), layer.workspace(7))
+    assert call() is out
+    other = moe.MoeLayer(bundle, *_weights(1), top_k=TOP_K, max_tokens=16)  # another shape: a new workspace
+    assert call() is out  # the pool's generation moved, but not stream 7's workspace: still served
+    bundle.workspaces.reserve(layer.shape, 7, layer._allocate_workspace)
+    with pytest.raises(BadInputError, match="this stream's workspace changed since bind"):
+        call()
+    assert moe.BoundMoeCall(layer, (), 7, (x, w, ids, out), layer.workspace(7))() is out  # bound again
+    x.resize_(0)  # a bound buffer resized: the launches' memory stays alive with the call
+    assert call.storages[0].nbytes() == 3 * H * 2
+    del other
+
+
+def test_a_functional_layer_is_rebuilt_not_piled_up_for_a_new_expert_map(stubbed):
+    bundle = stub_bundle()
+    w13, w2 = _weights()
+    x, w, ids = _inputs(5, torch.int32)
+    for _ in range(3):
+        expert_map = torch.arange(E, dtype=torch.int32)  # a new tensor each call (e.g. .to(device) per step)
+        moe.run_w4a16_moe(bundle, x, w13, w2, w, ids, expert_map=expert_map,
+                          out=torch.empty(5, H, dtype=torch.bfloat16))
+        (layer,) = [entry[1] for entry in w13.functional_layers.values()]
+        assert layer.expert_map is expert_map
+    gc.collect()
+    assert bundle.workspaces.live_layers(layer.shape) == 1  # the replaced layers are gone

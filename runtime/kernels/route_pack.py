@@ -211,12 +211,23 @@ class RouteChunking:
 
 
 def route_pack_workspace_elements(routes: int, num_experts: int) -> int:
-    """int32 elements of workspace `pack_routes` needs; 0 on the single-CTA path.
+    """int32 elements of workspace `pack_routes` needs for every count of up to `routes` routes; 0 where all
+    of them take the single-CTA path.
 
     Layout: the grid barrier's BARRIER_WORDS (its word, low 31 bits zero between launches; unused),
     then each chunk's counts [num_chunks, num_experts].  The barrier words come first, so a
-    workspace sized for many routes serves fewer from its start.
+    workspace sized for many routes serves fewer from its start.  The chunk count does not grow with the
+    route count (12288 routes take 24 chunks of 512, 16384 take 32, 24576 take 24 of 1024), so this is the
+    most chunks any count up to `routes` takes: at most one per MULTI_MIN_CHUNK routes, and MULTI_MAX_CTAS.
     """
+    if RouteChunking.for_routes(routes).single:
+        return 0
+    return BARRIER_WORDS + min(MULTI_MAX_CTAS, -(-routes // MULTI_MIN_CHUNK)) * num_experts
+
+
+def route_pack_elements_used(routes: int, num_experts: int) -> int:
+    """int32 elements of the workspace that packing exactly `routes` routes uses (at most
+    `route_pack_workspace_elements(routes, ...)`)."""
     chunking = RouteChunking.for_routes(routes)
     return 0 if chunking.single else BARRIER_WORDS + chunking.num_chunks * num_experts
 
@@ -271,7 +282,7 @@ def _check_problem(topk_ids: torch.Tensor, num_experts: int, block_size: int, ex
             )
         if not expert_map.is_contiguous():
             raise BadInputError("expert_map must be contiguous")
-    workspace = route_pack_workspace_elements(routes, num_experts)
+    workspace = route_pack_elements_used(routes, num_experts)
     return _Problem(tokens, top_k, routes, num_experts, block_size, slots, slots // block_size, workspace)
 
 
@@ -301,7 +312,8 @@ def _check_outputs(p: _Problem, packed, block_ids, count, workspace) -> None:
         )
     _check_buffer(count, "packed_route_count", 1, "the packed slot count", exact=True)
     _check_buffer(workspace, "workspace", p.workspace,
-                  f"route_pack_workspace_elements({p.routes}, {p.num_experts})")
+                  f"route_pack_elements_used({p.routes}, {p.num_experts}); allocate route_pack_workspace_elements of "
+                  "the largest route count")
 
 
 def _check_apart(topk_ids: torch.Tensor, expert_map, packed, block_ids, count, workspace) -> None:

@@ -32,7 +32,9 @@ from ...errors import BadInputError, BundleError, LaunchError
 from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
 from ...tensors import INT32_MAX, check_apart, check_rank, check_tensor
 from ...weights import PackedNvfp4
-from ..route_pack import _pack_routes, direct_route_ids, max_packed_route_slots, route_pack_workspace_elements
+from ..route_pack import (
+    _pack_routes, direct_route_ids, max_packed_route_slots, route_pack_elements_used, route_pack_workspace_elements,
+)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class GemmWorkspace:
     block_experts: torch.Tensor  # int32 expert per packed block
     route_count: torch.Tensor  # int32[1]
     route_pack: torch.Tensor  # int32 scratch of the multi-CTA route packing
+    captured: bool = False  # a CUDA graph launched on it (an implicit one is then never freed)
 
     @classmethod
     def allocate(cls, sizes: dict, routes: int, num_experts: int, device,
@@ -83,13 +86,17 @@ class GemmWorkspace:
         return ws
 
     def fits(self, launch: Launch, m: int, top_k: int, num_experts: int) -> bool:
-        sizes = launch.sizes
+        """Whether an m-token launch fits: the launch's split-K buffers (one size over its token range) and
+        the route tables of m tokens themselves (a launch's recorded sizes are its range's largest M's, which
+        a workspace for a smaller max_tokens need not hold)."""
+        sizes, routes = launch.sizes, m * top_k
+        slots = 0 if launch.direct else max_packed_route_slots(routes, launch.route_block, num_experts)
         return (
             self.c_tmp.numel() >= sizes["c_tmp_floats"]
             and self.locks.numel() >= sizes["lock_slots"]
-            and self.route_indices.numel() >= sizes["route_slots"]
-            and self.block_experts.numel() >= sizes["route_blocks"]
-            and self.route_pack.numel() >= route_pack_workspace_elements(m * top_k, num_experts)
+            and self.route_indices.numel() >= slots
+            and self.block_experts.numel() >= (slots // launch.route_block if slots else 0)
+            and self.route_pack.numel() >= route_pack_elements_used(routes, num_experts)
         )
 
 
@@ -252,6 +259,9 @@ def w4a16_moe_gemm(
         raise BadInputError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if not isinstance(weights, PackedNvfp4):
         raise BadInputError(f"weights must be a PackedNvfp4 (runtime/weights.py), got {type(weights).__name__}")
+    if weights.bias is not None:
+        raise BadInputError("w4a16_moe_gemm adds no bias (the standalone GEMMs have no bias variant): use MoeLayer, "
+                            "whose kernels add the weights' biases, or prepare the weights without bias= and add it")
     if m * top_k > INT32_MAX // max(weights.n, 1):
         raise BadInputError(f"M * top_k = {m * top_k} routes of {weights.n} outputs exceed 32-bit indexing")
     device, dtype = bundle.device, weights.dtype.torch
@@ -272,8 +282,9 @@ def w4a16_moe_gemm(
     if m == 0:
         return out
 
+    # the weights' layout is part of the kernel's key: packed, NF3 and stored weights of one shape differ
     cache_key = ("w4a16_moe_gemm", m, top_k, weights.n, weights.k, weights.num_experts, weights.dtype,
-                 a_per_route, mul_topk_weights, epilogue)
+                 weights.layout, weights.scale_format, a_per_route, mul_topk_weights, epilogue)
     launch, kernel = bundle.plans.gemm_calls.get(cache_key, lambda: _resolve_gemm(
         bundle, weights, top_k, m, gemm_variant(a_per_route, mul_topk_weights, epilogue)))
 
@@ -282,13 +293,18 @@ def w4a16_moe_gemm(
         # One workspace per stream, grown on demand: launches on a stream are ordered, so they
         # can share it, and the locks stay zero between launches.
         workspace = bundle.gemm_workspaces.get(stream)
+        capturing = torch.cuda.is_current_stream_capturing()
         if workspace is None or not workspace.fits(launch, m, top_k, weights.num_experts):
-            if torch.cuda.is_current_stream_capturing():
+            if capturing:
                 raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace "
                                     "(GemmWorkspace.for_tokens)")
+            if workspace is not None and workspace.captured:  # a graph replays on it: it must outlive the graph
+                bundle.captured_gemm_workspaces.append(workspace)
             workspace = bundle.gemm_workspaces[stream] = GemmWorkspace.allocate(
                 launch.sizes, m * top_k, weights.num_experts, device, at_least=workspace
             )
+        if capturing:
+            workspace.captured = True
     elif not workspace.fits(launch, m, top_k, weights.num_experts):
         raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
                             "largest M")
