@@ -25,7 +25,7 @@ from .errors import (
     UnknownSpecializationError,
 )
 from .keys import KernelKey
-from .manifest import KernelRecord, kernel_records, read_cubin, read_manifest
+from .manifest import KernelRecord, check_serves, kernel_records, read_cubin, read_manifest
 from .plans import BundlePlans
 from .resolution import ResolutionTable
 from .workspace import WorkspacePool
@@ -451,6 +451,7 @@ def load_bundle(path: str | Path, device: torch.device | str | int | None = None
             f"matches the live GPU {props.name!r} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs); "
             "add its profile to the spec's targets and rebuild"
         )
+    check_serves(manifest, profile)
     records = [r for r in kernel_records(manifest) if r.arch == profile.arch]
     bundle = Bundle(path, manifest, profile, device)
     with torch.cuda.device(device):

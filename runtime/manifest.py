@@ -204,6 +204,33 @@ def read_cubin(bundle_dir: str | Path, record: KernelRecord) -> bytes:
     return data
 
 
+def check_serves(manifest: dict, profile) -> None:
+    """Before loading for `profile` (a DeviceProfile the live GPU matched): the bundle is whole (not one shard
+    of a build), was planned for the device facts this runtime's profile has (grids are sized to its SMs:
+    a grid barrier over more CTAs than can be resident hangs), and every kernel its table names for that
+    arch is in it.  Raises SchemaMismatchError or IntegrityError."""
+    if manifest.get("shard") is not None:
+        shard = manifest["shard"]
+        raise SchemaMismatchError(f"bundle {manifest['bundle']!r} is shard {shard['index']} of {shard['count']} of a "
+                                  "build: join the shards with `cuteaot merge` and load the merged bundle")
+    (target,) = [t for t in manifest["targets"] if t["name"] == profile.name]
+    planned = {f: target.get(f) for f in ("arch", "sm_count", "max_shared_memory_per_block_optin")}
+    live = {f: getattr(profile, f) for f in planned}
+    if planned != live:
+        raise SchemaMismatchError(f"bundle {manifest['bundle']!r} was planned for {profile.name} as {planned}, this "
+                                  f"runtime's {profile.name} profile is {live}: rebuild the bundle with this cuteaot")
+    built = {k["key"] for k in manifest["kernels"] if k["arch"] == profile.arch}
+    for raw in manifest["resolution"]:
+        if raw["profile"] != profile.name:
+            continue
+        for launch in raw["launches"]:
+            missing = [d for d in launch["kernels"].values() if d not in built]
+            if missing:
+                raise IntegrityError(f"bundle {manifest['bundle']!r}: {raw['problem']} needs {profile.arch} kernel "
+                                     f"{missing[0][:12]} for M {launch['m_min']}..{launch['m_max']}, which the bundle "
+                                     "does not contain; rebuild it")
+
+
 def verify_bundle(bundle_dir: str | Path) -> dict:
     """Check schema, every cubin's checksum and the resolution table; no GPU needed.
 

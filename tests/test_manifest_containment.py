@@ -168,3 +168,31 @@ def test_the_schema_and_the_runtime_agree(bundle):
     m["kernels"][0]["file"] = "sm_90a/../../x.cubin"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(m, schema)
+
+
+def test_a_bundle_is_loaded_only_whole_as_planned_for_the_live_profile():
+    """check_serves (load_bundle, before any cubin is loaded): a shard, a bundle planned for other device facts,
+    and a table naming a kernel the bundle lacks are refused."""
+    import copy
+
+    from cuteaot.runtime.devices import PROFILES
+    from cuteaot.runtime.manifest import check_serves
+
+    h200 = PROFILES["h200"]
+    manifest = {"bundle": "b", "shard": None, "targets": [
+        {"name": "h200", "arch": "sm_90a", "sm_count": h200.sm_count,
+         "max_shared_memory_per_block_optin": h200.max_shared_memory_per_block_optin}],
+        "kernels": [{"arch": "sm_90a", "key": "a" * 64}],
+        "resolution": [{"profile": "h200", "problem": "p", "launches": [
+            {"m_min": 1, "m_max": 8, "kernels": {"fused": "a" * 64}}]}]}
+    check_serves(manifest, h200)
+    shard = dict(manifest, shard={"index": 0, "count": 2})
+    with pytest.raises(SchemaMismatchError, match="is shard 0 of 2 of a build: join the shards with `cuteaot merge`"):
+        check_serves(shard, h200)
+    other = copy.deepcopy(manifest)
+    other["targets"][0]["sm_count"] = 114
+    with pytest.raises(SchemaMismatchError, match="was planned for h200 as .*'sm_count': 114.*rebuild"):
+        check_serves(other, h200)
+    lacking = dict(manifest, kernels=[])
+    with pytest.raises(IntegrityError, match=r"p needs sm_90a kernel aaaaaaaaaaaa for M 1\.\.8"):
+        check_serves(lacking, h200)
