@@ -114,13 +114,21 @@ def plan_fingerprint() -> str:
 
 
 def toolchain() -> dict[str, str]:
+    """The packages that compile, and the CuTeDSL settings of this environment (CUTE_DSL_LINEINFO,
+    ..._ENABLE_ASSERTIONS, ..._COMPILER_OPT and others change the cubins; the workers inherit them), so a
+    debug build's cubins never serve a plain build from the cache, nor leave its bundle standing."""
     out = {"python": ".".join(map(str, sys.version_info[:3]))}
     for pkg in TOOLCHAIN_PACKAGES:
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             raise BuildError(f"{pkg} is not installed: `pip install -e '.[codegen]'`") from None
+    out.update({f"env {name}": value for name, value in sorted(os.environ.items())
+                if name.startswith(COMPILER_ENV_PREFIX)})
     return out
+
+
+COMPILER_ENV_PREFIX = "CUTE_DSL_"  # environment variables the compiler reads
 
 
 def _cache_id(job: Job, fingerprint: str, tools: dict) -> str:
@@ -407,10 +415,14 @@ def _bundle_lock(final: Path):
 
 
 def _remove_leftovers(final: Path) -> None:
-    """Staging and old directories of writers that were killed (under the lock no live writer owns one)."""
-    for pattern in (f".{final.name}.staging-*", f".{final.name}.old-*"):
-        for path in final.parent.glob(pattern):
-            shutil.rmtree(path)
+    """Staging and old directories of writers that were killed (under the lock no live writer owns one).  A
+    writer killed between its two renames left no bundle at `final` and the previous one as `.old-*`: that
+    one is put back, not deleted."""
+    olds = sorted(final.parent.glob(f".{final.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds and not final.exists():
+        os.replace(olds.pop(), final)
+    for path in olds + list(final.parent.glob(f".{final.name}.staging-*")):
+        shutil.rmtree(path)
 
 
 def write_bundle(final: Path, manifest: dict, cubins: dict[str, bytes]) -> bool:
@@ -422,10 +434,11 @@ def write_bundle(final: Path, manifest: dict, cubins: dict[str, bytes]) -> bool:
     text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     final.parent.mkdir(parents=True, exist_ok=True)
     with _bundle_lock(final):
-        if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_text() == text:
-            if all((final / rel).is_file() for rel in cubins):
-                return False
         _remove_leftovers(final)
+        if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_text() == text:
+            # the same bundle, byte for byte (a truncated or flipped cubin is rewritten, not kept)
+            if all((final / rel).is_file() and (final / rel).read_bytes() == data for rel, data in cubins.items()):
+                return False
         staging = final.with_name(f".{final.name}.staging-{os.getpid()}")
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
         try:
@@ -598,7 +611,16 @@ def _merge(shard_dirs: list[str | Path], out_root: str | Path) -> Path:
             cubins[rec.file] = read_cubin(path, rec)
             records.append(rec.raw)
     manifest = dict(first, shard=None, kernels=sorted(records, key=lambda r: (r["arch"], r["family"], r["key"])))
+    built = {(r["arch"], r["key"]) for r in records}
+    arch_of = {t["name"]: t["arch"] for t in manifest["targets"]}
+    for raw in manifest["resolution"]:  # every row must find its kernels before the bundle is replaced
+        for launch in raw["launches"]:
+            missing = [d for d in launch["kernels"].values() if (arch_of[raw["profile"]], d) not in built]
+            if missing:
+                raise BuildError(f"the shards hold no {arch_of[raw['profile']]} kernel {missing[0][:12]} that "
+                                 f"{raw['problem']} needs for M {launch['m_min']}..{launch['m_max']}: a shard is "
+                                 "missing or from another build")
     final = Path(out_root) / first["bundle"]
     write_bundle(final, manifest, cubins)
-    verify_bundle(final)  # every resolution row must now find its kernels
+    verify_bundle(final)
     return final

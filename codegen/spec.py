@@ -409,7 +409,7 @@ def load_spec(path: str | Path) -> BundleSpec:
         raise r.fail(targets_node, "targets", f"expected a non-empty list of device profiles from {sorted(PROFILES)}")
     targets = []
     for t in targets_node.value:
-        if t.value not in PROFILES:
+        if not isinstance(t.value, str) or t.value not in PROFILES:
             raise r.fail(t, "targets", f"unknown device profile {t.value!r}; known: {sorted(PROFILES)}")
         if PROFILES[t.value] in targets:
             raise r.fail(t, "targets", f"{t.value!r} is listed twice")

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.keys import KernelKey
 from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS
+from cuteaot.runtime.errors import SpecError
 from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch, Workspace, gemm_variant
 from cuteaot.runtime.types import Activation, DType
 
@@ -31,8 +32,18 @@ class PlannedBundle:
 
     entries: list[Entry] = field(default_factory=list)
     keys: dict[str, set[KernelKey]] = field(default_factory=dict)
+    file: str = "spec"  # the spec's, for errors
+    _problems: dict = field(default_factory=dict)  # (profile, op, facts) -> the problem that planned it
 
     def add(self, entry: Entry, keys: set[KernelKey], arch: str) -> None:
+        """Record an entry; two problems may not plan the same layer (the runtime looks entries up by their
+        facts, so the later one's token range would silently replace the earlier one's)."""
+        where = (entry.profile, entry.op, entry.facts)
+        first = self._problems.setdefault(where, entry.problem)
+        if first != entry.problem:
+            raise SpecError(self.file, None, "moe", f"problems {first!r} and {entry.problem!r} describe the same "
+                            f"{entry.op} layer on {entry.profile} ({entry.facts}); make them one problem with "
+                            "both problems' token buckets")
         self.entries.append(entry)
         self.keys.setdefault(arch, set()).update(keys)
 
@@ -65,7 +76,7 @@ class _Ranges:
 
 def plan_bundle(spec: BundleSpec, progress: Optional[Callable[[str], None]] = None) -> PlannedBundle:
     """Every entry of the spec's resolution table; `progress(line)` hears one line per planned problem."""
-    planned = PlannedBundle()
+    planned = PlannedBundle(file=spec.file)
     total = len(spec.targets) * sum(bool(p.gemm) + bool(p.fused) for p in spec.moe)
     count = itertools.count(1)
     for profile in spec.targets:

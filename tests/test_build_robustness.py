@@ -442,3 +442,40 @@ def test_planners_change_plans_not_kernels():
     # and both fingerprints still see a planner edit where it matters: the plan's
     plan_files = [name for top, name in build_mod.PLAN_SOURCES if top == "codegen"]
     assert set(build_mod.PLANNER_SOURCES) <= set(plan_files)
+
+
+def test_a_rebuild_rewrites_a_damaged_cubin_of_the_same_bundle(fake, tmp_path):
+    """The same manifest and a truncated cubin on disk: the bundle is rewritten, not left as 'unchanged'."""
+    out = tmp_path / "gen"
+    build(TINY_SPEC, out, workers=1, progress=False)
+    manifest = read_manifest(out / "tiny")
+    cubins = {k["file"]: (out / "tiny" / k["file"]).read_bytes() for k in manifest["kernels"]}
+    assert write_bundle(out / "tiny", manifest, cubins) is False  # intact: nothing to do
+    damaged = out / "tiny" / manifest["kernels"][0]["file"]
+    damaged.write_bytes(b"BAD")
+    assert write_bundle(out / "tiny", manifest, cubins) is True
+    assert damaged.read_bytes() == cubins[manifest["kernels"][0]["file"]] and verify_bundle(out / "tiny")
+
+
+def test_a_writer_killed_between_its_renames_leaves_the_previous_bundle_restored(fake, tmp_path):
+    """SIGKILL between `final -> .old-<pid>` and `staging -> final` leaves no bundle and the old one aside: the
+    next writer puts it back (and then writes), it does not delete the only copy."""
+    out = tmp_path / "gen"
+    build(TINY_SPEC, out, workers=1, progress=False)
+    manifest = read_manifest(out / "tiny")
+    cubins = {k["file"]: (out / "tiny" / k["file"]).read_bytes() for k in manifest["kernels"]}
+    os.replace(out / "tiny", out / ".tiny.old-99999")  # as the killed writer left it
+    assert write_bundle(out / "tiny", manifest, cubins) is False  # restored, and it already is this bundle
+    assert verify_bundle(out / "tiny") and not list(out.glob(".tiny.old-*"))
+
+
+def test_cutedsl_settings_of_the_environment_are_part_of_the_toolchain(monkeypatch):
+    """CUTE_DSL_* variables change the cubins (line info, assertions, optimisation level): they key the cache
+    and the bundle's up-to-date check through the toolchain."""
+    from cuteaot.codegen.build import toolchain
+
+    for name in [n for n in os.environ if n.startswith("CUTE_DSL_")]:
+        monkeypatch.delenv(name)
+    plain = toolchain()
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    assert toolchain() == dict(plain, **{"env CUTE_DSL_LINEINFO": "1"})

@@ -164,3 +164,21 @@ def test_bias_enumerates_layer_variants_and_refuses_router_weight_on_input(tmp_p
     assert "moe[0].fused" in str(err) and "bias with router_weight_on_input" in str(err)
     err = _error(tmp_path, GOOD + "    bias: yes please\n")
     assert "moe[0].bias" in str(err) and "expected true or false" in str(err)
+
+
+def test_two_problems_of_one_layer_are_refused_when_planned(tmp_path):
+    """The runtime finds a table entry by the layer's facts: a second problem of the same layer would replace the
+    first one's token range."""
+    from cuteaot.codegen.table import plan_bundle
+    from cuteaot.runtime.errors import SpecError
+
+    twice = GOOD + "    fused: true\n" + GOOD.split("moe:\n")[1].replace("name: m", "name: m2").replace(
+        "tokens: [1, 8]", "tokens: [1, 4]") + "    fused: true\n"
+    spec = load_spec(_write(tmp_path, twice))
+    with pytest.raises(SpecError, match="problems 'm' and 'm2' describe the same moe_layer layer on h200"):
+        plan_bundle(spec)
+
+
+def test_a_target_that_is_not_a_name_is_a_spec_error(tmp_path):
+    err = _error(tmp_path, GOOD.replace("targets: [h200]", "targets: [[h200]]"))
+    assert err.field == "targets" and "unknown device profile" in str(err)
