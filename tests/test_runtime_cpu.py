@@ -374,26 +374,35 @@ def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
         PreparedTopkSum(bundle, fc2, out, ids[:, :3].contiguous(), 16)
 
 
+def _stub_gemm_calls(monkeypatch, stream: int):
+    """tiny-gemm's stub bundle, with w4a16_moe_gemm's launches recorded (StubLaunch.calls) on raw stream `stream`
+    and its route packing replaced by fixed tables."""
+    import cuteaot.runtime.kernels.w4a16.gemm as gemm_mod
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmRoutes
+    from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
+
+    monkeypatch.setattr(gemm_mod, "persistent_launch", StubLaunch)
+    monkeypatch.setattr(gemm_mod, "current_stream_handle", lambda index: stream)
+    words = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(gemm_mod, "_routes", lambda bundle, launch, ids, e, ws: GemmRoutes(
+        ids.data_ptr(), tuple(ids.shape), e, launch.route_block, words, words, words[:1]))
+    return stub_bundle(ROOT / "specs" / "tiny-gemm.yaml")
+
+
 def test_the_standalone_gemm_tells_weight_layouts_apart_and_refuses_biases(monkeypatch):
     """A GEMM plan cached for packed NVFP4 weights is not reused for NF3 or stored weights of the same shape
     (their bytes are laid out otherwise: the packed kernel would read past them); biased weights are refused
     (the standalone GEMMs add none).  tiny-gemm-silu's FC1: N = 2I = 512, K = H = 512, 8 experts, top-2."""
-    import cuteaot.runtime.kernels.w4a16.gemm as gemm_mod
     from cuteaot.runtime import BadInputError, UnknownSpecializationError, w4a16_moe_gemm
-    from cuteaot.runtime.kernels.w4a16.gemm import GemmRoutes, GemmWorkspace
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmWorkspace
     from cuteaot.runtime.modelopt import prepare_w13_modelopt
     from cuteaot.runtime.nf3 import prepare_w13_nf3
     from cuteaot.runtime.weights import prepare_w13
     from tests.reference.nf3 import random_nf3
     from tests.reference.nvfp4 import random_nvfp4
-    from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
+    from tests.stub_bundle import StubLaunch
 
-    monkeypatch.setattr(gemm_mod, "persistent_launch", StubLaunch)
-    monkeypatch.setattr(gemm_mod, "current_stream_handle", lambda index: 0)
-    words = torch.zeros(64, dtype=torch.int32)
-    monkeypatch.setattr(gemm_mod, "_routes", lambda bundle, launch, ids, e, ws: GemmRoutes(
-        ids.data_ptr(), tuple(ids.shape), e, launch.route_block, words, words, words[:1]))
-    bundle = stub_bundle(ROOT / "specs" / "tiny-gemm.yaml")
+    bundle = _stub_gemm_calls(monkeypatch, stream=0)
     g = torch.Generator().manual_seed(3)
     tensors = random_nvfp4(8, 512, 512, g)
     packed = prepare_w13(*tensors, "bf16")
@@ -413,19 +422,11 @@ def test_the_standalone_gemm_tells_weight_layouts_apart_and_refuses_biases(monke
 def test_an_implicit_gemm_workspace_a_graph_captured_outlives_its_replacement(monkeypatch):
     """w4a16_moe_gemm without workspace= grows the stream's own workspace for a larger M; one a CUDA graph
     launched on is kept (the graph replays on its addresses), not freed."""
-    import cuteaot.runtime.kernels.w4a16.gemm as gemm_mod
     from cuteaot.runtime import w4a16_moe_gemm
-    from cuteaot.runtime.kernels.w4a16.gemm import GemmRoutes
     from cuteaot.runtime.weights import prepare_w13
     from tests.reference.nvfp4 import random_nvfp4
-    from tests.stub_bundle import ROOT, StubLaunch, stub_bundle
 
-    monkeypatch.setattr(gemm_mod, "persistent_launch", StubLaunch)
-    monkeypatch.setattr(gemm_mod, "current_stream_handle", lambda index: 5)
-    words = torch.zeros(64, dtype=torch.int32)
-    monkeypatch.setattr(gemm_mod, "_routes", lambda bundle, launch, ids, e, ws: GemmRoutes(
-        ids.data_ptr(), tuple(ids.shape), e, launch.route_block, words, words, words[:1]))
-    bundle = stub_bundle(ROOT / "specs" / "tiny-gemm.yaml")
+    bundle = _stub_gemm_calls(monkeypatch, stream=5)
     w13 = prepare_w13(*random_nvfp4(8, 512, 512, torch.Generator().manual_seed(4)), "bf16")
 
     def call(m: int, capturing: bool):
