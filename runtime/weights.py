@@ -207,9 +207,14 @@ class PackedNvfp4:
                 given = (b.dtype, tuple(b.shape)) if isinstance(b, torch.Tensor) else type(b)
                 raise BadInputError(f"{cls}.bias must be a {self.dtype.torch} tensor of shape {(e, self.n)} "
                                     f"(E, logical N) or None, got {given}")
-            if not b.is_contiguous():
-                raise BadInputError(f"{cls}.bias must be contiguous, got strides {b.stride()}")
             devices.add(b.device)
+        # the kernels read every tensor densely from its start (16-byte chunks; global scales as floats): an
+        # expanded (stride 0) or strided view would be read past its memory, or as other experts' values
+        for name, align in (("qweight", 16), ("scales", 16), ("global_scale", 4), ("bias", 16)):
+            t = getattr(self, name)
+            if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
+                raise BadInputError(f"{cls}.{name} must be contiguous and start {align}-byte aligned (the kernels "
+                                    f"read it densely), got strides {t.stride()}, address {t.data_ptr():#x}")
         if len(devices) != 1:
             raise BadInputError(f"{cls} tensors must share one device, got {sorted(map(str, devices))}")
 

@@ -372,6 +372,9 @@ def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
     assert len(issued) == 2 and issued[0] == issued[1]
     with pytest.raises(BadInputError, match=r"topk_ids must have shape \(37, 4\)"):
         PreparedTopkSum(bundle, fc2, out, ids[:, :3].contiguous(), 16)
+    with pytest.raises(BadInputError, match=r"num_experts must be an int in \[1, .*got True"):
+        moe_topk_sum(bundle, fc2, out, topk_ids=ids, num_experts=True)  # a bool is not a count
+    assert len(issued) == 2
 
 
 def _stub_gemm_calls(monkeypatch, stream: int):
@@ -458,3 +461,33 @@ def test_a_gemm_workspace_for_some_tokens_fits_every_smaller_call():
         ws = GemmWorkspace.for_tokens(bundle, max_tokens, 2, w13)
         assert all(ws.fits(entry.launch(m), m, 2, 8) for m in range(1, max_tokens + 1)), max_tokens
 
+
+
+def test_prepared_weights_and_a_callers_gemm_workspace_must_be_dense_on_the_bundles_device(monkeypatch):
+    """The kernels read the weights and the workspace densely from raw addresses: an expanded (stride 0) global
+    scale or an every-other-expert view of the packed weights (read as if dense: other experts' values, or past
+    the memory) is refused when the weights are made; a workspace of another dtype, device or layout when the
+    GEMM is called."""
+    import dataclasses
+
+    from cuteaot.runtime import BadInputError, w4a16_moe_gemm
+    from cuteaot.runtime.kernels.w4a16.gemm import GemmWorkspace
+    from cuteaot.runtime.weights import PackedNvfp4, prepare_w13
+    from tests.reference.nvfp4 import random_nvfp4
+
+    w = prepare_w13(*random_nvfp4(8, 512, 512, torch.Generator().manual_seed(5)), "bf16")
+    with pytest.raises(BadInputError, match="global_scale must be contiguous and start 4-byte aligned"):
+        dataclasses.replace(w, global_scale=torch.ones(1).expand(8))
+    with pytest.raises(BadInputError, match="qweight must be contiguous"):
+        PackedNvfp4(w.qweight[0::2], w.scales[0::2].contiguous(), w.global_scale[0::2].contiguous(), 4, w.n, w.k,
+                    w.dtype)
+    bundle = _stub_gemm_calls(monkeypatch, stream=0)
+    a, ids = torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32)
+    good = GemmWorkspace.for_tokens(bundle, 1, 2, w)
+    w4a16_moe_gemm(bundle, a, w, ids, workspace=good)
+    for bad, message in ((dataclasses.replace(good, c_tmp=good.c_tmp.to(torch.bfloat16)), "workspace.c_tmp must be"),
+                         (dataclasses.replace(good, locks=good.locks.repeat(2)[::2]), "workspace.locks must be")):
+        with pytest.raises(BadInputError, match=message):
+            w4a16_moe_gemm(bundle, a, w, ids, workspace=bad)
+    with pytest.raises(BadInputError, match="workspace must be a GemmWorkspace"):
+        w4a16_moe_gemm(bundle, a, w, ids, workspace=object())

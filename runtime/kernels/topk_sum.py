@@ -127,7 +127,7 @@ class _TopKSumPlan(RowwisePlan):
             and topk_ids.shape == shape[:2]
             and topk_ids.get_device() == self.device_index
             and topk_ids.is_contiguous()
-            and isinstance(num_experts, int)
+            and type(num_experts) is int  # not a bool (True would mask every route but expert 0's)
             and 0 < num_experts <= INT32_MAX
         ):
             self._explain_ids(fc2, topk_ids, num_experts)

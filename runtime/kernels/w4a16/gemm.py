@@ -85,6 +85,20 @@ class GemmWorkspace:
             raise BadInputError("GemmWorkspace.for_tokens needs at least one PackedNvfp4")
         return ws
 
+    def check(self, device: torch.device) -> None:
+        """BadInputError unless every buffer is a contiguous tensor of its dtype on `device` (a workspace a caller
+        built or allocated for another bundle; what `allocate` makes always is).  The locks' zeros cannot be
+        checked without a sync: a workspace's locks must come zeroed (`allocate` does)."""
+        for name, dtype in (("c_tmp", torch.float32), ("locks", torch.int32), ("route_indices", torch.int32),
+                            ("block_experts", torch.int32), ("route_count", torch.int32), ("route_pack", torch.int32)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+                given = (t.dtype, str(t.device), t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t)
+                raise BadInputError(f"workspace.{name} must be a contiguous {dtype} tensor on {device} (the bundle's "
+                                    f"device), got {given}; use GemmWorkspace.for_tokens of this bundle")
+        if self.route_count.numel() < 1:
+            raise BadInputError("workspace.route_count must hold one int32")
+
     def fits(self, launch: Launch, m: int, top_k: int, num_experts: int) -> bool:
         """Whether an m-token launch fits: the launch's split-K buffers (one size over its token range) and
         the route tables of m tokens themselves (a launch's recorded sizes are its range's largest M's, which
@@ -133,9 +147,14 @@ def pack_gemm_routes(bundle: Bundle, topk_ids: torch.Tensor, weights: PackedNvfp
     launch = gemm_entry(bundle, weights, top_k).launch(m)
     if workspace is None:
         workspace = GemmWorkspace.allocate(launch.sizes, m * top_k, weights.num_experts, bundle.device)
-    elif not workspace.fits(launch, m, top_k, weights.num_experts):
-        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
-                            "largest M")
+    else:
+        if not isinstance(workspace, GemmWorkspace):
+            raise BadInputError(f"workspace must be a GemmWorkspace (GemmWorkspace.for_tokens), got "
+                                f"{type(workspace).__name__}")
+        workspace.check(device)
+        if not workspace.fits(launch, m, top_k, weights.num_experts):
+            raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
+                                "largest M")
     return _routes(bundle, launch, topk_ids, weights.num_experts, workspace)
 
 
@@ -305,9 +324,14 @@ def w4a16_moe_gemm(
             )
         if capturing:
             workspace.captured = True
-    elif not workspace.fits(launch, m, top_k, weights.num_experts):
-        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
-                            "largest M")
+    else:
+        if not isinstance(workspace, GemmWorkspace):
+            raise BadInputError(f"workspace must be a GemmWorkspace (GemmWorkspace.for_tokens), got "
+                                f"{type(workspace).__name__}")
+        workspace.check(device)
+        if not workspace.fits(launch, m, top_k, weights.num_experts):
+            raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
+                                "largest M")
 
     if routes is None:
         routes = _routes(bundle, launch, topk_ids, weights.num_experts, workspace)
