@@ -491,3 +491,8 @@ def test_prepared_weights_and_a_callers_gemm_workspace_must_be_dense_on_the_bund
             w4a16_moe_gemm(bundle, a, w, ids, workspace=bad)
     with pytest.raises(BadInputError, match="workspace must be a GemmWorkspace"):
         w4a16_moe_gemm(bundle, a, w, ids, workspace=object())
+    # pack_gemm_routes takes the same workspace, checked alike
+    from cuteaot.runtime.kernels.w4a16.gemm import pack_gemm_routes
+    assert pack_gemm_routes(bundle, ids, w, workspace=good).shape == (1, 2)
+    with pytest.raises(BadInputError, match="workspace.c_tmp must be"):
+        pack_gemm_routes(bundle, ids, w, workspace=dataclasses.replace(good, c_tmp=good.c_tmp.to(torch.bfloat16)))

@@ -148,13 +148,7 @@ def pack_gemm_routes(bundle: Bundle, topk_ids: torch.Tensor, weights: PackedNvfp
     if workspace is None:
         workspace = GemmWorkspace.allocate(launch.sizes, m * top_k, weights.num_experts, bundle.device)
     else:
-        if not isinstance(workspace, GemmWorkspace):
-            raise BadInputError(f"workspace must be a GemmWorkspace (GemmWorkspace.for_tokens), got "
-                                f"{type(workspace).__name__}")
-        workspace.check(device)
-        if not workspace.fits(launch, m, top_k, weights.num_experts):
-            raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
-                                "largest M")
+        _check_callers_workspace(workspace, bundle.device, launch, m, top_k, weights.num_experts)
     return _routes(bundle, launch, topk_ids, weights.num_experts, workspace)
 
 
@@ -179,6 +173,17 @@ def _routes(bundle: Bundle, launch: Launch, topk_ids: torch.Tensor, num_experts:
         )
     return GemmRoutes(topk_ids.data_ptr(), tuple(topk_ids.shape), num_experts, launch.route_block, indices,
                       block_experts, count)
+
+
+def _check_callers_workspace(workspace, device: torch.device, launch: Launch, m: int, top_k: int,
+                             num_experts: int) -> None:
+    """A `workspace=` a caller passed: a GemmWorkspace of dense tensors on the bundle's device, large enough."""
+    if not isinstance(workspace, GemmWorkspace):
+        raise BadInputError(f"workspace must be a GemmWorkspace (GemmWorkspace.for_tokens), got {type(workspace).__name__}")
+    workspace.check(device)
+    if not workspace.fits(launch, m, top_k, num_experts):
+        raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
+                            "largest M")
 
 
 def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, launch: Launch) -> None:
@@ -325,13 +330,7 @@ def w4a16_moe_gemm(
         if capturing:
             workspace.captured = True
     else:
-        if not isinstance(workspace, GemmWorkspace):
-            raise BadInputError(f"workspace must be a GemmWorkspace (GemmWorkspace.for_tokens), got "
-                                f"{type(workspace).__name__}")
-        workspace.check(device)
-        if not workspace.fits(launch, m, top_k, weights.num_experts):
-            raise BadInputError(f"workspace is too small for M={m}; allocate it with GemmWorkspace.for_tokens for the "
-                                "largest M")
+        _check_callers_workspace(workspace, device, launch, m, top_k, weights.num_experts)
 
     if routes is None:
         routes = _routes(bundle, launch, topk_ids, weights.num_experts, workspace)
