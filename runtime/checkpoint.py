@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import re
 import sys
@@ -403,8 +404,7 @@ def detect_layout(files: CheckpointFiles, prefix: str) -> CheckpointLayout:
         CheckpointLayout.W31: f"{prefix}.experts.w31_weight",
         CheckpointLayout.GPT_OSS: f"{prefix}.experts.gate_up_proj_blocks",
     }
-    found = [layout for layout, key in markers.items() if files.has(key) or (layout is CheckpointLayout.PER_EXPERT
-                                                                               and naming is not None)]
+    found = [layout for layout, key in markers.items() if files.has(key)]  # (a per-expert marker names a found key)
     if len(found) == 1:
         return found[0]
     if found:
@@ -571,9 +571,7 @@ def _check_expert_keys(files: CheckpointFiles, prefix: str, num_experts: int, na
     expert 0 has no gate projection while others do (it would load as ungated)."""
     lead = naming.projections[0]
     if files.has(naming.key(prefix, num_experts, lead, "weight")):
-        pattern = re.compile(re.escape(f"{prefix}.experts.") + r"(\d+)" + re.escape(
-            naming.key("", 0, lead, "weight").removeprefix(".experts.0")) + "$")
-        held = max(int(m.group(1)) for k in files.keys_under(f"{prefix}.experts") if (m := pattern.match(k))) + 1
+        held = next(e for e in itertools.count(num_experts) if not files.has(naming.key(prefix, e, lead, "weight")))
         raise CheckpointError(f"layer {prefix!r} holds {held} experts ({naming.key(prefix, held - 1, lead, 'weight')}"
                               f" exists), but num_experts={num_experts}: the experts past it would be dropped")
     if naming.gate is None:
