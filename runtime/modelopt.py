@@ -116,7 +116,8 @@ def prepare_w13_modelopt(
         raise BadInputError("a relu2 W13 is one projection: order applies to gated (gate | up) weights only")
     if gated and n % 2:
         raise BadInputError(f"w13_weight has {n} rows; [gate | up] needs an even count (2 * I)")
-    global_2 = _check_global_2(weight_scale_2, e, weight.device, "w13_weight_scale_2", pair=gated)
+    global_2 = _check_global_2(weight_scale_2, e, weight.device, "w13_weight_scale_2", pair=gated,
+                               pair_hint="(E, 2) gate/up pairs are for gated=True: a relu2 W13 has one per expert")
     if gated and global_2.dim() == 1:
         global_2 = torch.stack((global_2, global_2), dim=1)
     bias = _check_bias(bias, "w13_bias", e, n, elem, weight.device, row_order)  # [gate | up], copied (small)

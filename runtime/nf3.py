@@ -30,7 +30,7 @@ from .errors import BadInputError
 from .types import DType, WeightFormat
 from .weights import (
     SCALE_DECODE_EXPONENT, SLAB_N, VECTOR_ELEMENTS, PackedNvfp4, W13Order, _check_bias, _check_global_2,
-    LANE_GROUPS, LANE_THREADS, _check_scale_values, _check_tensor, _decode_scale_bytes, _encode_scale_bytes,
+    LANE_GROUPS, LANE_THREADS, _check_scale_values, _check_tensor, _decode_scale_values, _encode_scale_bytes,
     _expert_slices, _gate_up_rows, _order_scale_bytes, _padded, _unorder_scale_bytes, _w13_order, stored_dims,
 )
 
@@ -238,7 +238,8 @@ def _pack(codes, scales, scale_2, num_experts, n, k, prefix, bias,
 def pack_nf3(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor) -> PackedNf3:
     """Pack one NF3 weight [E, N, K] for the GEMM (bf16 activations)."""
     e, n, k = _check_nf3(codes, scales, "")
-    scale_2 = _check_global_2(scale_2, e, codes.device, "scale_2", pair=False)
+    scale_2 = _check_global_2(scale_2, e, codes.device, "scale_2", pair=False,
+                              pair_hint="NF3 takes one global scale per expert")
     return _pack(codes, scales, scale_2, e, n, k, "", None)
 
 
@@ -248,7 +249,8 @@ def unpack_nf3(packed: PackedNf3) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         raise BadInputError(f"packed must be a PackedNf3, got {type(packed).__name__}")
     n, k = packed.n, packed.k
     codes = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored)[:, :n, :k].contiguous()
-    scales = _decode_scale_bytes(_unorder_scale_bytes(packed.scales))[:, :n, : k // NF3_BLOCK_K].contiguous()
+    scales = _decode_scale_values(_unorder_scale_bytes(packed.scales))[:, :n, : k // NF3_BLOCK_K].to(
+        torch.float8_e4m3fn).contiguous()
     return codes, scales, packed.global_scale / NF3_GLOBAL_SCALE_COMPENSATION
 
 
@@ -261,7 +263,8 @@ def prepare_w13_nf3(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Te
     if rows % 2:
         raise BadInputError(f"w13_codes has {rows} rows; [gate | up] needs an even count (2 * I)")
     scales = _gate_up_rows(scales, row_order)  # the codes are reordered slice by slice
-    scale_2 = _check_global_2(scale_2, e, codes.device, "w13_scale_2", pair=False)
+    scale_2 = _check_global_2(scale_2, e, codes.device, "w13_scale_2", pair=False,
+                              pair_hint="NF3 takes one global scale per expert")
     bias = _check_bias(bias, "w13_bias", e, rows, DType.BF16, codes.device, row_order)
     return _pack(codes, scales, scale_2, e, rows, k, "w13_", bias, row_order)
 
@@ -270,7 +273,8 @@ def prepare_w2_nf3(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Ten
                    bias: torch.Tensor | None = None) -> PackedNf3:
     """NF3 down projection: N = H output columns, K = I."""
     e, n, k = _check_nf3(codes, scales, "w2_")
-    scale_2 = _check_global_2(scale_2, e, codes.device, "w2_scale_2", pair=False)
+    scale_2 = _check_global_2(scale_2, e, codes.device, "w2_scale_2", pair=False,
+                              pair_hint="NF3 takes one global scale per expert")
     bias = _check_bias(bias, "w2_bias", e, n, DType.BF16, codes.device)
     return _pack(codes, scales, scale_2, e, n, k, "w2_", bias)
 
@@ -284,9 +288,10 @@ E4M3_MIN_SUBNORMAL = 2.0**-9
 def quantize_nf3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize float weights (E, N, K) to NF3: (codes u8, scales e4m3 (E, N, K/32), scale_2 (E,) f32).
 
-    Per expert, scale_2 = amax / 448 so that the largest block scale is e4m3's largest; each block
-    scale is its block's amax / scale_2 rounded to e4m3 (at least the smallest e4m3 value: NF3 has
-    no zero); each code is the nearest bf16 code point to w / (scale * scale_2).  Offline: users have
+    Per expert, scale_2 = amax / 448 so that the largest block scale is e4m3's largest (0 for an
+    all-zero expert); each block scale is its block's amax / scale_2 rounded to e4m3 (at least the
+    smallest e4m3 value: NF3 has no zero); each code is the nearest bf16 code point to
+    w / (scale * scale_2), exact zeros alternating between the two nearest along k.  Offline: users have
     no NF3 checkpoints otherwise.  Runs on the tensor's device.
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not weight.dtype.is_floating_point:
@@ -304,9 +309,16 @@ def quantize_nf3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def _quantize_expert(w: torch.Tensor, bounds: torch.Tensor):
     amax = w.abs().amax()
-    scale_2 = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # an all-zero expert gets scale_2 = 0: NF3 has no zero code, so only a zero global scale decodes to 0
+    scale_2 = amax / E4M3_MAX
+    divisor = torch.where(amax > 0, scale_2, torch.ones_like(amax))
     blocks = w.view(w.shape[0], -1, NF3_BLOCK_K)
-    scales = (blocks.abs().amax(-1) / scale_2).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-    unit = blocks / (scales.float() * scale_2).unsqueeze(-1)
+    scales = (blocks.abs().amax(-1) / divisor).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    unit = blocks / (scales.float() * divisor).unsqueeze(-1)
     codes = torch.bucketize(unit, bounds).to(torch.uint8)  # the nearest code point
+    # an exact 0 sits on the bound between the two smallest code points (+-0.1275): alternate them along
+    # k, so that zeros (pruned weights) add no bias to a dot product (bucketize would always take -0.1275)
+    lower = len(bounds) // 2
+    alternate = (torch.arange(w.shape[1], device=w.device) % 2).to(torch.uint8).view(1, -1, NF3_BLOCK_K)
+    codes = torch.where(unit == 0, lower + alternate, codes)
     return codes.view(w.shape), scales, scale_2

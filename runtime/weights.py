@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
@@ -258,8 +259,14 @@ def unpack_nvfp4(packed: PackedNvfp4) -> tuple[torch.Tensor, torch.Tensor, torch
         raise BadInputError(f"packed must be a PackedNvfp4 of NVFP4 weights, got {type(packed).__name__}"
                             f"{hint.get(getattr(packed, 'layout', None), '')}")
     n, k = packed.n, packed.k
+    scales = _decode_scale_values(_unorder_scale_bytes(packed.scales))[:, :n, : k // SCALE_GROUP_K]
+    weight_scale = scales.to(torch.float8_e4m3fn)
+    if not torch.equal(weight_scale.float(), scales):
+        raise BadInputError(
+            "packed holds block scales that e4m3 cannot express (weights packed from MXFP4 span more octaves "
+            "than e4m3's); unpack_nvfp4 returns ModelOpt NVFP4 tensors, which cannot hold them")
     weight = _unpack_codes(packed.qweight, packed.n_stored, packed.k_stored, packed.dtype)[:, :n, : k // 2].contiguous()
-    weight_scale = _decode_scale_bytes(_unorder_scale_bytes(packed.scales))[:, :n, : k // SCALE_GROUP_K].contiguous()
+    weight_scale = weight_scale.contiguous()
     weight_scale_2 = packed.global_scale / GLOBAL_SCALE_COMPENSATION[packed.dtype]
     return weight, weight_scale, weight_scale_2
 
@@ -413,6 +420,12 @@ def _pack_mxfp4(blocks, scales, dtype: DType, num_experts: int, n: int, k: int, 
     scale_bytes = torch.where(live, field << _S0E5M3_MANTISSA_BITS, 0).to(torch.uint8)
     scale_bytes = scale_bytes.repeat_interleave(MXFP4_BLOCK_K // SCALE_GROUP_K, dim=-1)  # (E, N, K/16)
     weight = blocks.reshape(num_experts, n, k // 2)
+    limit = torch.finfo(torch.float32).max / GLOBAL_SCALE_COMPENSATION[dtype]
+    largest = hi + math.floor(math.log2(limit))  # the largest block exponent whose global scale fits
+    if bool((any_live & (top > largest)).any()):
+        e = int((any_live & (top > largest)).nonzero()[0])
+        raise BadInputError(f"{prefix}scales of expert {e} reach 2**{int(top[e])}; {dtype.value} layers take e8m0 "
+                            f"block scales up to 2**{largest} (the decode's compensation must fit float32)")
     global_scale = _global_scale(torch.exp2(global_exp.double()).float(), dtype, prefix)
     return _pack_encoded(weight, scale_bytes, global_scale, dtype, num_experts, n, k, bias, row_order)
 
@@ -490,13 +503,14 @@ def _check_scale_values(weight_scale: torch.Tensor, name: str) -> None:
 
 
 def _check_global_2(
-    weight_scale_2: object, num_experts: int, device: torch.device, name: str, *, pair: bool
+    weight_scale_2: object, num_experts: int, device: torch.device, name: str, *, pair: bool,
+    pair_hint: str = "(E, 2) gate/up pairs belong to prepare_w13",
 ) -> torch.Tensor:
     """Check weight_scale_2; returns it as (E,) or, when `pair` allows and it is (E, 2), as (E, 2)."""
     shapes = [(num_experts,), (num_experts, 1)] + ([(num_experts, 2)] if pair else [])
     _check_tensor(weight_scale_2, name, torch.float32, "per-expert global scale")
     if tuple(weight_scale_2.shape) not in shapes:
-        hint = "" if pair else " ((E, 2) gate/up pairs belong to prepare_w13)"
+        hint = "" if pair else f" ({pair_hint})"
         raise BadInputError(
             f"{name} must have shape {' or '.join(str(s) for s in shapes)}{hint}, got {tuple(weight_scale_2.shape)}"
         )
@@ -576,8 +590,21 @@ def _merge_w13_global_scales(
             # s * own / larger is computed in float64 (s * own is exact there), then rounded once to e4m3
             s = raw[e, rows].view(torch.float8_e4m3fn).double()
             scaled = s * own[e].double().view(-1, 1, 1) / larger[e].double().view(-1, 1, 1)
-            merged[e, rows] = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+            merged[e, rows] = _e4m3_rounded_once(scaled).view(torch.uint8)
     return larger.contiguous(), merged.view(torch.float8_e4m3fn)
+
+
+def _e4m3_rounded_once(x: torch.Tensor) -> torch.Tensor:
+    """Finite float64 values >= 0 -> e4m3fn, rounded once to nearest (ties to even).
+
+    torch converts float64 to float8 through float32, rounding twice: a value just above an e4m3
+    midpoint may land on it in float32 and then tie to the lower neighbour.  Rounding to float32 by
+    round-to-odd (truncate, then set the last bit where inexact) keeps every such value off the
+    midpoints, so the second rounding is the only one that counts."""
+    f = x.float()
+    f = torch.where(f.double() > x, torch.nextafter(f, torch.zeros_like(f)), f)  # toward zero
+    odd = (f.double() != x).to(torch.int32)
+    return (f.view(torch.int32) | odd).view(torch.float32).to(torch.float8_e4m3fn)
 
 
 # ---- packing -------------------------------------------------------------------------------------
@@ -778,7 +805,7 @@ def _encode_scale_bytes(weight_scale: torch.Tensor) -> torch.Tensor:
     """(E, N, K/16) e4m3 (finite, >= 0: checked) -> (E, N, K/16) S0E5M3 bytes of s * 2**7, from the bytes:
     one add, and a lookup for the rare zero and subnormal ones."""
     offset, small = _scale_byte_encoding()
-    raw = weight_scale.view(torch.uint8)
+    raw = weight_scale.view(torch.uint8) & 0x7F  # -0 (0x80, the one signed byte the checks let in) is 0
     codes = raw + offset
     below = raw < E4M3_SMALLEST_NORMAL_BYTE
     if bool(below.any()):
@@ -786,10 +813,10 @@ def _encode_scale_bytes(weight_scale: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-def _decode_scale_bytes(codes: torch.Tensor) -> torch.Tensor:
-    """S0E5M3 bytes -> e4m3 block scales (the byte is fp16 bits 14..7 of s * 2**7)."""
+def _decode_scale_values(codes: torch.Tensor) -> torch.Tensor:
+    """S0E5M3 bytes -> float32 block scales (the byte is fp16 bits 14..7 of s * 2**7)."""
     as_fp16 = (codes.to(torch.int16) << FP16_TO_S0E5M3_SHIFT).view(torch.float16)
-    return (as_fp16.float() * 2.0**-SCALE_STORE_EXPONENT).to(torch.float8_e4m3fn)
+    return as_fp16.float() * 2.0**-SCALE_STORE_EXPONENT
 
 
 def _order_scale_bytes(codes: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,21 @@ def test_quantize_nf3_error_and_contract():
     prepare_w2_nf3(codes, scales, scale_2)  # what quantize_nf3 returns packs as it is
 
 
+
+def test_quantize_nf3_keeps_zeros_zero_on_average():
+    """NF3 has no zero code: an all-zero expert takes scale_2 = 0 (exact zeros), and zeros inside a live
+    block alternate between +-0.1275 along k (no bias in a dot product)."""
+    w = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(4))
+    w[0] = 0.0
+    w[1, :, 32:64] = torch.where(torch.arange(32) < 4, 1.0, 0.0)  # 28 zeros beside values in one block
+    codes, scales, scale_2 = quantize_nf3(w)
+    assert float(scale_2[0]) == 0.0 and float(scale_2[1]) > 0
+    back = dequantize_nf3(codes, scales, scale_2)
+    assert not bool(back[0].any())
+    zeros = back[1, :, 36:64]
+    assert bool((zeros != 0).all()) and float(zeros.sum()) == 0.0  # as many up as down
+    prepare_w2_nf3(codes, scales, scale_2)  # a zero global scale packs
+
 def test_refusals():
     g = torch.Generator().manual_seed(1)
     codes, scales, scale_2 = random_nf3(1, 64, 64, g)

@@ -144,6 +144,39 @@ def test_small_scales_are_kept_exactly(dtype):
     assert decoded[0, 0, 16:32].abs().max() > 0  # the 2**-9 block is not flushed
 
 
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_negative_zero_block_scale_packs_as_zero(dtype):
+    """e4m3 -0 (byte 0x80) is a valid zero scale: its block must decode to zeros, not to S0E5M3 inf."""
+    weight, scale, scale_2 = quantize_nvfp4(_realistic_weights(2, 64, 64, seed=5))
+    scale.view(torch.uint8)[1, 3, 1] = 0x80
+    decoded = _decode(pack_nvfp4(weight, scale, scale_2, dtype), dtype)
+    assert not bool(decoded[1, 3, 16:32].any())
+    assert torch.equal(decoded, dequantize_modelopt(weight, scale, scale_2))
+
+
+def test_rescaled_block_scales_round_once_to_nearest():
+    """s * own / larger goes to e4m3 in one rounding (torch's float64 -> float8 rounds twice, through
+    float32: a value just above a midpoint may tie down); checked against every e4m3 midpoint."""
+    from cuteaot.runtime.weights import _e4m3_rounded_once
+
+    values = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 .. 448
+    mid = (values[1:] + values[:-1]) / 2
+    x = torch.cat([mid, mid * (1 + 2.0**-40), mid * (1 - 2.0**-40), values, torch.rand(5000, generator=_gen(3),
+                                                                                         dtype=torch.float64) * 448])
+    distance = (x.view(-1, 1) - values.view(1, -1)).abs()
+    nearest = distance == distance.min(dim=1, keepdim=True).values
+    byte = torch.arange(0x7F)
+    rank = torch.where(nearest, (byte % 2) * 1000 + byte, 10**6)  # ties to the even byte
+    assert torch.equal(_e4m3_rounded_once(x).double(), values[rank.argmin(dim=1)])
+    # through prepare_w13: gate scale 2 with global scales (own, larger) whose ratio makes 1.0625000443
+    own, larger = 0.0031407866, 0.0059120688
+    scale = torch.full((1, 128, 4), 2.0).to(torch.float8_e4m3fn)
+    pair = torch.tensor([[own, larger]], dtype=torch.float32)
+    assert 1.0625 < 2.0 * float(pair[0, 0].double() / pair[0, 1].double()) < 1.0625 + 1e-7
+    folded = unpack_nvfp4(prepare_w13(torch.full((1, 128, 32), 0x22, dtype=torch.uint8), scale, pair, "bf16"))[1]
+    assert float(folded[0, 0, 0].float()) == 1.125 and float(folded[0, 64, 0].float()) == 2.0
+
 # ---- fused gate/up and down projections ----------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from cuteaot.runtime.weights import (
     prepare_w2_mxfp4,
     prepare_w13,
     prepare_w13_mxfp4,
+    unpack_nvfp4,
 )
 
 from tests.reference.mxfp4 import dequantize_mxfp4, random_mxfp4
@@ -134,3 +135,23 @@ def test_bias_is_converted_checked_and_moved_with_the_weights():
     with pytest.raises(BadInputError, match="PackedNvfp4.bias"):
         PackedNvfp4(packed.qweight, packed.scales, packed.global_scale, 2, 64, 64, packed.dtype,
                     bias=torch.zeros(2, 64, dtype=torch.bfloat16))  # fp16 weights, bf16 bias
+
+
+def test_scales_whose_global_scale_overflows_name_the_e8m0_limit():
+    blocks = torch.full((1, 64, 2, 16), 0x22, dtype=torch.uint8)
+    for dtype, top in (("bf16", 32), ("fp16", 127)):  # the largest e8m0 exponent each dtype packs
+        prepare_w2_mxfp4(blocks, torch.full((1, 64, 2), 127 + top, dtype=torch.uint8), dtype)
+    with pytest.raises(BadInputError, match=r"w2_scales of expert 0 reach 2\*\*33; bf16 layers take e8m0 block "
+                                            r"scales up to 2\*\*32"):
+        prepare_w2_mxfp4(blocks, torch.full((1, 64, 2), 127 + 33, dtype=torch.uint8), "bf16")
+
+
+def test_unpacking_mxfp4_weights_e4m3_cannot_hold_is_refused():
+    blocks = torch.full((1, 64, 2, 16), 0x22, dtype=torch.uint8)
+    scales = torch.full((1, 64, 2), 127, dtype=torch.uint8)
+    scales[0, 0, 0] = 127 - 3  # 2**-3 relative: an e4m3 value, so ModelOpt tensors hold it
+    weight, weight_scale, _ = unpack_nvfp4(prepare_w2_mxfp4(blocks, scales, "bf16"))
+    assert weight.shape == (1, 64, 32) and weight_scale.shape == (1, 64, 4)
+    scales[0, 0, 0] = 127 - 20  # below e4m3's smallest subnormal relative to the largest scale
+    with pytest.raises(BadInputError, match="e4m3 cannot express"):
+        unpack_nvfp4(prepare_w2_mxfp4(blocks, scales, "bf16"))
