@@ -25,7 +25,8 @@ MODELOPT_QUANT_FILE = "hf_quant_config.json"  # {"producer": {"name": "modelopt"
 # quantity -> config keys, most specific first: an expert's intermediate size is `moe_intermediate_size`
 # where a config also has the dense MLP's `intermediate_size`
 _KEYS = {
-    "hidden_size": ("hidden_size",),
+    # a latent MoE (Nemotron-H's moe_latent_size) runs its routed experts on the latent width
+    "hidden_size": ("moe_latent_size", "hidden_size"),
     "intermediate_size": ("moe_intermediate_size", "intermediate_size"),
     "num_experts": ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"),
     "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_top_k"),
@@ -196,6 +197,9 @@ class _Reader:
     def notes(self) -> tuple[str, ...]:
         """What the spec's reader should know: shared experts left out, a checkpoint that is not NVFP4."""
         notes = []
+        if self.sources.get("hidden_size", "").startswith("moe_latent_size"):
+            notes.append(f"Latent MoE: the routed experts run on {self.sources['hidden_size']}; the projections "
+                         "to and from it (fc1_latent_proj, fc2_latent_proj) are outside this layer.")
         shared = [k for k in _SHARED_EXPERT_KEYS if self.config.get(k)]
         if shared:
             notes.append(f"Shared experts ({', '.join(shared)}) are a dense MLP outside this layer.")

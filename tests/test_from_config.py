@@ -271,3 +271,11 @@ def test_config_values_of_the_wrong_kind_are_bad_input():
     with pytest.raises(BadInputError, match="dtype 'float32' is not one of"):
         moe_config(qwen, "q", dtype="float32")
 
+
+
+def test_a_latent_moe_serves_its_experts_at_the_latent_width():
+    config = {**CONFIGS["nemotron-3-nano"], "moe_latent_size": 1024}
+    found = moe_config(config, "m")
+    assert found.hidden_size == 1024 and found.sources["hidden_size"] == "moe_latent_size = 1024"
+    assert any("Latent MoE" in note for note in found.notes)
+    assert moe_config({**config, "moe_latent_size": None}, "m").hidden_size == CONFIGS["nemotron-3-nano"]["hidden_size"]
