@@ -194,12 +194,14 @@ class MoeLayer:
         weight index, -1 for experts held by other ranks; their routes contribute 0.
     router_weight_on_input: scale FC1's rows by the router weight (= weighting the
         input, FC1 being linear) instead of FC2's.
-    max_tokens: tokens one launch serves (workspace capacity); larger calls run in chunks.
+    max_tokens: tokens one launch serves (workspace capacity; above the bundle's largest launch, that
+        one's); larger calls run in chunks.
     deterministic: bit-identical results run to run, eager or replayed, on any stream: M <= 2
         takes the packed path instead of summing the top-k rows with bf16 atomics.
     validate_ids: also check topk_ids on the host (one device sync per call; skipped under
-        capture and torch.compile).  Without it, routes whose id is outside [0, E) (e.g. -1
-        for masked routes) are dropped by the kernels and contribute 0.
+        capture): ids outside [-1, E) are refused, -1 stays a masked route.  Without it, routes
+        whose id is outside [0, E) (e.g. -1 for masked routes) are dropped by the kernels and
+        contribute 0.
     accumulate: add the layer's output into `out` (which every call must then pass) instead of
         overwriting it: the top-k sum starts from out's rows (one float32 add, one rounding).
         For layers with an expert_map, which take the packed path at every M (the later parts of
@@ -256,10 +258,15 @@ class MoeLayer:
         )
         # the build's decisions for this layer: options the bundle cannot serve fail here, naming the nearest
         self.entry: Entry = bundle.resolution.find(MOE_LAYER, self.facts)
-        self.max_tokens = self.entry.max_tokens if max_tokens is None else max_tokens
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise BadInputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise BadInputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        # calls above the bundle's largest launch run in chunks of it whatever max_tokens says: a
+        # serving engine's step size (e.g. 8192) needs no more memory than that
+        self.max_tokens = self.entry.max_tokens if max_tokens is None else min(max_tokens, self.entry.max_tokens)
         self.validate_ids = validate_ids
+        self.calibration_tokens = 0  # tokens a calibration launch serves (0: the bundle has no calibration kernels)
+        self._amax_rows: int | None = None  # experts the calibration kernels index activation_amax by
         self._resolved: dict[tuple[int, bool], Resolved] = {}
         self._prepared: dict[tuple[int, int], tuple[MoeWorkspace, PreparedLaunch]] = {}
         self._steps: dict[tuple, _PackedSteps] = {}
@@ -346,6 +353,8 @@ class MoeLayer:
         check_rank(expert_map, "expert_map", 1, "(global experts,) int32")
         check_tensor(expert_map, "expert_map", dtype=torch.int32, shape=tuple(expert_map.shape),
                      device=self.device, align=4)
+        if expert_map.numel() == 0:
+            raise BadInputError("expert_map is empty: it maps each global expert id to a local one (or -1)")
         lo, hi = (int(v) for v in torch.aminmax(expert_map))
         if lo < -1 or hi >= self.num_experts:
             raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
@@ -361,9 +370,12 @@ class MoeLayer:
         """Buffer sizes for max_tokens tokens: the table's, of calibration calls too where the bundle has them."""
         sizes = dict(self.entry.workspace(self.max_tokens).sizes)
         try:
-            calibration = self._entry(True).workspace(self.max_tokens).sizes
+            entry = self._entry(True)
         except UnknownSpecializationError:
             calibration = {}
+        else:  # calibration calls run in chunks of at most its table's largest launch
+            self.calibration_tokens = min(self.max_tokens, entry.max_tokens)
+            calibration = entry.workspace(self.calibration_tokens).sizes
         for name, value in calibration.items():
             sizes[name] = max(sizes.get(name, 0), value)
         return WorkspaceShape(self.hidden_size, self.intermediate_size, self.fc1_width, self.top_k,
@@ -437,11 +449,12 @@ class MoeLayer:
         else:
             ws = pool.get(self.shape, stream)
             self._last_workspace = (stream, pool.generation, ws)
-        if m <= self.max_tokens:  # one launch sequence: no slicing (a view costs as much as a launch)
+        chunk = self.max_tokens if activation_amax is None else self.calibration_tokens
+        if m <= chunk:  # one launch sequence: no slicing (a view costs as much as a launch)
             self._launch(m, hidden_states, topk_weights, topk_ids, out, activation_amax, layer_idx, ws, stream)
             return out
-        for start in range(0, m, self.max_tokens):
-            stop = min(m, start + self.max_tokens)
+        for start in range(0, m, chunk):
+            stop = min(m, start + chunk)
             self._launch(stop - start, hidden_states[start:stop], topk_weights[start:stop], topk_ids[start:stop],
                          out[start:stop], activation_amax, layer_idx, ws, stream)
         return out
@@ -648,17 +661,29 @@ class MoeLayer:
                                     f"got {layer_idx!r}")
             check_apart(amax, "activation_amax", hidden_states=x, topk_weights=topk_weights, topk_ids=topk_ids,
                         out=out)
+            self._check_calibration()
         elif layer_idx is not None:
             raise BadInputError("layer_idx is only used with activation_amax (calibration)")
         if self.validate_ids and m and not capturing(self.device):
             lo, hi = (int(v) for v in torch.aminmax(topk_ids))
-            low = -1 if self.expert_map is not None else 0
-            if lo < low or hi >= self.route_experts:
-                raise BadInputError(
-                    f"topk_ids must be in [{low}, {self.route_experts}) "
-                    f"({'-1 = dropped route, ' if low < 0 else ''}{self.route_experts} experts), got [{lo}, {hi}]"
-                )
+            if lo < -1 or hi >= self.route_experts:
+                raise BadInputError(f"topk_ids must be in [-1, {self.route_experts}) (-1 = masked route, "
+                                    f"{self.route_experts} experts), got [{lo}, {hi}]")
         return m
+
+    def _check_calibration(self) -> None:
+        """Calibration kernels exist for this layer, and index activation_amax by its expert count."""
+        if self._amax_rows is None:
+            if not self.calibration_tokens:
+                self._entry(True)  # raises UnknownSpecializationError, naming what the bundle has
+            rows = {persistent_launch(self.bundle, digest).spec.amax_experts
+                    for launch in self._entry(True).launches for role, digest in launch.kernels.items()
+                    if role == "fused"}
+            self._amax_rows = rows.pop() if len(rows) == 1 else -1
+        if self._amax_rows != self.num_experts:
+            raise BadInputError(
+                f"this bundle's calibration kernels index activation_amax by {self._amax_rows} experts (the "
+                f"expert map's length), the layer holds {self.num_experts}: calibrate without expert parallelism")
 
 
 class BoundMoeCall:

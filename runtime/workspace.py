@@ -64,8 +64,14 @@ class WorkspaceShape:
 
 
 def capturing(device: torch.device) -> bool:
-    """True while torch's current stream on `device` captures a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """True while torch's current stream on `device` captures a CUDA graph (`device`'s, not the current
+    device's: a process may drive several GPUs)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 class WorkspacePool(Generic[W]):

@@ -346,8 +346,8 @@ def test_layer_takes_its_capacity_from_the_bundle(layer):
         (lambda x, w, i: (x, w, i.float()), "topk_ids must be int32 or int64"),
         (lambda x, w, i: (x, w[:, :2], i[:, :2]), "layer was built for top_k=4"),
         (lambda x, w, i: (x, w[:3], i), r"topk_ids must have shape \(4, 4\)|topk_weights must have shape"),
-        (lambda x, w, i: (x, w, i.masked_fill(i == 3, 16)), r"topk_ids must be in \[0, 16\)"),
-        (lambda x, w, i: (x, w, i.masked_fill(i == 3, -1)), r"topk_ids must be in \[0, 16\)"),
+        (lambda x, w, i: (x, w, i.masked_fill(i == 3, 16)), r"topk_ids must be in \[-1, 16\)"),
+        (lambda x, w, i: (x, w, i.masked_fill(i == 3, -2)), r"topk_ids must be in \[-1, 16\)"),
         (lambda x, w, i: (x.to("meta"), w, i), "must be on cpu"),
     ],
 )
@@ -355,6 +355,39 @@ def test_layer_rejects_bad_inputs_before_launch(layer, change, message):
     x, w, ids = change(*_inputs())
     with pytest.raises(BadInputError, match=message):
         layer(x, w, ids)
+
+
+def test_masked_routes_pass_the_host_check(layer, monkeypatch):
+    """-1 is how serving engines mask a route (padded tokens): validate_ids keeps it, with or without a map."""
+    x, w, ids = _inputs()
+    assert layer._check(x, w, ids.masked_fill(ids == 3, -1), None, None, None) == 4  # the checks of a call
+
+
+def test_a_max_tokens_above_the_bundles_largest_launch_serves_in_chunks_of_it(layer):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe_module, "persistent_launch", StubLaunch)
+        big = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, max_tokens=8192)
+        small = MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, max_tokens=100)
+    assert big.max_tokens == layer.max_tokens == 4096 and big.shape == layer.shape and small.max_tokens == 100
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(BadInputError, match="max_tokens must be a positive int"):
+            MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, max_tokens=bad)
+
+
+def test_calibration_on_an_expert_parallel_layer_is_refused(layer, monkeypatch):
+    """The calibration kernels index activation_amax by the global expert count (the map's length): with
+    fewer local experts they would write past the table, so the call is refused before any launch."""
+    monkeypatch.setattr(moe_module, "persistent_launch", StubLaunch)
+    em = torch.full((16,), -1, dtype=torch.int32)
+    em[:8] = torch.arange(8, dtype=torch.int32)
+    half = lambda p: dataclasses.replace(p, qweight=p.qweight[:8], scales=p.scales[:8],  # noqa: E731
+                                         global_scale=p.global_scale[:8], num_experts=8)
+    ep = MoeLayer(layer.bundle, half(layer.w13), half(layer.w2), top_k=4, expert_map=em)
+    x, w, ids = _inputs()
+    with pytest.raises(BadInputError, match="index activation_amax by 16 experts .* the layer holds 8"):
+        ep(x, w, ids, activation_amax=torch.zeros(2, 8, 2), layer_idx=1)
+    with pytest.raises(BadInputError, match="expert_map is empty"):
+        MoeLayer(layer.bundle, layer.w13, layer.w2, top_k=4, expert_map=torch.zeros(0, dtype=torch.int32))
 
 
 def test_layer_rejects_bad_out_and_calibration_arguments(layer):
