@@ -20,7 +20,7 @@ from cuda.bindings import driver
 
 from benchmarks.common import device_us, hbm_copy_bandwidth, host_us_per_call
 from cuteaot.runtime import load_bundle, moe_activation, moe_topk_sum
-from cuteaot.runtime.bundle import _programmatic_config
+from cuteaot.runtime.bundle import _launch_config
 from cuteaot.runtime.kernels import ActivationSpec
 
 
@@ -50,7 +50,7 @@ def main() -> None:
         slots[0].value, slots[1].value, slots[2].value = x.data_ptr(), out.data_ptr(), K
         driver.cuLaunchKernel(fn, grid[0], 1, 1, *block, 0, stream, addr, 0)
 
-    config = _programmatic_config(kernel)  # what the runtime launches a kernel that waits for its predecessors with
+    config = _launch_config(kernel, programmatic=True, cooperative=False)  # what the runtime launches a kernel that waits for its predecessors with
     config.gridDimX, config.hStream = grid[0], stream
 
     def bare_programmatic():

@@ -3,7 +3,7 @@
 Zero JIT: nothing in this package imports CuTeDSL, Triton, NVRTC or nvcc.
 """
 
-from .bundle import Bundle, load_bundle, set_programmatic_launch
+from .bundle import Bundle, load_bundle, set_cooperative_launch, set_programmatic_launch
 from .checkpoint import (
     CheckpointError, CheckpointFiles, CheckpointLayout, load_model_moe, load_moe_layer, load_moe_layers,
 )
@@ -45,6 +45,7 @@ from .weights import (
 __all__ = [
     "Bundle",
     "load_bundle",
+    "set_cooperative_launch",
     "set_programmatic_launch",
     "verify_bundle",
     "moe_activation",

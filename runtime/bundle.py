@@ -53,6 +53,13 @@ class _LaunchSettings:
     # CTAs launch while the kernel before it on the stream drains instead of after; on by default,
     # CUTEAOT_PDL=0 turns it off (benchmarks/pdl_ab.py compares the two).
     programmatic = os.environ.get("CUTEAOT_PDL", "1") != "0"
+    # Cooperative launch: a kernel whose CTAs wait on each other (grid barriers, split-K turns;
+    # LoadedKernel.cooperative) is launched as a cooperative grid, which the GPU makes co-resident as
+    # a whole.  A plain launch only fits on an idle GPU: beside another stream's kernels (two layers
+    # overlapped, a communication kernel) part of the grid may start and spin while the rest waits
+    # for SMs held by another such grid, and both hang.  On by default; CUTEAOT_COOPERATIVE=0 turns it
+    # off (benchmarks/concurrent_barriers.py measures both).
+    cooperative = os.environ.get("CUTEAOT_COOPERATIVE", "1") != "0"
 
 
 def set_programmatic_launch(enabled: bool) -> bool:
@@ -63,40 +70,63 @@ def set_programmatic_launch(enabled: bool) -> bool:
     return previous
 
 
-def _programmatic_config(kernel: "LoadedKernel") -> driver.CUlaunchConfig:
-    """A launch configuration with kernel's block, shared memory and the programmatic attribute."""
-    attribute = driver.CUlaunchAttribute()
-    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
+def set_cooperative_launch(enabled: bool) -> bool:
+    """Launch kernels whose CTAs wait on each other as cooperative grids (True, the default unless
+    CUTEAOT_COOPERATIVE=0) or plainly; returns the previous setting.  A CUDA graph keeps what was set
+    while it was captured."""
+    previous, _LaunchSettings.cooperative = _LaunchSettings.cooperative, bool(enabled)
+    return previous
+
+
+def _launch_config(kernel: "LoadedKernel", programmatic: bool, cooperative: bool) -> driver.CUlaunchConfig:
+    """A launch configuration with kernel's block, shared memory and the chosen attributes."""
+    attrs = []
+    if programmatic:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attribute)
+    if cooperative:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attribute.value.cooperative = 1
+        attrs.append(attribute)
     config = driver.CUlaunchConfig()
     config.blockDimX, config.blockDimY, config.blockDimZ = kernel.block
     config.gridDimY = config.gridDimZ = 1
     config.sharedMemBytes = kernel.smem
-    config.attrs = [attribute]
-    config.numAttrs = 1
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
     return config
 
 
 def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) -> None:
     """One launch of `kernel` with the packed parameter array at `params`."""
-    if kernel.programmatic and _LaunchSettings.programmatic:
+    mode = (kernel.programmatic and _LaunchSettings.programmatic, kernel.cooperative and _LaunchSettings.cooperative)
+    if mode != (False, False):
         tls = kernel._tls
         try:
-            config = tls.config
-        except AttributeError:  # (this thread's first programmatic launch of the kernel)
-            config = tls.config = _programmatic_config(kernel)
-            tls.target = None
-        if tls.target != (grid_x, stream):  # the driver struct's setters cost more than this test
+            launch = tls.configs[mode]
+        except AttributeError:  # (this thread's first launch of the kernel with attributes)
+            tls.configs = {}
+            launch = None
+        except KeyError:
+            launch = None
+        if launch is None:
+            launch = tls.configs[mode] = [_launch_config(kernel, *mode), None]
+        config = launch[0]
+        if launch[1] != (grid_x, stream):  # the driver struct's setters cost more than this test
             config.gridDimX = grid_x
             config.hStream = stream
-            tls.target = (grid_x, stream)
+            launch[1] = (grid_x, stream)
         (err,) = driver.cuLaunchKernelEx(config, kernel.function, params, 0)
     else:
         bx, by, bz = kernel.block
         (err,) = driver.cuLaunchKernel(kernel.function, grid_x, 1, 1, bx, by, bz, kernel.smem, stream, params, 0)
     if err:  # CUresult is an int; CUDA_SUCCESS == 0
         try:
-            check_cu((err,), f"launching {kernel.record.symbol} (grid=({grid_x}, 1, 1))")
+            check_cu((err,), f"launching {kernel.record.symbol} (grid=({grid_x}, 1, 1)"
+                             f"{', cooperative' if mode[1] else ''})")
         except LaunchError as exc:
             hint = _context_hint(kernel)
             if not hint:
@@ -131,6 +161,8 @@ class LoadedKernel:
         self.block = record.block
         self.smem = record.dynamic_smem_bytes
         self.programmatic = record.waits_for_prior_grids
+        # its CTAs wait on each other: set by the family that knows (PersistentLaunch, route packing)
+        self.cooperative = False
         self._tls = threading.local()
 
     def bind(self, signature: Signature) -> None:

@@ -274,7 +274,9 @@ class MoeLayer:
         for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
             if launch.m_min <= self.max_tokens:
                 for role, digest in launch.kernels.items():
-                    self._check_stored_sizes(role, persistent_launch(bundle, digest))
+                    kernel = persistent_launch(bundle, digest)
+                    kernel.check_grid(launch.grid(role))
+                    self._check_stored_sizes(role, kernel)
         self.shape = self._workspace_shape()
         pool = bundle.workspaces
         pool.acquire(self.shape, self._allocate_workspace)
@@ -394,6 +396,7 @@ class MoeLayer:
             kernels = {role: persistent_launch(self.bundle, digest) for role, digest in launch.kernels.items()}
             if collect_amax:  # the calibration table's kernels: not loaded (nor checked) when the layer was built
                 for role, kernel in kernels.items():
+                    kernel.check_grid(launch.grid(role))
                     self._check_stored_sizes(role, kernel)
             r = Resolved(launch, kernels)
             if r.packs_routes:

@@ -231,9 +231,21 @@ class Entry:
         return entry
 
     def check(self) -> None:
-        """The launches tile 1..max_tokens without gaps or overlaps."""
+        """The launches tile 1..max_tokens without gaps or overlaps; their grids, blocks and sizes are
+        counts (a table edited by hand, or written by another tool, fails here rather than at a launch)."""
         expected = 1
         for launch in self.launches:
+            counts = [("grid_x", launch.grid_x, 1), ("route_block", launch.route_block, 0)]
+            counts += [(f"grids[{role!r}]", v, 1) for role, v in launch.grids.items()]
+            counts += [(f"sizes[{name!r}]", v, 0) for name, v in launch.sizes.items()]
+            for name, value, least in counts:
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise SchemaMismatchError(
+                        f"resolution entry {self.problem}/{self.profile}: launch [{launch.m_min}, {launch.m_max}] has "
+                        f"{name} = {value!r}, not an int >= {least}")
+            if not launch.kernels or not all(isinstance(d, str) for d in launch.kernels.values()):
+                raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: launch [{launch.m_min}, "
+                                          f"{launch.m_max}] names no kernel digests: {launch.kernels!r}")
             if launch.m_min != expected or launch.m_max < launch.m_min:
                 raise SchemaMismatchError(
                     f"resolution entry {self.problem}/{self.profile}: launch ranges must tile 1..max from 1 "
@@ -242,6 +254,11 @@ class Entry:
             expected = launch.m_max + 1
         if not self.launches or not self.workspaces:
             raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile} has no launches or workspaces")
+        for ws in self.workspaces:
+            for name, value in (("max_tokens", ws.max_tokens), *ws.sizes.items()):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a workspace has "
+                                              f"{name} = {value!r}, not an int >= 0")
 
 
 # ------------------------------------------------------------------------------------- the table

@@ -77,6 +77,9 @@ class StubLaunch(_IssuesPacked):
         self.digest, self.kernel = digest, self
         self.spec = None if bundle is None else bundle.specs[digest]  # as the bundle's record would give it
 
+    def check_grid(self, grid_x):  # PersistentLaunch's, against no GPU: a count at least
+        assert isinstance(grid_x, int) and grid_x >= 1, grid_x
+
     def launch(self, grid_x, stream, /, **values):
         (GemmSpec if "qweight" in values else FusedSpec).SIGNATURE.order(values)
         type(self).calls.append(("fused", grid_x, values))

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import json
 import subprocess
 import sys
@@ -111,6 +114,8 @@ _SERVE_WITHOUT_PLANNERS = textwrap.dedent('''
             self.spec = FAMILIES[family].from_facts(facts)
         def launch(self, grid_x, stream, *values, **named):
             calls.append((self.digest, grid_x))
+        def check_grid(self, grid_x):
+            assert grid_x >= 1
         def prepare(self, variables, **constants):
             return self
 
@@ -202,3 +207,23 @@ def test_biased_layers_resolve_their_own_kernels_and_pass_the_biases(monkeypatch
         q = random_nvfp4(16, 512, 512, g), random_nvfp4(16, 512, 256, g)
         moe.MoeLayer(bundle, prepare_w13(*q[0], "bf16", bias=torch.zeros(16, 512)), prepare_w2(*q[1], "bf16"),
                      top_k=4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda launch: launch.update(grid_x=0), r"grid_x = 0, not an int >= 1"),
+    (lambda launch: launch.update(grid_x=-3), r"grid_x = -3, not an int >= 1"),
+    (lambda launch: launch.update(route_block=2.5), r"route_block = 2.5, not an int >= 0"),
+    (lambda launch: launch["sizes"].update(c_tmp=-1), r"sizes\['c_tmp'\] = -1, not an int >= 0"),
+    (lambda launch: launch.update(kernels={}), "names no kernel digests"),
+    (lambda launch: launch.update(kernels={"fused": 7}), "names no kernel digests"),
+])
+def test_a_table_with_launch_fields_that_are_not_counts_is_refused(edit, message):
+    raw = copy.deepcopy(_silu_entry())
+    edit(raw["launches"][1])
+    with pytest.raises(SchemaMismatchError, match=message):
+        Entry.from_json(raw)
+
+
+@functools.lru_cache(maxsize=1)
+def _silu_entry() -> dict:
+    return next(e for e in _table() if e["problem"] == "tiny-fused-silu" and not e["facts"].get("expert_map"))

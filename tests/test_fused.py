@@ -15,7 +15,7 @@ from cuteaot.codegen.kernels.w4a16.fused_planning import DECODE_MAX_M, fused_spe
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
-from cuteaot.runtime.errors import BadInputError, SpecError
+from cuteaot.runtime.errors import BadInputError, BundleError, SpecError
 from cuteaot.runtime.kernels.w4a16.fused_spec import PACK_MAX_ROUTES, FusedSpec, RoutePackLayout
 from cuteaot.runtime.kernels.route_pack import max_packed_route_slots
 from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS, TileConfig
@@ -567,14 +567,34 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
 
     plan = plan_fused(64, *QWEN3_30B, True, H200)
     spec = spec_of(plan, 2048, 768, 128, 8, "silu")
-    kernel = types.SimpleNamespace(function=object(), block=(spec.threads, 1, 1), bind=lambda sig: None,
-                                   record=types.SimpleNamespace(registers=168, dynamic_smem_bytes=spec.shared_bytes,
-                                                                key=spec.key()))
+    def loaded(key, block=(spec.threads, 1, 1), smem=spec.shared_bytes):
+        record = types.SimpleNamespace(registers=168, dynamic_smem_bytes=smem, key=key, block=block)
+        return types.SimpleNamespace(function=object(), block=block, bind=lambda sig: None, record=record,
+                                     cooperative=False)
+
+    kernel = loaded(spec.key())
     bundle = types.SimpleNamespace(kernel_by_digest=lambda digest: kernel, profile=H200)
     monkeypatch.setattr(gemm.driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
                         lambda fn, threads, smem: (driver.CUresult.CUDA_SUCCESS, 1))
     with pytest.raises(LaunchError, match="only 1 CTAs per SM fit on h200.*needs 4.*deadlock"):
         gemm.PersistentLaunch(bundle, spec.key().digest)
+    # the record must be the kernel this runtime would launch: same key version, block and shared memory
+    older = dataclasses.replace(spec.key(), version=spec.key().version + 1)
+    for kernel in (loaded(older), loaded(spec.key(), block=(32, 1, 1)), loaded(spec.key(), smem=0)):
+        with pytest.raises(BundleError, match="built by another version of cuteaot"):
+            gemm.PersistentLaunch(bundle, spec.key().digest)
+    kernel = loaded(dataclasses.replace(spec.key(), family="w4a16_next"))
+    with pytest.raises(BundleError, match="family 'w4a16_next' is unknown to this runtime"):
+        gemm.PersistentLaunch(bundle, spec.key().digest)
+    monkeypatch.setattr(gemm.driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                        lambda fn, threads, smem: (driver.CUresult.CUDA_SUCCESS, 4))
+    kernel = loaded(spec.key())
+    launch = gemm.PersistentLaunch(bundle, spec.key().digest)
+    assert kernel.cooperative is True and launch.capacity == 4 * H200.sm_count
+    launch.check_grid(4 * H200.sm_count)
+    for grid in (0, 4 * H200.sm_count + 1):
+        with pytest.raises(BundleError, match=f"with {grid} CTAs; {4 * H200.sm_count} fit"):
+            launch.check_grid(grid)
 
 
 def test_measured_ctas_per_sm_of_16_and_32_row_blocks_apply_where_measured():

@@ -350,6 +350,60 @@ def test_kernels_that_wait_for_prior_grids_launch_programmatically(monkeypatch):
         set_programmatic_launch(previous)
 
 
+
+def test_kernels_whose_ctas_wait_on_each_other_launch_as_cooperative_grids(monkeypatch):
+    """A kernel marked cooperative (grid barriers, split-K turns) is launched with the cooperative
+    attribute, beside the programmatic one where its PTX also waits for prior grids; plainly once
+    switched off.  Table kernels and the multi-CTA route packing are marked, nothing else."""
+    import types
+
+    from cuteaot.runtime import bundle as bundle_mod
+    from cuteaot.runtime.abi import Signature, i32, ptr
+    from cuteaot.runtime.bundle import LoadedKernel, set_cooperative_launch, set_programmatic_launch
+
+    ids = bundle_mod.driver.CUlaunchAttributeID
+    signature = Signature((ptr("src", "elem", "(rows, w)"), i32("rows", "rows")))
+    issued = []
+    monkeypatch.setattr(bundle_mod.driver, "cuLaunchKernel",
+                        lambda fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra:
+                        issued.append((fn, "plain", gx)) or (0,))
+
+    def launch_ex(config, fn, args, extra):
+        names = []
+        for attribute in config.attrs[: config.numAttrs]:
+            if attribute.id == ids.CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
+                assert attribute.value.cooperative == 1
+                names.append("coop")
+            else:
+                assert attribute.id == ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                names.append("pdl")
+        issued.append((fn, "+".join(names), config.gridDimX))
+        return (0,)
+
+    monkeypatch.setattr(bundle_mod.driver, "cuLaunchKernelEx", launch_ex)
+    kernels = []
+    for waits, cooperative in ((True, True), (False, True), (False, False)):
+        record = types.SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=signature.to_json(),
+                                       symbol="k", key=None, waits_for_prior_grids=waits)
+        kernel = LoadedKernel(record, function=f"fn{int(waits)}{int(cooperative)}", context=None)
+        assert kernel.cooperative is False  # only the family that knows its CTAs wait marks it
+        kernel.cooperative = cooperative
+        kernel.bind(signature)
+        kernel._tls.buf = bundle_mod.ArgBuffer(signature)
+        kernels.append(kernel)
+    previous = set_programmatic_launch(True), set_cooperative_launch(True)
+    try:
+        for kernel in kernels:
+            kernel.launch(7, 99, src=0x1000, rows=5)
+        assert issued == [("fn11", "pdl+coop", 7), ("fn01", "coop", 7), ("fn00", "plain", 7)]
+        assert set_cooperative_launch(False) is True
+        kernels[0].launch(9, 99, src=0x1000, rows=5)
+        kernels[1].launch(9, 99, src=0x1000, rows=5)
+        assert issued[3:] == [("fn11", "pdl", 9), ("fn01", "plain", 9)]
+    finally:
+        set_programmatic_launch(previous[0])
+        set_cooperative_launch(previous[1])
+
 def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
     """MoeLayer's per-step top-k sum passes moe_topk_sum's grid and values (fc2, out, tokens, ids, E)."""
     from types import SimpleNamespace

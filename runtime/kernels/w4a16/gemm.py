@@ -214,8 +214,21 @@ class PersistentLaunch:
 
         self.kernel: LoadedKernel = bundle.kernel_by_digest(digest)
         key = self.kernel.record.key
-        self.spec = FAMILIES[key.family].from_facts(key.facts)
+        family = FAMILIES.get(key.family)
+        if family is None:
+            raise BundleError(f"kernel {key.describe()}: family {key.family!r} is unknown to this runtime (a newer "
+                              "cuteaot built the bundle?); rebuild it")
+        self.spec = family.from_facts(key.facts)
+        record = self.kernel.record
+        if self.spec.key() != key or tuple(record.block) != (self.spec.threads, 1, 1) \
+                or record.dynamic_smem_bytes != self.spec.dynamic_smem_bytes:
+            raise BundleError(
+                f"kernel {key.describe()} was built as {self.spec.key().describe()} with block {tuple(record.block)} "
+                f"and {record.dynamic_smem_bytes} B of shared memory; this runtime launches it as version "
+                f"{self.spec.key().version}, block ({self.spec.threads}, 1, 1), {self.spec.dynamic_smem_bytes} B: "
+                "the bundle was built by another version of cuteaot; rebuild it")
         self.kernel.bind(self.spec.SIGNATURE)
+        self.kernel.cooperative = True  # launched as a cooperative grid: co-resident whatever else runs
         resident = check_cu(
             driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 self.kernel.function, self.kernel.block[0], self.kernel.record.dynamic_smem_bytes
@@ -229,6 +242,13 @@ class PersistentLaunch:
                 f"the plan needs {self.spec.blocks_per_sm}; a persistent grid that is not co-resident can deadlock "
                 "in its split-K waits or grid barriers. Rebuild the bundle for this device profile."
             )
+        self.capacity = resident * bundle.profile.sm_count  # CTAs resident at once on the (matched) GPU
+
+    def check_grid(self, grid_x: int) -> None:
+        """A grid of this kernel fits the GPU at once (its CTAs wait on each other)."""
+        if not 1 <= grid_x <= self.capacity:
+            raise BundleError(f"the resolution table launches {self.spec.key().describe()} with {grid_x} CTAs; "
+                              f"{self.capacity} fit this GPU at once: the bundle's table is corrupt; rebuild it")
 
 
 def persistent_launch(bundle: Bundle, digest: str) -> PersistentLaunch:
@@ -252,6 +272,7 @@ def _resolve_gemm(bundle: Bundle, weights: PackedNvfp4, top_k: int, m: int, vari
     """The table's launch for this M and the checked kernel of this operand variant."""
     launch = gemm_entry(bundle, weights, top_k).launch(m)
     kernel = persistent_launch(bundle, launch.kernel(variant))
+    kernel.check_grid(launch.grid_x)
     check_stored_sizes(kernel, kernel.spec, weights, "the weights")
     return launch, kernel
 
