@@ -269,8 +269,10 @@ def cmd_verify(args) -> int:
     from cuteaot.runtime.manifest import verify_bundle
 
     m = verify_bundle(args.bundle)
-    print(f"{args.bundle}: OK — schema {m['schema_version']}, {len(m['kernels'])} cubins match their sha256, "
-          f"{len(m['resolution'])} resolution entries resolve")
+    shard = m.get("shard")
+    table = (f"{len(m['resolution'])} resolution entries resolve" if shard is None else
+             f"shard {shard['index']} of {shard['count']}: its resolution table is checked by `cuteaot merge`")
+    print(f"{args.bundle}: OK — schema {m['schema_version']}, {len(m['kernels'])} cubins match their sha256, {table}")
     return 0
 
 

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .devices import PROFILES
 from .errors import BundleNotFoundError, IntegrityError, SchemaMismatchError
 from .keys import KernelKey
 from .resolution import Entry
@@ -112,9 +113,13 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     if not path.is_file():
         raise BundleNotFoundError(_no_manifest(Path(bundle_dir)))
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SchemaMismatchError(f"{path} is not UTF-8 text ({exc}): the file is damaged; rebuild the bundle") from exc
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise SchemaMismatchError(f"{path} is not valid JSON: {exc}") from exc
+    except OSError as exc:
+        raise SchemaMismatchError(f"{path} cannot be read: {exc}") from exc
     if not isinstance(manifest, dict):
         raise SchemaMismatchError(f"{path}: expected a JSON object at the top level")
     version = manifest.get("schema_version")
@@ -126,11 +131,44 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     _require(manifest, _TOP_FIELDS, str(path))
     for i, kernel in enumerate(manifest["kernels"]):
         where = f"{path}: kernels[{i}]"
-        _require(kernel, _KERNEL_FIELDS, where)
+        _require(_object(kernel, where), _KERNEL_FIELDS, where)
+        _check_kernel_values(kernel, where)
         if KernelKey(kernel["family"], kernel["version"], kernel["facts"]).digest != kernel["key"]:
             raise SchemaMismatchError(f"{where}: key does not match its family/version/facts")
         _check_file_name(kernel["arch"], kernel["key"], kernel["file"], kernel["sha256"], where)
+    for i, target in enumerate(manifest["targets"]):
+        _require(_object(target, f"{path}: targets[{i}]"), _TARGET_FIELDS, f"{path}: targets[{i}]")
+    for i, raw in enumerate(manifest["resolution"]):
+        _require(_object(raw, f"{path}: resolution[{i}]"), _ENTRY_FIELDS, f"{path}: resolution[{i}]")
+    shard = manifest.get("shard")
+    if shard is not None:
+        _require(_object(shard, f"{path}: shard"), {"index": int, "count": int}, f"{path}: shard")
     return manifest
+
+
+_TARGET_FIELDS = {"name": str, "arch": str, "sm_count": int}
+_ENTRY_FIELDS = {"op": str, "profile": str, "problem": str, "facts": dict, "launches": list, "workspaces": list}
+_FACT_TYPES = (str, int, float, bool, type(None))
+
+
+def _object(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise SchemaMismatchError(f"{where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_kernel_values(kernel: dict, where: str) -> None:
+    """What the runtime computes with: facts of scalars (they form the key), a block of three positive
+    counts, non-negative sizes."""
+    bad = [k for k, v in kernel["facts"].items() if not isinstance(v, _FACT_TYPES)]
+    if bad:
+        raise SchemaMismatchError(f"{where}: fact {bad[0]!r} must be a string, number, bool or null")
+    block = kernel["block"]
+    if len(block) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block):
+        raise SchemaMismatchError(f"{where}: block must be three positive ints, got {block!r}")
+    for name in ("version", "bytes", "dynamic_smem_bytes", "registers"):
+        if kernel[name] < 0:
+            raise SchemaMismatchError(f"{where}: {name} must be >= 0, got {kernel[name]}")
 
 
 def _check_file_name(arch: str, key: str, file: str, sha256: str, where: str) -> None:
@@ -214,11 +252,7 @@ def check_serves(manifest: dict, profile) -> None:
         raise SchemaMismatchError(f"bundle {manifest['bundle']!r} is shard {shard['index']} of {shard['count']} of a "
                                   "build: join the shards with `cuteaot merge` and load the merged bundle")
     (target,) = [t for t in manifest["targets"] if t["name"] == profile.name]
-    planned = {f: target.get(f) for f in ("arch", "sm_count", "max_shared_memory_per_block_optin")}
-    live = {f: getattr(profile, f) for f in planned}
-    if planned != live:
-        raise SchemaMismatchError(f"bundle {manifest['bundle']!r} was planned for {profile.name} as {planned}, this "
-                                  f"runtime's {profile.name} profile is {live}: rebuild the bundle with this cuteaot")
+    _check_target(manifest, target, profile)
     built = {k["key"] for k in manifest["kernels"] if k["arch"] == profile.arch}
     for raw in manifest["resolution"]:
         if raw["profile"] != profile.name:
@@ -231,12 +265,24 @@ def check_serves(manifest: dict, profile) -> None:
                                      "does not contain; rebuild it")
 
 
+def _check_target(manifest: dict, target: dict, profile) -> None:
+    """The device facts a target was planned with are this runtime's profile's."""
+    planned = {f: target.get(f) for f in ("arch", "sm_count", "max_shared_memory_per_block_optin")}
+    live = {f: getattr(profile, f) for f in planned}
+    if planned != live:
+        raise SchemaMismatchError(f"bundle {manifest['bundle']!r} was planned for {profile.name} as {planned}, this "
+                                  f"runtime's {profile.name} profile is {live}: rebuild the bundle with this cuteaot")
+
+
 def verify_bundle(bundle_dir: str | Path) -> dict:
     """Check schema, every cubin's checksum and the resolution table; no GPU needed.
 
     Returns the manifest.  Raises SchemaMismatchError or IntegrityError.
     """
     manifest = read_manifest(bundle_dir)
+    for target in manifest["targets"]:  # the checks load_bundle makes of the live GPU's target, for every target
+        if target["name"] in PROFILES:
+            _check_target(manifest, target, PROFILES[target["name"]])
     records = kernel_records(manifest)
     for record in records:
         read_cubin(bundle_dir, record)

@@ -196,3 +196,42 @@ def test_a_bundle_is_loaded_only_whole_as_planned_for_the_live_profile():
     lacking = dict(manifest, kernels=[])
     with pytest.raises(IntegrityError, match=r"p needs sm_90a kernel aaaaaaaaaaaa for M 1\.\.8"):
         check_serves(lacking, h200)
+
+
+def _set(path: list, value):
+    def edit(m):
+        obj = m
+        for part in path[:-1]:
+            obj = obj[part]
+        obj[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set(["kernels", 0], 123), r"kernels\[0\] must be a JSON object, got int"),
+    (_set(["kernels", 0, "facts", "index"], [1, 2]), "fact 'index' must be a string, number, bool or null"),
+    (_set(["kernels", 0, "block"], ["a"]), "block must be three positive ints"),
+    (_set(["kernels", 0, "block"], [0, 1, 1]), "block must be three positive ints"),
+    (_set(["kernels", 0, "registers"], -4), "registers must be >= 0"),
+    (_set(["targets", 0], "h200"), r"targets\[0\] must be a JSON object"),
+    (lambda m: m["targets"][0].pop("name"), r"targets\[0\]: field 'name' is missing"),
+    (lambda m: m["targets"][0].pop("sm_count"), r"targets\[0\]: field 'sm_count' is missing"),
+    (_set(["targets", 0, "sm_count"], 114), r"was planned for h200 as .*'sm_count': 114.* profile is"),
+    (lambda m: m.update(resolution=["x"]), r"resolution\[0\] must be a JSON object, got str"),
+    (lambda m: m.update(shard={"index": 0}), r"shard: field 'count' is missing"),
+])
+def test_a_malformed_manifest_is_a_schema_error_not_a_crash(bundle, edit, message):
+    """Whatever a damaged or hand-edited manifest holds, reading it raises the one error type a serving
+    engine catches (and `cuteaot build`, which rebuilds over a bundle it cannot read)."""
+    m = read(bundle)
+    edit(m)
+    write_manifest(bundle, m)
+    with pytest.raises(SchemaMismatchError, match=message):
+        verify_bundle(bundle)
+
+
+def test_a_manifest_that_is_not_text_is_a_schema_error(bundle):
+    path = bundle / "manifest.json"
+    path.write_bytes(path.read_bytes()[:40] + b"\xff\xfe" + path.read_bytes()[40:])
+    with pytest.raises(SchemaMismatchError, match="is not UTF-8 text"):
+        read_manifest(bundle)
