@@ -152,7 +152,11 @@ def cmd_inspect(args) -> int:
     from cuteaot.runtime.manifest import read_manifest
 
     m = read_manifest(args.bundle)
-    print(f"bundle {m['bundle']}  schema {m['schema_version']}  spec {m['spec']['file']} ({m['spec']['sha256'][:12]})")
+    spec = m["spec"]
+    print(f"bundle {m['bundle']}  schema {m['schema_version']}  spec {spec.get('file', '?')} "
+          f"({str(spec.get('sha256', '?'))[:12]})")
+    if m.get("shard") is not None:
+        print(f"shard {m['shard']['index']} of {m['shard']['count']} (join the shards with `cuteaot merge`)")
     print("toolchain: " + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()))
     print("targets: " + ", ".join(f"{t['name']} ({t['arch']}, {t['sm_count']} SMs)" for t in m["targets"]))
     any_cut = False
@@ -201,6 +205,23 @@ def _plan_text(launch, op: str, specs: dict) -> str:
         f"{variant} {s.mainloop.value} {s.tile_n}x{s.tile_k}" for variant, s in specs.items())
 
 
+def _launch_text(launch, op: str, arch: str, records: dict, families: dict, shard) -> str:
+    """_plan_text of one launch, or what keeps it from being described (a kernel another shard holds, a
+    family this cuteaot does not know, kernels that do not fit their roles)."""
+    found = {role: records.get((arch, digest)) for role, digest in launch.kernels.items()}
+    missing = [launch.kernels[role][:12] for role, r in found.items() if r is None]
+    if missing:
+        return f"kernel {missing[0]} is not in this {'shard' if shard else 'bundle'}"
+    unknown = sorted({r["family"] for r in found.values() if r["family"] not in families})
+    if unknown:
+        return f"kernel family {unknown[0]!r} is unknown to this cuteaot"
+    try:
+        specs = {role: families[r["family"]].from_facts(r["facts"]) for role, r in found.items()}
+        return _plan_text(launch, op, specs)
+    except (AttributeError, KeyError, TypeError, ValueError, CuteAotError) as exc:
+        return f"the table's kernels do not fit this launch ({type(exc).__name__}: {exc})"
+
+
 def _plans(m: dict, problems: list[str] | None) -> tuple[str, bool]:
     """Per resolution entry (optionally only `problems`), which plan each token range runs; and whether every
     problem asked for has entries."""
@@ -213,13 +234,11 @@ def _plans(m: dict, problems: list[str] | None) -> tuple[str, bool]:
     for entry in map(Entry.from_json, m["resolution"]):
         if problems and entry.problem not in problems:
             continue
-        arch = arches[entry.profile]
+        arch = arches.get(entry.profile, "?")
         rows = []
         for launch in entry.launches:
-            found = {role: records[(arch, digest)] for role, digest in launch.kernels.items()}
-            specs = {role: FAMILIES[r["family"]].from_facts(r["facts"]) for role, r in found.items()}
             tokens = str(launch.m_min) if launch.m_min == launch.m_max else f"{launch.m_min}-{launch.m_max}"
-            rows.append([tokens, _plan_text(launch, entry.op, specs)])
+            rows.append([tokens, _launch_text(launch, entry.op, arch, records, FAMILIES, m.get("shard"))])
         blocks.append(_entry_title(entry, arch) + "\n" + _table(["tokens", "plan"], rows))
     known = sorted({r["problem"] for r in m["resolution"]})
     unknown = [p for p in problems or () if p not in known]

@@ -173,6 +173,19 @@ def test_plans_of_a_planned_table_cover_every_entry_and_token_range(spec_name):
         facts = entry.facts.to_json()
         for option in ("expert_map", "calibration", "deterministic", "bias", "router_weight_on_input"):
             assert (f" {option}" in title) == bool(facts.get(option)), (option, title)
+    # a shard (kernels elsewhere), a kernel of a family this cuteaot lacks, kernels in the wrong roles: said
+    # in the row, never a traceback
+    first = planned.entries[0].launches[0]
+    digests = list(first.kernels.values())
+    shard = dict(manifest, shard={"index": 0, "count": 2},
+                 kernels=[k for k in manifest["kernels"] if k["key"] != digests[0]])
+    assert f"kernel {digests[0][:12]} is not in this shard" in _plans(shard, None)[0]
+    renamed = dict(manifest, kernels=[dict(k, family="w4a16_next") if k["key"] == digests[0] else k
+                                      for k in manifest["kernels"]])
+    assert "kernel family 'w4a16_next' is unknown to this cuteaot" in _plans(renamed, None)[0]
+    emptied = dict(manifest, kernels=[dict(k, facts={}) if k["key"] == digests[0] else k
+                                      for k in manifest["kernels"]])
+    assert "the table's kernels do not fit this launch" in _plans(emptied, None)[0]
     text, found = _plans(manifest, ["nope"])
     assert not found and text.startswith("no resolution entries for nope (the bundle's problems: ")
     text, found = _plans(manifest, [spec.moe[0].name, "nope"])  # one known, one not: both said
