@@ -10,6 +10,7 @@ before it is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -131,8 +132,15 @@ def write_spec(model: str | Path, out: str | Path | None = None, *, name: str | 
     if out is None:
         return text, None
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise BadInputError(f"{out} is a directory; -o takes the spec file to write (e.g. {out / (moe.name + '.yaml')})")
     staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # a reader sees the old spec or the new one
-    staging.write_text(text)
-    os.replace(staging, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(text)
+        os.replace(staging, out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # (a staging file may not exist, nor its folder)
+            staging.unlink(missing_ok=True)
+        raise BadInputError(f"cannot write the spec to {out}: {exc.strerror or exc}") from None
     return text, out

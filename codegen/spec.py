@@ -171,7 +171,9 @@ def _convert(node: yaml.Node, file: str) -> _Node:
         out: dict[str, _Node] = {}
         key_lines: dict[str, int] = {}
         for k, v in node.value:
-            key = yaml.safe_load(yaml.serialize(k)) if not isinstance(k, yaml.ScalarNode) else k.value
+            if not isinstance(k, yaml.ScalarNode):
+                raise SpecError(file, k.start_mark.line + 1, "(key)", "keys must be plain names, not lists or mappings")
+            key = k.value
             if key in out:
                 raise SpecError(file, k.start_mark.line + 1, str(key), f"duplicate key (first on line {key_lines[key]})")
             key_lines[key] = k.start_mark.line + 1
@@ -331,6 +333,10 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         try:
             check()
         except BadInputError as exc:
+            # the field the message is about, where it names one (a top_k or swiglu value caught by the
+            # activation or top-k sum kernel's checks)
+            name = next((key for word, key in (("top_k", "top_k"), ("swiglu", "swiglu")) if word in str(exc)
+                         and key in m), name)
             raise r.fail(m.get(name, node), f"{field}.{name}", str(exc)) from None
     if problem.gemm or problem.fused:
         _check_layer_sizes(r, m, field, problem)
@@ -355,7 +361,7 @@ def _check_layer_sizes(r: _Reader, m: dict, field: str, problem: MoeProblem) -> 
 
 def _check_int32_routes(r: _Reader, node: _Node, field: str, problem: MoeProblem) -> None:
     """The largest bucket's route-major buffers must be countable in int32 16-byte vectors."""
-    per_token = problem.top_k * max(problem.hidden_size, problem.fc1_n) // _VECTOR_ELEMENTS
+    per_token = max(1, problem.top_k * max(problem.hidden_size, problem.fc1_n) // _VECTOR_ELEMENTS)
     limit = _INT32_MAX // per_token
     if problem.tokens[-1] > limit:
         raise r.fail(node, field, (
@@ -383,7 +389,7 @@ def load_spec(path: str | Path) -> BundleSpec:
         raise SpecError(file, None, "(file)", f"is a directory; pass a spec YAML file{hint}")
     try:
         text = path.read_text()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(file, None, "(file)", f"cannot read spec: {exc}") from None
     try:
         root = yaml.compose(text)
@@ -393,7 +399,13 @@ def load_spec(path: str | Path) -> BundleSpec:
     if root is None:
         raise SpecError(file, 1, "(top level)", "the spec is empty")
     r = _Reader(file)
-    top_node = _convert(root, file)
+    try:
+        top_node = _convert(root, file)
+    except yaml.YAMLError as exc:  # a tag safe_load refuses (e.g. !!python/name:...)
+        mark = getattr(exc, "problem_mark", None)
+        raise SpecError(file, mark.line + 1 if mark else None, "(syntax)", str(exc)) from None
+    except RecursionError:
+        raise SpecError(file, None, "(syntax)", "an alias refers to itself (a recursive anchor)") from None
     if isinstance(top_node.value, dict) and "bundle" not in top_node.value and (
             {"model_type", "architectures"} & top_node.value.keys()):
         raise r.fail(top_node, "(top level)", "this is a Hugging Face model config, not a cuteaot spec; "

@@ -155,6 +155,11 @@ def test_the_command_writes_or_prints_the_spec(tmp_path, capsys):
     assert printed.startswith("# mixtral:") and "targets: [h200, b200]" in printed and "dtype: fp16" in printed
     assert main(["spec", str(tmp_path / "missing")]) == 1
     assert "cannot read" in capsys.readouterr().err
+    assert main(["spec", str(d), "-o", str(d)]) == 1  # a folder, or a file where a folder must be: said, no traceback
+    assert f"{d} is a directory; -o takes the spec file to write" in capsys.readouterr().err
+    assert main(["spec", str(d), "-o", str(d / "config.json" / "x.yaml")]) == 1
+    assert "cannot write the spec to" in capsys.readouterr().err
+    assert not [p for p in d.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_a_name_yaml_would_read_as_a_number_stays_a_name(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -182,3 +183,24 @@ def test_two_problems_of_one_layer_are_refused_when_planned(tmp_path):
 def test_a_target_that_is_not_a_name_is_a_spec_error(tmp_path):
     err = _error(tmp_path, GOOD.replace("targets: [h200]", "targets: [[h200]]"))
     assert err.field == "targets" and "unknown device profile" in str(err)
+
+
+@pytest.mark.parametrize("edit, field, message", [
+    (("bundle: demo", "bundle: !!python/name:os.system demo"), "(syntax)", "could not determine a constructor"),
+    (("    top_k: 2\n", "    top_k: 2\n    ? [a, b]\n    : 1\n"), "(key)", "keys must be plain names"),
+    (("targets: [h200]", "targets: &a [*a]"), "(syntax)", "an alias refers to itself"),
+    (("num_experts: 8", "num_experts: 64"), "moe[0].top_k", None),  # with top_k 40 below
+    (("activation: silu", "activation: swigluoai\n    swiglu: {limit: .nan}"), "moe[0].swiglu", "swiglu_limit"),
+])
+def test_a_spec_yaml_cannot_crash_the_reader_or_blame_another_field(tmp_path, edit, field, message):
+    text = GOOD.replace(*edit)
+    if field == "moe[0].top_k":
+        text, message = text.replace("top_k: 2", "top_k: 40"), r"top_k must be an int in \[1, 32\], got 40"
+    err = _error(tmp_path, text)
+    assert err.field == field and re.search(message, str(err)), str(err)
+
+
+def test_sizes_too_small_for_a_vector_are_a_spec_error(tmp_path):
+    err = _error(tmp_path, GOOD.replace("hidden_size: 256", "hidden_size: 4").replace(
+        "intermediate_size: 128", "intermediate_size: 4").replace("top_k: 2", "top_k: 1") + "    fused: true\n")
+    assert "multiple of 8" in str(err)
