@@ -27,7 +27,8 @@ import time
 
 import torch
 
-MODES = {"plain": (False,), "cooperative": (True,)}  # the hang test's: (cooperative,), PDL as configured
+# the hang test's: (cooperative,), PDL as configured; "default" leaves the runtime's setting as it is
+MODES = {"plain": (False,), "cooperative": (True,), "default": (None,)}
 # the cost part's: (cooperative, programmatic); PDL off shows what a cooperative grid gives up of it
 COST_MODES = {"plain": (False, True), "cooperative": (True, True), "plain-nopdl": (False, False),
               "cooperative-nopdl": (True, False)}
@@ -53,13 +54,16 @@ def child(args) -> None:
     """One launch mode's hang test; prints a line per 10 rounds."""
     from cuteaot.runtime import set_cooperative_launch
 
-    set_cooperative_launch(MODES[args.child][0])
+    if MODES[args.child][0] is not None:
+        set_cooperative_launch(MODES[args.child][0])
     layer, inputs = _layer_and_inputs(args.bundle, args.problem.split(",")[0], args.m)
+    want = {m: layer(*inputs[m]) for m in args.m}  # one stream at a time
     streams = [torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)]  # low, high
     layer.reserve(streams)
     rng = random.Random(1)
     mats = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for n in (2048, 3072, 4096, 6144)]
-    outs = {(s, m): torch.empty_like(inputs[m][0]) for s in range(2) for m in args.m}
+    outs = {(s, m): torch.full_like(inputs[m][0], float("nan")) for s in range(2) for m in args.m}
+    written = set()
     torch.cuda.synchronize()
     for trial in range(args.trials):
         for s, stream in enumerate(streams):
@@ -69,18 +73,25 @@ def child(args) -> None:
                 for _ in range(args.calls):
                     m = rng.choice(args.m)
                     layer(*inputs[m], out=outs[(s, m)])
+                    written.add((s, m))
         if rng.random() < 0.5:
             streams[rng.randrange(2)].synchronize()
         if trial % 10 == 9:
             torch.cuda.synchronize()
             print(f"{args.child}: {trial + 1} rounds", flush=True)
     torch.cuda.synchronize()
+    for s, m in written:  # each stream's last call of each M, against the one-stream result
+        out = outs[(s, m)]
+        err = float((out.float() - want[m].float()).norm() / want[m].float().norm())
+        if not err < 1e-2:
+            print(f"{args.child}: stream {s} M={m} differs from the one-stream result by {err:.3e}", flush=True)
+            raise SystemExit(3)
     print(f"{args.child}: done {args.trials} rounds", flush=True)
 
 
 def hang_test(args) -> dict:
     results = {}
-    for mode in MODES:
+    for mode in ("plain", "cooperative"):
         cmd = [sys.executable, "-m", "benchmarks.concurrent_barriers", "--child", mode, "--bundle", args.bundle,
                "--problem", args.problem.split(",")[0], "--m", ",".join(map(str, args.m)), "--trials", str(args.trials),
                "--calls", str(args.calls)]
