@@ -54,8 +54,9 @@ def main() -> None:
         recorded = []
         for r in bound.launches:
             config = None
-            mode = (r.kernel.programmatic and _LaunchSettings.programmatic,
-                    r.kernel.cooperative and _LaunchSettings.cooperative)
+            cooperative = _LaunchSettings.cooperative
+            mode = (r.kernel.programmatic and _LaunchSettings.programmatic, r.kernel.waits_on_grid and (
+                r.kernel.state.concurrent if cooperative is None else cooperative))
             if any(mode):  # the attributes the runtime launches this kernel with
                 config = _launch_config(r.kernel, *mode)
                 config.gridDimX, config.hStream = r.grid_x, stream

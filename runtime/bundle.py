@@ -18,6 +18,7 @@ from .abi import ArgBuffer, Signature
 from .devices import PROFILES, DeviceProfile, match_profile
 from .errors import (
     ArchNotInBundleError,
+    BadInputError,
     BundleError,
     LaunchArgumentError,
     LaunchError,
@@ -54,12 +55,24 @@ class _LaunchSettings:
     # CUTEAOT_PDL=0 turns it off (benchmarks/pdl_ab.py compares the two).
     programmatic = os.environ.get("CUTEAOT_PDL", "1") != "0"
     # Cooperative launch: a kernel whose CTAs wait on each other (grid barriers, split-K turns;
-    # LoadedKernel.cooperative) is launched as a cooperative grid, which the GPU makes co-resident as
-    # a whole.  A plain launch only fits on an idle GPU: beside another stream's kernels (two layers
-    # overlapped, a communication kernel) part of the grid may start and spin while the rest waits
-    # for SMs held by another such grid, and both hang.  On by default; CUTEAOT_COOPERATIVE=0 turns it
-    # off (benchmarks/concurrent_barriers.py measures both).
-    cooperative = os.environ.get("CUTEAOT_COOPERATIVE", "1") != "0"
+    # LoadedKernel.waits_on_grid) launched as a cooperative grid is made co-resident as a whole by the
+    # GPU.  A plain launch is co-resident only where nothing else runs: beside another stream's such
+    # grid, part of each may start and spin at its barrier while the rest waits for SMs the other
+    # holds, and both hang (benchmarks/concurrent_barriers.py: two streams of layers hung on an H100).
+    # A cooperative grid waits for the whole GPU instead, which costs a full-GPU grid a few us.  So by
+    # default (None) a bundle's such kernels launch cooperatively once one of its layers reserved
+    # streams (`MoeLayer.reserve`: layers declared to run concurrently), plainly before; True / False
+    # (CUTEAOT_COOPERATIVE=1 / 0, or set_cooperative_launch) decide for every launch.
+    cooperative = {"1": True, "0": False}.get(os.environ.get("CUTEAOT_COOPERATIVE", ""), None)
+
+
+class LaunchState:
+    """What one bundle's launches depend on beyond the kernel: `concurrent` once a layer reserved streams."""
+
+    __slots__ = ("concurrent",)
+
+    def __init__(self) -> None:
+        self.concurrent = False
 
 
 def set_programmatic_launch(enabled: bool) -> bool:
@@ -70,11 +83,14 @@ def set_programmatic_launch(enabled: bool) -> bool:
     return previous
 
 
-def set_cooperative_launch(enabled: bool) -> bool:
-    """Launch kernels whose CTAs wait on each other as cooperative grids (True, the default unless
-    CUTEAOT_COOPERATIVE=0) or plainly; returns the previous setting.  A CUDA graph keeps what was set
-    while it was captured."""
-    previous, _LaunchSettings.cooperative = _LaunchSettings.cooperative, bool(enabled)
+def set_cooperative_launch(enabled: bool | None) -> bool | None:
+    """Launch kernels whose CTAs wait on each other as cooperative grids (True), plainly (False), or
+    cooperatively once their bundle's layers reserved streams for concurrent calls (None, the default
+    unless CUTEAOT_COOPERATIVE is 1 or 0); returns the previous setting.  A CUDA graph keeps what was
+    set while it was captured."""
+    if enabled not in (True, False, None):
+        raise BadInputError(f"set_cooperative_launch takes True, False or None, got {enabled!r}")
+    previous, _LaunchSettings.cooperative = _LaunchSettings.cooperative, enabled
     return previous
 
 
@@ -102,7 +118,9 @@ def _launch_config(kernel: "LoadedKernel", programmatic: bool, cooperative: bool
 
 def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) -> None:
     """One launch of `kernel` with the packed parameter array at `params`."""
-    mode = (kernel.programmatic and _LaunchSettings.programmatic, kernel.cooperative and _LaunchSettings.cooperative)
+    cooperative = _LaunchSettings.cooperative
+    mode = (kernel.programmatic and _LaunchSettings.programmatic,
+            kernel.waits_on_grid and (kernel.state.concurrent if cooperative is None else cooperative))
     if mode != (False, False):
         tls = kernel._tls
         try:
@@ -154,7 +172,7 @@ def current_stream_handle(device_index: int) -> int:
 class LoadedKernel:
     """A kernel loaded into one device's context, ready to launch."""
 
-    def __init__(self, record: KernelRecord, function, context):
+    def __init__(self, record: KernelRecord, function, context, state: LaunchState | None = None):
         self.record = record
         self.function = function
         self.context = context  # the device's primary context the function belongs to
@@ -162,7 +180,8 @@ class LoadedKernel:
         self.smem = record.dynamic_smem_bytes
         self.programmatic = record.waits_for_prior_grids
         # its CTAs wait on each other: set by the family that knows (PersistentLaunch, route packing)
-        self.cooperative = False
+        self.waits_on_grid = False
+        self.state = LaunchState() if state is None else state  # its bundle's
         self._tls = threading.local()
 
     def bind(self, signature: Signature) -> None:
@@ -356,6 +375,7 @@ class Bundle:
         self.gemm_workspaces: dict[int, object] = {}  # w4a16_moe_gemm's own scratch, per raw stream
         self.captured_gemm_workspaces: list = []  # ones a CUDA graph launched on, replaced since: kept alive
         self.workspaces = WorkspacePool(device)  # MoE layers' scratch memory, reserved before serving
+        self.launch_state = LaunchState()  # shared by its kernels: concurrent once a layer reserved streams
 
     # -- loading ----------------------------------------------------------------
     def _load(self, records: list[KernelRecord]) -> None:
@@ -373,7 +393,7 @@ class Bundle:
             )
             function = check_cu(driver.cuKernelGetFunction(kernel), f"cuKernelGetFunction({record.symbol})")
             self._check_function(function, record)
-            self._kernels[record.digest] = LoadedKernel(record, function, context)
+            self._kernels[record.digest] = LoadedKernel(record, function, context, self.launch_state)
 
     def _check_function(self, function, record: KernelRecord) -> None:
         attr = driver.CUfunction_attribute

@@ -411,14 +411,20 @@ class MoeLayer:
 
         Call before capturing CUDA graphs (it allocates; under capture it raises CaptureError).
         Streams without a reservation share the shape's default workspace, which is right
-        whenever they do not run layers of this shape at the same time.
+        whenever they do not run layers of this shape at the same time.  From then on the bundle's
+        kernels whose CTAs wait on each other launch as cooperative grids (unless
+        set_cooperative_launch(False)), so that concurrent layers cannot deadlock each other.
         """
+        streams = list(streams)
         for stream in streams:
             if not isinstance(stream, torch.cuda.Stream):
                 raise BadInputError(f"reserve takes torch.cuda.Stream objects, got {type(stream).__name__}")
             if stream.device != self.device:
                 raise BadInputError(f"stream is on {stream.device}, the layer on {self.device}")
+        for stream in streams:
             self.bundle.workspaces.reserve(self.shape, stream.cuda_stream, self._allocate_workspace)
+        if streams:
+            self.bundle.launch_state.concurrent = True
 
     def workspace(self, stream: int | None = None) -> MoeWorkspace:
         """The workspace a call on `stream` (a raw cudaStream_t; default torch's current one) uses."""

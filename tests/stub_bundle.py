@@ -18,7 +18,7 @@ from cuteaot.codegen.enumerate import kernel_keys
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.abi import ArgBuffer
-from cuteaot.runtime.bundle import PreparedLaunch
+from cuteaot.runtime.bundle import LaunchState, PreparedLaunch
 from cuteaot.runtime.devices import PROFILES
 from cuteaot.runtime.errors import UnknownSpecializationError
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
@@ -53,7 +53,8 @@ def stub_bundle(spec_path: str | Path = ROOT / "specs" / "tiny-fused.yaml", prof
 
     return types.SimpleNamespace(device=cpu, device_index=None, profile=PROFILES[profile], resolution=table,
                                  plans=BundlePlans(), workspaces=WorkspacePool(cpu), name="stub", id="stub",
-                                 specs=specs, kernel=kernel, gemm_workspaces={}, captured_gemm_workspaces=[])
+                                 specs=specs, kernel=kernel, gemm_workspaces={}, captured_gemm_workspaces=[],
+                                 launch_state=LaunchState())
 
 
 class _IssuesPacked:

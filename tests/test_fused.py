@@ -570,7 +570,7 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
     def loaded(key, block=(spec.threads, 1, 1), smem=spec.shared_bytes):
         record = types.SimpleNamespace(registers=168, dynamic_smem_bytes=smem, key=key, block=block)
         return types.SimpleNamespace(function=object(), block=block, bind=lambda sig: None, record=record,
-                                     cooperative=False)
+                                     waits_on_grid=False)
 
     kernel = loaded(spec.key())
     bundle = types.SimpleNamespace(kernel_by_digest=lambda digest: kernel, profile=H200)
@@ -590,7 +590,7 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
                         lambda fn, threads, smem: (driver.CUresult.CUDA_SUCCESS, 4))
     kernel = loaded(spec.key())
     launch = gemm.PersistentLaunch(bundle, spec.key().digest)
-    assert kernel.cooperative is True and launch.capacity == 4 * H200.sm_count
+    assert kernel.waits_on_grid is True and launch.capacity == 4 * H200.sm_count
     launch.check_grid(4 * H200.sm_count)
     for grid in (0, 4 * H200.sm_count + 1):
         with pytest.raises(BundleError, match=f"with {grid} CTAs; {4 * H200.sm_count} fit"):

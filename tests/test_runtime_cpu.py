@@ -351,15 +351,17 @@ def test_kernels_that_wait_for_prior_grids_launch_programmatically(monkeypatch):
 
 
 
-def test_kernels_whose_ctas_wait_on_each_other_launch_as_cooperative_grids(monkeypatch):
-    """A kernel marked cooperative (grid barriers, split-K turns) is launched with the cooperative
-    attribute, beside the programmatic one where its PTX also waits for prior grids; plainly once
-    switched off.  Table kernels and the multi-CTA route packing are marked, nothing else."""
+def test_kernels_whose_ctas_wait_on_each_other_launch_cooperatively_once_layers_run_concurrently(monkeypatch):
+    """A kernel whose CTAs wait on each other (grid barriers, split-K turns) launches plainly until its
+    bundle's layers reserved streams (concurrent calls: two such grids could each start in part and
+    hang), then as a cooperative grid, beside the programmatic attribute where its PTX also waits for
+    prior grids; set_cooperative_launch(True / False) decides for every launch, None restores the default.
+    Table kernels and the multi-CTA route packing are marked, nothing else."""
     import types
 
     from cuteaot.runtime import bundle as bundle_mod
     from cuteaot.runtime.abi import Signature, i32, ptr
-    from cuteaot.runtime.bundle import LoadedKernel, set_cooperative_launch, set_programmatic_launch
+    from cuteaot.runtime.bundle import LaunchState, LoadedKernel, set_cooperative_launch, set_programmatic_launch
 
     ids = bundle_mod.driver.CUlaunchAttributeID
     signature = Signature((ptr("src", "elem", "(rows, w)"), i32("rows", "rows")))
@@ -381,28 +383,39 @@ def test_kernels_whose_ctas_wait_on_each_other_launch_as_cooperative_grids(monke
         return (0,)
 
     monkeypatch.setattr(bundle_mod.driver, "cuLaunchKernelEx", launch_ex)
+    state = LaunchState()
     kernels = []
-    for waits, cooperative in ((True, True), (False, True), (False, False)):
+    for waits, on_grid in ((True, True), (False, True), (False, False)):
         record = types.SimpleNamespace(block=(128, 1, 1), dynamic_smem_bytes=0, params=signature.to_json(),
                                        symbol="k", key=None, waits_for_prior_grids=waits)
-        kernel = LoadedKernel(record, function=f"fn{int(waits)}{int(cooperative)}", context=None)
-        assert kernel.cooperative is False  # only the family that knows its CTAs wait marks it
-        kernel.cooperative = cooperative
+        kernel = LoadedKernel(record, function=f"fn{int(waits)}{int(on_grid)}", context=None, state=state)
+        assert kernel.waits_on_grid is False  # only the family that knows its CTAs wait marks it
+        kernel.waits_on_grid = on_grid
         kernel.bind(signature)
         kernel._tls.buf = bundle_mod.ArgBuffer(signature)
         kernels.append(kernel)
-    previous = set_programmatic_launch(True), set_cooperative_launch(True)
-    try:
+
+    def launch_all(grid):
         for kernel in kernels:
-            kernel.launch(7, 99, src=0x1000, rows=5)
-        assert issued == [("fn11", "pdl+coop", 7), ("fn01", "coop", 7), ("fn00", "plain", 7)]
-        assert set_cooperative_launch(False) is True
-        kernels[0].launch(9, 99, src=0x1000, rows=5)
-        kernels[1].launch(9, 99, src=0x1000, rows=5)
-        assert issued[3:] == [("fn11", "pdl", 9), ("fn01", "plain", 9)]
+            kernel.launch(grid, 99, src=0x1000, rows=5)
+        return issued[-3:]
+
+    previous = set_programmatic_launch(True), set_cooperative_launch(None)
+    try:
+        assert launch_all(7) == [("fn11", "pdl", 7), ("fn01", "plain", 7), ("fn00", "plain", 7)]
+        state.concurrent = True  # what MoeLayer.reserve sets on its bundle
+        assert launch_all(8) == [("fn11", "pdl+coop", 8), ("fn01", "coop", 8), ("fn00", "plain", 8)]
+        assert set_cooperative_launch(False) is None
+        assert launch_all(9) == [("fn11", "pdl", 9), ("fn01", "plain", 9), ("fn00", "plain", 9)]
+        state.concurrent = False
+        set_cooperative_launch(True)
+        assert launch_all(10) == [("fn11", "pdl+coop", 10), ("fn01", "coop", 10), ("fn00", "plain", 10)]
+        with pytest.raises(BadInputError, match="takes True, False or None"):
+            set_cooperative_launch("yes")
     finally:
         set_programmatic_launch(previous[0])
         set_cooperative_launch(previous[1])
+
 
 def test_prepared_topk_sum_launches_what_moe_topk_sum_launches(monkeypatch):
     """MoeLayer's per-step top-k sum passes moe_topk_sum's grid and values (fc2, out, tokens, ids, E)."""

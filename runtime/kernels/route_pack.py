@@ -353,7 +353,7 @@ class _RoutePackPlan:
                     f"{spec.key().describe()} was built with block {tuple(found.block)}, but this runtime "
                     f"plans for ({THREADS}, 1, 1); rebuild the bundle"
                 )
-            found.cooperative = stage is RouteStage.MULTI  # its CTAs meet at a grid barrier
+            found.waits_on_grid = stage is RouteStage.MULTI  # its CTAs meet at a grid barrier
             self._kernels[stage] = found
         return found
 
