@@ -89,12 +89,61 @@ def hbm_copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * n * 2 / (us * 1e-6)
 
 
+def capture_or_eager(fn: Callable[[], object]) -> tuple[Callable[[], object], str | None]:
+    """(a callable that replays `fn` from a one-call CUDA graph, None), or (fn itself, why capture failed).
+    The warm-up and the capture run on a side stream that first waits for the current one."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - some peers cannot be captured: timed eagerly, and said so
+        torch.cuda.synchronize()
+        return fn, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay, None
+
+
+def cold_us(runners: dict[str, Callable[[], object]], flush: Callable[[], object], samples: int) -> dict:
+    """Device µs of each runner (a graph replay from `capture_or_eager`, or an eager call) with a cold L2,
+    runners interleaved sample by sample in a rotating order: per sample and runner, the flush (untimed),
+    a CUDA event, the runner, an event.  Nothing is subtracted from the interval, and the flush takes
+    far longer than a launch, so the runner's host work is done before the GPU gets to it.  Returns
+    name -> {"us": median, "p10", "p90", "samples"}."""
+    names = list(runners)
+    events = {n: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(samples)] for n in names}
+    torch.cuda.synchronize()
+    for i in range(samples):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            start, stop = events[name][i]
+            flush()
+            start.record()
+            runners[name]()
+            stop.record()
+    torch.cuda.synchronize()
+    out = {}
+    for name in names:
+        times = sorted(a.elapsed_time(b) * 1e3 for a, b in events[name])
+        out[name] = {"us": statistics.median(times), "p10": times[len(times) // 10],
+                     "p90": times[min(len(times) - 1, (9 * len(times)) // 10)], "samples": len(times)}
+    return out
+
+
 class FlushedTimer:
     """Layer timing as the peer benchmark does it, for same-process comparisons (benchmarks/mxfp4.py,
-    nf3.py, compare_layer.py): CUDA-graph replay of (L2 flush, call), the flush's own time
-    subtracted (`device_us`, median of its replays), in interleaved rounds (each round times every
-    call once, so clock drift hits all alike); the median over rounds is reported.  The flush reads
-    a buffer: clean lines leave L2 for free, no write-back lands in the timed call."""
+    nf3.py, compare_layer.py): each call captured in a one-call CUDA graph, then per sample an L2 flush,
+    a CUDA event, the replay and an event, the calls interleaved sample by sample (clock drift hits all
+    alike; `cold_us`); the median over `rounds` * SAMPLES_PER_ROUND samples is reported.  The flush
+    reads a buffer: clean lines leave L2 for free, no write-back lands in the timed call."""
+
+    SAMPLES_PER_ROUND = 10
 
     def __init__(self, nbytes: int = FLUSH_BYTES):
         warm = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
@@ -103,14 +152,15 @@ class FlushedTimer:
         del warm
         self._buffer = torch.zeros(nbytes // 4, dtype=torch.int32, device="cuda")
         self.flush = self._buffer.sum
-        self.flush_us = device_us(self.flush)
 
     def us(self, calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-        samples: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, fn in calls.items():
-                samples[name].append(device_us(lambda fn=fn: (self.flush(), fn())) - self.flush_us)
-        return {name: statistics.median(v) for name, v in samples.items()}
+        runners = {}
+        for name, fn in calls.items():
+            runners[name], failed = capture_or_eager(fn)
+            if failed:
+                raise RuntimeError(f"{name}: CUDA-graph capture failed ({failed})")
+        found = cold_us(runners, self.flush, max(rounds * self.SAMPLES_PER_ROUND, 20))
+        return {name: found[name]["us"] for name in calls}
 
 
 def uniform_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Generator):

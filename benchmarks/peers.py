@@ -27,14 +27,17 @@ uses that reference quantiser).  cuteaot gets `prepare_w13` / `prepare_w2` of th
 the tensors themselves, torch their dequantisation.  Routing: uniform random top-k seeded by M,
 softmax router weights, the same tensors for all three.
 
-Timing: `benchmarks.common.device_us` (CUDA-graph replay of 20 calls, CUDA events, median of 11
-replays) of [L2 flush, call], minus `device_us` of the flush alone measured once per model.  The
-flush reads a buffer of `--flush-mib` (default 256 MiB, several times the H200's L2, whose size
-is in the JSON) with a sum, so no weights or activations of the previous call are L2-resident (a
-read, not a write: clean lines leave L2 without a write-back that would land in the timed call);
-the subtracted flush time is in every row (`flush_us`).  Where graph capture of an implementation
-fails, it is timed eagerly (CUDA events around [flush, call], median) and the row says so in
-`timing`.
+Timing: `benchmarks.common.cold_us`.  Each implementation's call (and each side call) is captured in a
+one-call CUDA graph; then, `--samples` times (default 60) and interleaving the implementations of the
+row in a rotating order, the L2 flush runs (untimed), a CUDA event is recorded, the graph replays and
+an event is recorded: a row's `us` is the median of its samples' event intervals, with `p10` / `p90`
+beside it.  Nothing is subtracted (the flush is not inside the interval, and it takes far longer than
+the host needs to enqueue the replay).  The flush reads a buffer of `--flush-mib` (default 256 MiB,
+several times the H200's L2, whose size is in the JSON) with a sum, so no weights or activations of
+the previous call are L2-resident (a read, not a write: clean lines leave L2 without a write-back that
+would land in the timed call).  Where graph capture of an implementation fails, its call runs eagerly
+between the events and the row says so in `timing`.  The JSON records the runtime's launch modes
+(programmatic / cooperative) and the bundle's manifest digest.
 
 Roofline beside every number: max(bytes / measured HBM copy bandwidth, FLOPs / measured bf16
 torch.mm rate), bytes = NVFP4 codes + e4m3 scales + global scales of the experts the routing hits
@@ -505,31 +508,24 @@ def _report_failure(what: str, exc: BaseException) -> str:
     return _error_text(exc)
 
 
-def eager_us(fn: Callable, flush: Callable, reps: int = 11) -> float:
-    """Median device time of single eager calls, each after a flush (CUDA events around the call only)."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(samples)
+def time_bound(calls: dict[str, Callable], env: Env, samples: int) -> dict[str, dict]:
+    """name -> {"us", "p10", "p90", "samples", "timing"} (or {"error"}) of each call with a cold L2, all
+    timed together, interleaved sample by sample (`benchmarks.common.cold_us`)."""
+    from benchmarks.common import capture_or_eager, cold_us
 
-
-def time_us(fn: Callable, env: Env, flush_us: float) -> tuple[float, str]:
-    """(µs per call with a cold L2, how it was timed)."""
-    from benchmarks.common import device_us
-
-    try:
-        return device_us(lambda: (env.flush(), fn())) - flush_us, "graph, L2 flushed"
-    except Exception as exc:  # noqa: BLE001 - some peers cannot be captured: fall back, say so in the row
-        reason = _report_failure("CUDA-graph timing (falling back to eager)", exc)
-        torch.cuda.synchronize()  # a sticky device error surfaces here and fails the row instead
-        return eager_us(fn, env.flush), f"eager, L2 flushed (graph capture failed: {reason})"
+    runners, results = {}, {}
+    for name, fn in calls.items():
+        try:
+            runners[name], failed = capture_or_eager(fn)
+            results[name] = {"timing": "graph, L2 flushed" if failed is None else
+                             f"eager, L2 flushed (graph capture failed: {failed})"}
+        except Exception as exc:  # noqa: BLE001 - a failing call costs its own number only
+            torch.cuda.synchronize()  # a sticky device error surfaces here and fails the row instead
+            results[name] = {"error": _report_failure(f"timing {name}", exc)}
+    if runners:
+        for name, found in cold_us(runners, env.flush, samples).items():
+            results[name].update(found)
+    return results
 
 
 def problem_facts(model: Model, r: Routing, env: Env) -> dict:
@@ -549,8 +545,9 @@ def problem_facts(model: Model, r: Routing, env: Env) -> dict:
             "roofline_us": {"nvfp4": roof(nvfp4), "bf16": roof(bf16)}}
 
 
-def measure(impl, r: Routing, env: Env, flush_us: float, check: Optional[torch.Tensor], timed: bool) -> dict:
-    """One row: bind, optionally check against the reference (output poisoned first), time."""
+def measure(impl, r: Routing, check: Optional[torch.Tensor]) -> tuple[dict, "Bound"]:
+    """One row's checks: bind, optionally check against the reference (output poisoned first); the bound
+    call is timed with the other implementations' (`time_bound`)."""
     bound = impl.bind(r)
     row = dict(bound.extra)
     bound.run()  # first call: humming compiles here, outside timing and capture
@@ -560,14 +557,7 @@ def measure(impl, r: Routing, env: Env, flush_us: float, check: Optional[torch.T
         row["rel_err"] = err if math.isfinite(err) else None  # the JSON stays standard (no NaN tokens)
         if not math.isfinite(err):
             row["error"] = f"output is not finite (rel_err {err}) at M={r.x.shape[0]}"
-    if timed and not env.dry_run:
-        row["us"], row["timing"] = time_us(bound.run, env, flush_us)
-        for name, fn in bound.side.items():
-            try:
-                row[name], _ = time_us(fn, env, flush_us)
-            except Exception as exc:  # noqa: BLE001 - a side number must not cost the main one
-                row[name + "_error"] = _report_failure(name, exc)
-    return row
+    return row, bound
 
 
 def _row(model: Model, m: int, impl: str, facts: dict, env: Env, result: dict) -> dict:
@@ -601,7 +591,8 @@ def build_impls(model: Model, weights: Weights, names: list[str], env: Env, bund
     return impls
 
 
-def run_model(model: Model, ms: list[int], check_m: int, names: list[str], env: Env, bundle) -> list[dict]:
+def run_model(model: Model, ms: list[int], check_m: int, names: list[str], env: Env, bundle,
+              samples: int = 60) -> list[dict]:
     weights = random_weights(model, env.device, seed=zlib.crc32(model.name.encode()))
     impls = build_impls(model, weights, names, env, bundle, max(ms + [check_m]))
     for name, impl in impls.items():
@@ -610,25 +601,34 @@ def run_model(model: Model, ms: list[int], check_m: int, names: list[str], env: 
                 impl.prepare(sorted(set(ms) | {check_m}))
             except Exception as exc:  # noqa: BLE001 - not fatal: each call compiles what it needs and records failures
                 _report_failure(f"{model.name}: precompiling {name} (kernels will compile at first use)", exc)
-    flush_us = 0.0
-    if not env.dry_run:
-        from benchmarks.common import device_us
-
-        flush_us = device_us(env.flush)
     rows = []
     for m in sorted(set(ms) | {check_m}):
         r = random_routing(model, m, env.device)
         facts = problem_facts(model, r, env)
         ref = reference(model, weights, r) if m == check_m else None
+        results, calls = {}, {}
         for name, impl in impls.items():
             if isinstance(impl, str):
-                result = {"error": impl}
+                results[name] = {"error": impl}
+                continue
+            try:
+                results[name], bound = measure(impl, r, ref)
+            except Exception as exc:  # noqa: BLE001 - recorded in the row, printed, the run goes on
+                results[name] = {"error": _report_failure(f"{model.name} M={m} {name}", exc)}
+                continue
+            if m in ms and not env.dry_run:
+                calls[name] = bound.run
+                calls.update({f"{name}\0{side}": fn for side, fn in bound.side.items()})
+        for key, found in (time_bound(calls, env, samples) if calls else {}).items():
+            name, _, side = key.partition("\0")
+            if not side:
+                results[name].update(found)
+            elif "us" in found:
+                results[name][side] = found["us"]
             else:
-                try:
-                    result = measure(impl, r, env, flush_us, ref, timed=m in ms)
-                except Exception as exc:  # noqa: BLE001 - recorded in the row, printed, the run goes on
-                    result = {"error": _report_failure(f"{model.name} M={m} {name}", exc)}
-            row = _row(model, m, name, facts, env, {**result, "flush_us": flush_us, "timed": m in ms})
+                results[name][side + "_error"] = found.get("error")
+        for name in impls:
+            row = _row(model, m, name, facts, env, {**results[name], "timed": m in ms})
             rows.append(row)
             _print_row(row)
         del r, ref
@@ -734,6 +734,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", help="default docs/results/peers-<date>.json (dry run: none)")
     ap.add_argument("--commit", help="recorded commit (default: git rev-parse --short HEAD)")
     ap.add_argument("--flush-mib", type=int, default=256, help="L2 flush buffer (default: %(default)s MiB)")
+    ap.add_argument("--samples", type=int, default=60, help="timed calls per row, interleaved (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no GPU kernels, no timing")
     args = ap.parse_args(argv)
     pool = DRY_MODELS if args.dry_run else MODELS
@@ -781,12 +782,13 @@ def main(argv=None) -> None:
     rows = []
     for model in args.model_list:
         try:
-            rows += run_model(model, args.m, args.check_m, args.impls, env, bundle)
+            rows += run_model(model, args.m, args.check_m, args.impls, env, bundle, args.samples)
         except Exception as exc:  # noqa: BLE001 - weights / reference failed: record, go on with the next model
             rows.append({"model": model.name, "M": None, "impl": None, "commit": env.commit,
                          "error": _report_failure(f"{model.name}", exc)})
     humming = _humming_version()
-    meta.update(humming=humming, check_m=args.check_m, models=[m.name for m in args.model_list], ms=args.m)
+    meta.update(humming=humming, check_m=args.check_m, models=[m.name for m in args.model_list], ms=args.m,
+                samples=args.samples, **_launch_meta(args.bundle, bundle))
     print("\n" + markdown_table([r for r in rows if r.get("impl")]))
     path = args.json or (None if args.dry_run else REPO / "docs" / "results" / f"peers-{datetime.date.today()}.json")
     if path:
@@ -794,6 +796,22 @@ def main(argv=None) -> None:
         print(f"\nwrote {path}")
     if args.dry_run:
         sys.exit(_dry_run_verdict(rows))
+
+
+def _launch_meta(path: str, bundle) -> dict:
+    """What a cuteaot row depends on beyond the commit: the bundle's manifest digest (its cubins are carried,
+    not committed) and the launch modes the runtime used."""
+    import hashlib
+
+    from cuteaot.runtime.bundle import _LaunchSettings
+
+    manifest = Path(path) / "manifest.json"
+    return {"bundle": str(path),
+            "bundle_manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+            "programmatic_launch": _LaunchSettings.programmatic,
+            "cooperative_launch": {None: "once streams are reserved (none here)", True: "always",
+                                   False: "never"}[_LaunchSettings.cooperative],
+            "bundle_loaded": bundle is not None}
 
 
 def _dry_run_verdict(rows: list[dict]) -> int:
