@@ -26,7 +26,7 @@ from cuda.bindings import driver
 from benchmarks.common import host_us_per_call
 from benchmarks.gemm import random_packed
 from cuteaot.runtime import load_bundle
-from cuteaot.runtime.bundle import _LaunchSettings, _launch_config
+from cuteaot.runtime.bundle import _launch_config, launch_mode
 from cuteaot.runtime.moe import MoeLayer
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
@@ -54,11 +54,9 @@ def main() -> None:
         recorded = []
         for r in bound.launches:
             config = None
-            cooperative = _LaunchSettings.cooperative
-            mode = (r.kernel.programmatic and _LaunchSettings.programmatic, r.kernel.waits_on_grid and (
-                r.kernel.state.concurrent if cooperative is None else cooperative))
-            if any(mode):  # the attributes the runtime launches this kernel with
-                config = _launch_config(r.kernel, *mode)
+            mode = launch_mode(r.kernel)  # the attributes the runtime launches this kernel with
+            if mode:
+                config = _launch_config(r.kernel, bool(mode & 1), bool(mode & 2))
                 config.gridDimX, config.hStream = r.grid_x, stream
             recorded.append((r.kernel.function, r.grid_x, r.kernel.block, r.kernel.smem, r.buffer.address, config))
 

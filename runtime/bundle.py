@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,6 +49,18 @@ def check_cu(result: tuple, what: str):
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _env_choice(name: str) -> bool | None:
+    """An on / off / auto environment setting: 1 true yes on, 0 false no off, or unset / auto (None)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value not in ("", "auto"):
+        warnings.warn(f"{name}={value!r} is not 1, 0 or auto: taken as auto", stacklevel=2)
+    return None
+
+
 class _LaunchSettings:
     # Programmatic dependent launch (PDL): a kernel whose PTX waits for the grids before it
     # (KernelRecord.waits_for_prior_grids) is launched with programmatic stream serialization, so its
@@ -63,7 +76,7 @@ class _LaunchSettings:
     # default (None) a bundle's such kernels launch cooperatively once one of its layers reserved
     # streams (`MoeLayer.reserve`: layers declared to run concurrently), plainly before; True / False
     # (CUTEAOT_COOPERATIVE=1 / 0, or set_cooperative_launch) decide for every launch.
-    cooperative = {"1": True, "0": False}.get(os.environ.get("CUTEAOT_COOPERATIVE", ""), None)
+    cooperative = _env_choice("CUTEAOT_COOPERATIVE")
 
 
 class LaunchState:
@@ -88,7 +101,7 @@ def set_cooperative_launch(enabled: bool | None) -> bool | None:
     cooperatively once their bundle's layers reserved streams for concurrent calls (None, the default
     unless CUTEAOT_COOPERATIVE is 1 or 0); returns the previous setting.  A CUDA graph keeps what was
     set while it was captured."""
-    if enabled not in (True, False, None):
+    if not (enabled is True or enabled is False or enabled is None):
         raise BadInputError(f"set_cooperative_launch takes True, False or None, got {enabled!r}")
     previous, _LaunchSettings.cooperative = _LaunchSettings.cooperative, enabled
     return previous
@@ -116,22 +129,26 @@ def _launch_config(kernel: "LoadedKernel", programmatic: bool, cooperative: bool
     return config
 
 
+def launch_mode(kernel: "LoadedKernel") -> int:
+    """How `kernel` launches now: 0 plainly, + 1 programmatic (PDL), + 2 cooperative (see _LaunchSettings)."""
+    if not (kernel.programmatic or kernel.waits_on_grid):
+        return 0
+    cooperative = _LaunchSettings.cooperative
+    return (bool(kernel.programmatic and _LaunchSettings.programmatic)
+            + 2 * bool(kernel.waits_on_grid and (kernel.state.concurrent if cooperative is None else cooperative)))
+
+
 def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) -> None:
     """One launch of `kernel` with the packed parameter array at `params`."""
-    cooperative = _LaunchSettings.cooperative
-    mode = (kernel.programmatic and _LaunchSettings.programmatic,
-            kernel.waits_on_grid and (kernel.state.concurrent if cooperative is None else cooperative))
-    if mode != (False, False):
-        tls = kernel._tls
+    mode = launch_mode(kernel) if kernel.programmatic or kernel.waits_on_grid else 0  # (the plain path: one test)
+    if mode:
         try:
-            launch = tls.configs[mode]
+            launch = kernel._tls.configs[mode]
         except AttributeError:  # (this thread's first launch of the kernel with attributes)
-            tls.configs = {}
-            launch = None
-        except KeyError:
+            kernel._tls.configs = [None] * 4
             launch = None
         if launch is None:
-            launch = tls.configs[mode] = [_launch_config(kernel, *mode), None]
+            launch = kernel._tls.configs[mode] = [_launch_config(kernel, bool(mode & 1), bool(mode & 2)), None]
         config = launch[0]
         if launch[1] != (grid_x, stream):  # the driver struct's setters cost more than this test
             config.gridDimX = grid_x
@@ -144,7 +161,7 @@ def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) ->
     if err:  # CUresult is an int; CUDA_SUCCESS == 0
         try:
             check_cu((err,), f"launching {kernel.record.symbol} (grid=({grid_x}, 1, 1)"
-                             f"{', cooperative' if mode[1] else ''})")
+                             f"{', cooperative' if mode & 2 else ''})")
         except LaunchError as exc:
             hint = _context_hint(kernel)
             if not hint:

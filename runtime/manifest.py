@@ -138,6 +138,9 @@ def read_manifest(bundle_dir: str | Path) -> dict:
         _check_file_name(kernel["arch"], kernel["key"], kernel["file"], kernel["sha256"], where)
     for i, target in enumerate(manifest["targets"]):
         _require(_object(target, f"{path}: targets[{i}]"), _TARGET_FIELDS, f"{path}: targets[{i}]")
+    names = [t["name"] for t in manifest["targets"]]
+    if len(set(names)) != len(names):
+        raise SchemaMismatchError(f"{path}: targets name a device profile twice: {names}")
     for i, raw in enumerate(manifest["resolution"]):
         _require(_object(raw, f"{path}: resolution[{i}]"), _ENTRY_FIELDS, f"{path}: resolution[{i}]")
     shard = manifest.get("shard")
@@ -163,6 +166,9 @@ def _check_kernel_values(kernel: dict, where: str) -> None:
     bad = [k for k, v in kernel["facts"].items() if not isinstance(v, _FACT_TYPES)]
     if bad:
         raise SchemaMismatchError(f"{where}: fact {bad[0]!r} must be a string, number, bool or null")
+    if not isinstance(kernel.get("waits_for_prior_grids", False), bool):
+        raise SchemaMismatchError(f"{where}: waits_for_prior_grids must be true or false, got "
+                                  f"{kernel['waits_for_prior_grids']!r}")
     block = kernel["block"]
     if len(block) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block):
         raise SchemaMismatchError(f"{where}: block must be three positive ints, got {block!r}")

@@ -686,9 +686,12 @@ class MoeLayer:
             if not self.calibration_tokens:
                 self._entry(True)  # raises UnknownSpecializationError, naming what the bundle has
             rows = {persistent_launch(self.bundle, digest).spec.amax_experts
-                    for launch in self._entry(True).launches for role, digest in launch.kernels.items()
-                    if role == "fused"}
-            self._amax_rows = rows.pop() if len(rows) == 1 else -1
+                    for launch in self._entry(True).launches if launch.m_min <= self.calibration_tokens
+                    for role, digest in launch.kernels.items() if role == "fused"}
+            if len(rows) != 1:
+                raise BundleError(f"this bundle's calibration kernels disagree on activation_amax's rows ({sorted(rows)})"
+                                  ": its table is corrupt; rebuild it")
+            self._amax_rows = rows.pop()
         if self._amax_rows != self.num_experts:
             raise BadInputError(
                 f"this bundle's calibration kernels index activation_amax by {self._amax_rows} experts (the "

@@ -235,6 +235,12 @@ class Entry:
         counts (a table edited by hand, or written by another tool, fails here rather than at a launch)."""
         expected = 1
         for launch in self.launches:
+            for name, value, kind in (("m_min", launch.m_min, int), ("m_max", launch.m_max, int),
+                                      ("kernels", launch.kernels, dict), ("sizes", launch.sizes, dict),
+                                      ("grids", launch.grids, dict)):
+                if isinstance(value, bool) or not isinstance(value, kind):
+                    raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a launch has {name} = "
+                                              f"{value!r}, not {'an int' if kind is int else 'an object'}")
             counts = [("grid_x", launch.grid_x, 1), ("route_block", launch.route_block, 0)]
             counts += [(f"grids[{role!r}]", v, 1) for role, v in launch.grids.items()]
             counts += [(f"sizes[{name!r}]", v, 0) for name, v in launch.sizes.items()]
@@ -255,10 +261,16 @@ class Entry:
         if not self.launches or not self.workspaces:
             raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile} has no launches or workspaces")
         for ws in self.workspaces:
+            if not isinstance(ws.sizes, dict):
+                raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a workspace has sizes = "
+                                          f"{ws.sizes!r}, not an object")
             for name, value in (("max_tokens", ws.max_tokens), *ws.sizes.items()):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a workspace has "
                                               f"{name} = {value!r}, not an int >= 0")
+        if max(ws.max_tokens for ws in self.workspaces) < self.max_tokens:
+            raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: no workspace serves its "
+                                      f"{self.max_tokens} tokens")
 
 
 # ------------------------------------------------------------------------------------- the table

@@ -216,6 +216,10 @@ def test_biased_layers_resolve_their_own_kernels_and_pass_the_biases(monkeypatch
     (lambda launch: launch["sizes"].update(c_tmp=-1), r"sizes\['c_tmp'\] = -1, not an int >= 0"),
     (lambda launch: launch.update(kernels={}), "names no kernel digests"),
     (lambda launch: launch.update(kernels={"fused": 7}), "names no kernel digests"),
+    (lambda launch: launch.update(kernels=["x"]), r"kernels = \['x'\], not an object"),
+    (lambda launch: launch.update(sizes=5), "sizes = 5, not an object"),
+    (lambda launch: launch.update(grids=[]), r"grids = \[\], not an object"),
+    (lambda launch: launch.update(m_max="9"), "m_max = '9', not an int"),
 ])
 def test_a_table_with_launch_fields_that_are_not_counts_is_refused(edit, message):
     raw = copy.deepcopy(_silu_entry())
@@ -227,3 +231,10 @@ def test_a_table_with_launch_fields_that_are_not_counts_is_refused(edit, message
 @functools.lru_cache(maxsize=1)
 def _silu_entry() -> dict:
     return next(e for e in _table() if e["problem"] == "tiny-fused-silu" and not e["facts"].get("expert_map"))
+
+
+def test_a_table_without_a_workspace_for_its_largest_launch_is_refused():
+    raw = copy.deepcopy(_silu_entry())
+    raw["workspaces"] = raw["workspaces"][:1]
+    with pytest.raises(SchemaMismatchError, match="no workspace serves its 4096 tokens"):
+        Entry.from_json(raw)

@@ -358,7 +358,8 @@ def test_layer_rejects_bad_inputs_before_launch(layer, change, message):
 
 
 def test_masked_routes_pass_the_host_check(layer, monkeypatch):
-    """-1 is how serving engines mask a route (padded tokens): validate_ids keeps it, with or without a map."""
+    """-1 is how serving engines mask a route (padded tokens): validate_ids keeps it on a layer without a map
+    too (test_expert_map_layer_accepts_dropped_routes_but_not_below_minus_one: with one)."""
     x, w, ids = _inputs()
     assert layer._check(x, w, ids.masked_fill(ids == 3, -1), None, None, None) == 4  # the checks of a call
 

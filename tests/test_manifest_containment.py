@@ -219,6 +219,8 @@ def _set(path: list, value):
     (_set(["targets", 0, "sm_count"], 114), r"was planned for h200 as .*'sm_count': 114.* profile is"),
     (lambda m: m.update(resolution=["x"]), r"resolution\[0\] must be a JSON object, got str"),
     (lambda m: m.update(shard={"index": 0}), r"shard: field 'count' is missing"),
+    (_set(["kernels", 0, "waits_for_prior_grids"], "false"), "waits_for_prior_grids must be true or false"),
+    (lambda m: m["targets"].append(dict(m["targets"][0])), "targets name a device profile twice"),
 ])
 def test_a_malformed_manifest_is_a_schema_error_not_a_crash(bundle, edit, message):
     """Whatever a damaged or hand-edited manifest holds, reading it raises the one error type a serving

@@ -410,8 +410,11 @@ def test_kernels_whose_ctas_wait_on_each_other_launch_cooperatively_once_layers_
         state.concurrent = False
         set_cooperative_launch(True)
         assert launch_all(10) == [("fn11", "pdl+coop", 10), ("fn01", "coop", 10), ("fn00", "plain", 10)]
-        with pytest.raises(BadInputError, match="takes True, False or None"):
-            set_cooperative_launch("yes")
+        kernels[1].launch(10, 77, src=0x1000, rows=5)  # another stream: the cached configuration follows it
+        assert issued[-1] == ("fn01", "coop", 10) and int(kernels[1]._tls.configs[2][0].hStream) == 77
+        for bad in ("yes", 1, 0.0):
+            with pytest.raises(BadInputError, match="takes True, False or None"):
+                set_cooperative_launch(bad)
     finally:
         set_programmatic_launch(previous[0])
         set_cooperative_launch(previous[1])
@@ -563,3 +566,15 @@ def test_prepared_weights_and_a_callers_gemm_workspace_must_be_dense_on_the_bund
     assert pack_gemm_routes(bundle, ids, w, workspace=good).shape == (1, 2)
     with pytest.raises(BadInputError, match="workspace.c_tmp must be"):
         pack_gemm_routes(bundle, ids, w, workspace=dataclasses.replace(good, c_tmp=good.c_tmp.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("on", True), ("0", False), ("off", False), ("", None),
+                                             ("auto", None)])
+def test_the_cooperative_environment_setting(monkeypatch, value, expected):
+    from cuteaot.runtime.bundle import _env_choice
+
+    monkeypatch.setenv("CUTEAOT_COOPERATIVE", value)
+    assert _env_choice("CUTEAOT_COOPERATIVE") is expected
+    monkeypatch.setenv("CUTEAOT_COOPERATIVE", "sometimes")
+    with pytest.warns(UserWarning, match="is not 1, 0 or auto: taken as auto"):
+        assert _env_choice("CUTEAOT_COOPERATIVE") is None

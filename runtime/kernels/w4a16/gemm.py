@@ -32,6 +32,7 @@ from ...errors import BadInputError, BundleError, LaunchError
 from ...resolution import GEMM, Entry, GemmFacts, Launch, gemm_variant
 from ...tensors import INT32_MAX, check_apart, check_rank, check_tensor
 from ...weights import PackedNvfp4
+from ...workspace import capturing as capturing_on
 from ..route_pack import (
     _pack_routes, direct_route_ids, max_packed_route_slots, route_pack_elements_used, route_pack_workspace_elements,
 )
@@ -338,7 +339,7 @@ def w4a16_moe_gemm(
         # One workspace per stream, grown on demand: launches on a stream are ordered, so they
         # can share it, and the locks stay zero between launches.
         workspace = bundle.gemm_workspaces.get(stream)
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = capturing_on(bundle.device)  # the bundle's device's stream, whichever device is current
         if workspace is None or not workspace.fits(launch, m, top_k, weights.num_experts):
             if capturing:
                 raise BadInputError("w4a16_moe_gemm under CUDA-graph capture needs a preallocated workspace "
@@ -348,6 +349,8 @@ def w4a16_moe_gemm(
             workspace = bundle.gemm_workspaces[stream] = GemmWorkspace.allocate(
                 launch.sizes, m * top_k, weights.num_experts, device, at_least=workspace
             )
+            if len(bundle.gemm_workspaces) > 1:  # GEMMs on several streams may run at once: cooperative grids
+                bundle.launch_state.concurrent = True
         if capturing:
             workspace.captured = True
     else:
