@@ -77,15 +77,26 @@ class _LaunchSettings:
     # streams (`MoeLayer.reserve`: layers declared to run concurrently), plainly before; True / False
     # (CUTEAOT_COOPERATIVE=1 / 0, or set_cooperative_launch) decide for every launch.
     cooperative = _env_choice("CUTEAOT_COOPERATIVE")
+    # bumped whenever anything launch_mode reads changes: a kernel recomputes its cached mode only then
+    generation = 0
 
 
 class LaunchState:
     """What one bundle's launches depend on beyond the kernel: `concurrent` once a layer reserved streams."""
 
-    __slots__ = ("concurrent",)
+    __slots__ = ("_concurrent",)
 
     def __init__(self) -> None:
-        self.concurrent = False
+        self._concurrent = False
+
+    @property
+    def concurrent(self) -> bool:
+        return self._concurrent
+
+    @concurrent.setter
+    def concurrent(self, value: bool) -> None:
+        self._concurrent = bool(value)
+        _LaunchSettings.generation += 1  # every kernel's cached launch mode is stale
 
 
 def set_programmatic_launch(enabled: bool) -> bool:
@@ -93,6 +104,7 @@ def set_programmatic_launch(enabled: bool) -> bool:
     the default unless CUTEAOT_PDL=0) or plainly; returns the previous setting.  A CUDA graph keeps
     what was set while it was captured."""
     previous, _LaunchSettings.programmatic = _LaunchSettings.programmatic, bool(enabled)
+    _LaunchSettings.generation += 1
     return previous
 
 
@@ -104,6 +116,7 @@ def set_cooperative_launch(enabled: bool | None) -> bool | None:
     if not (enabled is True or enabled is False or enabled is None):
         raise BadInputError(f"set_cooperative_launch takes True, False or None, got {enabled!r}")
     previous, _LaunchSettings.cooperative = _LaunchSettings.cooperative, enabled
+    _LaunchSettings.generation += 1
     return previous
 
 
@@ -140,7 +153,11 @@ def launch_mode(kernel: "LoadedKernel") -> int:
 
 def _cu_launch(kernel: "LoadedKernel", grid_x: int, stream: int, params: int) -> None:
     """One launch of `kernel` with the packed parameter array at `params`."""
-    mode = launch_mode(kernel) if kernel.programmatic or kernel.waits_on_grid else 0  # (the plain path: one test)
+    if kernel._mode_generation == _LaunchSettings.generation:  # (one test on the hot path)
+        mode = kernel._mode
+    else:
+        kernel._mode, kernel._mode_generation = launch_mode(kernel), _LaunchSettings.generation
+        mode = kernel._mode
     if mode:
         try:
             launch = kernel._tls.configs[mode]
@@ -197,9 +214,19 @@ class LoadedKernel:
         self.smem = record.dynamic_smem_bytes
         self.programmatic = record.waits_for_prior_grids
         # its CTAs wait on each other: set by the family that knows (PersistentLaunch, route packing)
-        self.waits_on_grid = False
+        self._waits_on_grid = False
         self.state = LaunchState() if state is None else state  # its bundle's
+        self._mode, self._mode_generation = 0, -1  # launch_mode, cached for _LaunchSettings.generation
         self._tls = threading.local()
+
+    @property
+    def waits_on_grid(self) -> bool:
+        return self._waits_on_grid
+
+    @waits_on_grid.setter
+    def waits_on_grid(self, value: bool) -> None:
+        self._waits_on_grid = bool(value)
+        self._mode_generation = -1
 
     def bind(self, signature: Signature) -> None:
         """Declare the runtime's signature for this kernel; refuses one the build did not check."""

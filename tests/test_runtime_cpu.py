@@ -502,8 +502,11 @@ def test_an_implicit_gemm_workspace_a_graph_captured_outlives_its_replacement(mo
     bundle = _stub_gemm_calls(monkeypatch, stream=5)
     w13 = prepare_w13(*random_nvfp4(8, 512, 512, torch.Generator().manual_seed(4)), "bf16")
 
+    from cuteaot.runtime.kernels.w4a16 import gemm as gemm_module
+
     def call(m: int, capturing: bool):
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        # what capturing(bundle.device) says of the bundle's device (a CPU stub here)
+        monkeypatch.setattr(gemm_module, "capturing_on", lambda device: capturing)
         w4a16_moe_gemm(bundle, torch.zeros(m, 512, dtype=torch.bfloat16), w13, torch.zeros(m, 2, dtype=torch.int32))
         return bundle.gemm_workspaces[5]
 
