@@ -734,6 +734,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", help="default docs/results/peers-<date>.json (dry run: none)")
     ap.add_argument("--commit", help="recorded commit (default: git rev-parse --short HEAD)")
     ap.add_argument("--flush-mib", type=int, default=256, help="L2 flush buffer (default: %(default)s MiB)")
+    ap.add_argument("--flush", choices=["read", "write"], default="read",
+                    help="how the L2 is flushed before each call: a read (clean lines) or a zero fill (dirty lines)")
     ap.add_argument("--samples", type=int, default=60, help="timed calls per row, interleaved (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no GPU kernels, no timing")
     args = ap.parse_args(argv)
@@ -762,8 +764,10 @@ def make_env(args) -> tuple[Env, dict]:
     meta = {"gpu": props.name, "sm_count": props.multi_processor_count,
             "l2_bytes": getattr(props, "L2_cache_size", None), "flush_bytes": buf.numel() * 4,
             "torch": torch.__version__}
-    # the flush reads: clean lines leave L2 for free, so no write-back of the flush lands in the timed call
-    return Env(dev, False, hbm, tc, lambda: buf.sum(), commit), meta
+    meta["flush"] = args.flush
+    # a read flush leaves L2 clean: no write-back of the flush lands in the timed call; a write flush
+    # (`--flush write`, as harnesses that zero a buffer do) leaves it dirty, and each call pays write-backs
+    return Env(dev, False, hbm, tc, (lambda: buf.sum()) if args.flush == "read" else buf.zero_, commit), meta
 
 
 def main(argv=None) -> None:
