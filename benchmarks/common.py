@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -163,6 +164,12 @@ class FlushedTimer:
         return {name: found[name]["us"] for name in calls}
 
 
+def routing_generator(model: str, m: int, device: str = "cuda") -> torch.Generator:
+    """The generator of one (model, M)'s routing: the same tokens and experts whichever other M a run
+    measures, and in every tool that uses it."""
+    return torch.Generator(device=device).manual_seed(zlib.crc32(f"{model}:{m}".encode()))
+
+
 def uniform_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Generator):
     """(x bf16 (m, hidden), router weights (m, top_k), int32 ids (m, top_k)): uniform top-k, on g's device."""
     x = torch.randn(m, hidden, generator=g, device=g.device).to(torch.bfloat16)
@@ -216,8 +223,8 @@ def compare_formats(bundle, models: list[str], ms: list[int], check_m: int, roun
     `reference(x, weights, ids)` gives the float32 output, checked at `check_m` (outputs poisoned);
     every M of `ms` is timed (FlushedTimer).  With `floors`, each row also carries the weight bytes the
     routing touches (distinct routed experts x expert_bytes) and that many bytes at the measured copy
-    bandwidth (`floor_us`).  One generator per model (seeded by its name's length) draws the weights
-    and every routing, so two runs see the same problems."""
+    bandwidth (`floor_us`).  One generator per model (seeded by its name's length) draws the weights, one
+    per (model, M) the routing (`routing_generator`), so two runs see the same problems."""
     timer = FlushedTimer() if ms else None
     bandwidth = hbm_copy_bandwidth() if floors else None
     rows = []
@@ -225,7 +232,7 @@ def compare_formats(bundle, models: list[str], ms: list[int], check_m: int, roun
         g = torch.Generator(device=device).manual_seed(len(name))
         (hidden, experts, top_k), layers = build(bundle, name, g)
         for m in sorted(set(ms) | {check_m}):
-            x, w, ids = uniform_routing(m, hidden, experts, top_k, g)
+            x, w, ids = uniform_routing(m, hidden, experts, top_k, routing_generator(name, m, device))
             references = None
             if m == check_m:
                 references = {impl: (lambda ref=ref: ref(x, w, ids)) for impl, (_, ref, _) in layers.items()}

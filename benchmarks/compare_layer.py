@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import FlushedTimer, comma_list, run_layers, uniform_routing
+from benchmarks.common import FlushedTimer, comma_list, routing_generator, run_layers, uniform_routing
 from cuteaot.runtime.types import SWIGLUOAI_DEFAULT_ALPHA, SWIGLUOAI_DEFAULT_BETA, SWIGLUOAI_DEFAULT_LIMIT, DType
 from tests.reference.moe import moe_reference
 from tests.reference.moe_elementwise import relative_error
@@ -114,7 +114,7 @@ def compare(base, news: dict, models, ms, rounds, check: bool = False, weights: 
         layers = {"base": _layer(base, f, w13, w2)}
         layers.update({label: _layer(bundle, f, w13, w2) for label, bundle in news.items()})
         for m in ms:
-            x, w, ids = uniform_routing(m, h, e, k, g)
+            x, w, ids = uniform_routing(m, h, e, k, routing_generator(name, m))  # whatever --m lists
             x = x.to(layer_dtype(f))
             references = None
             if check:
