@@ -71,7 +71,7 @@ PLANNER_SOURCES = ("kernels/w4a16/planning.py", "kernels/w4a16/fused_planning.py
 RUNTIME_SOURCES = ("abi.py", "keys.py", "types.py", "devices.py", "kernels", "weights.py", "nf3.py")
 # runtime modules the fingerprinted ones import that cannot change what is compiled: exceptions, and what
 # the kernel families use to launch (tests/test_build_robustness.py checks that nothing else is left out)
-LAUNCH_ONLY_SOURCES = ("errors.py", "bundle.py", "tensors.py", "resolution.py")
+LAUNCH_ONLY_SOURCES = ("errors.py", "bundle.py", "tensors.py", "resolution.py", "workspace.py")
 # What else decides the resolution table (which kernel, grid and buffers serve each M): a bundle
 # whose plan fingerprint and spec are unchanged is up to date without re-planning.
 PLAN_SOURCES = (("codegen", "table.py"), ("codegen", "enumerate.py"), ("codegen", "spec.py"),
