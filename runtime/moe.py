@@ -703,7 +703,9 @@ class BoundMoeCall:
 
     The launches carry the bound tensors' addresses: refill the buffers in place, never resize them (their
     storages are held, so a resized buffer is not written, and no freed memory is).  A `reserve()` that
-    gives the bound stream its own workspace after `bind` is refused at the next call: bind again."""
+    gives the bound stream its own workspace after `bind` is refused at the next call: bind again.  It
+    launches on the stream current at `bind`, whatever stream is current at the call: to capture it in a
+    CUDA graph, capture on that stream (a capture on another one would not record its launches)."""
 
     __slots__ = ("layer", "launches", "stream", "buffers", "storages", "out", "ws", "pool", "generation")
 
