@@ -311,3 +311,33 @@ def test_a_functional_layer_is_rebuilt_not_piled_up_for_a_new_expert_map(stubbed
         assert layer.expert_map is expert_map
     gc.collect()
     assert bundle.workspaces.live_layers(layer.shape) == 1  # the replaced layers are gone
+
+
+def test_reserving_streams_declares_the_bundles_layers_concurrent(stubbed):
+    """reserve() gives each stream its own workspace and marks the bundle concurrent, so that its kernels
+    whose CTAs wait on each other launch as cooperative grids from then on (runtime/bundle.py); streams of
+    another device or non-streams are refused before anything is reserved or marked."""
+    from cuteaot.runtime.errors import BadInputError
+
+    class FakeStream(torch.cuda.Stream):  # a torch.cuda.Stream without a GPU: only what reserve() reads
+        def __new__(cls, handle, device):
+            return object.__new__(cls)
+
+        def __init__(self, handle, device):
+            self._handle, self._device = handle, torch.device(device)
+
+        cuda_stream = property(lambda self: self._handle)
+        device = property(lambda self: self._device)
+
+    bundle = stub_bundle()
+    layer = moe.MoeLayer(bundle, *_weights(), top_k=TOP_K)
+    assert bundle.launch_state.concurrent is False
+    with pytest.raises(BadInputError, match="reserve takes torch.cuda.Stream objects"):
+        layer.reserve([FakeStream(11, "cpu"), "not a stream"])
+    with pytest.raises(BadInputError, match="the layer on cpu"):
+        layer.reserve([FakeStream(12, "meta")])
+    layer.reserve([])
+    assert bundle.launch_state.concurrent is False and bundle.workspaces.get(layer.shape, 11) is layer.workspace(0)
+    layer.reserve([FakeStream(11, "cpu"), FakeStream(12, "cpu")])
+    assert bundle.launch_state.concurrent is True
+    assert bundle.workspaces.get(layer.shape, 11) is not bundle.workspaces.get(layer.shape, 12)
