@@ -205,9 +205,11 @@ def _plan_text(launch, op: str, specs: dict) -> str:
         f"{variant} {s.mainloop.value} {s.tile_n}x{s.tile_k}" for variant, s in specs.items())
 
 
-def _launch_text(launch, op: str, arch: str, records: dict, families: dict, shard) -> str:
+def _launch_text(launch, op: str, arch: str, records: dict, shard) -> str:
     """_plan_text of one launch, or what keeps it from being described (a kernel another shard holds, a
     family this cuteaot does not know, kernels that do not fit their roles)."""
+    from cuteaot.runtime.kernels import FAMILIES as families
+
     found = {role: records.get((arch, digest)) for role, digest in launch.kernels.items()}
     missing = [launch.kernels[role][:12] for role, r in found.items() if r is None]
     if missing:
@@ -225,7 +227,6 @@ def _launch_text(launch, op: str, arch: str, records: dict, families: dict, shar
 def _plans(m: dict, problems: list[str] | None) -> tuple[str, bool]:
     """Per resolution entry (optionally only `problems`), which plan each token range runs; and whether every
     problem asked for has entries."""
-    from cuteaot.runtime.kernels import FAMILIES
     from cuteaot.runtime.resolution import Entry
 
     arches = {t["name"]: t["arch"] for t in m["targets"]}
@@ -238,7 +239,7 @@ def _plans(m: dict, problems: list[str] | None) -> tuple[str, bool]:
         rows = []
         for launch in entry.launches:
             tokens = str(launch.m_min) if launch.m_min == launch.m_max else f"{launch.m_min}-{launch.m_max}"
-            rows.append([tokens, _launch_text(launch, entry.op, arch, records, FAMILIES, m.get("shard"))])
+            rows.append([tokens, _launch_text(launch, entry.op, arch, records, m.get("shard"))])
         blocks.append(_entry_title(entry, arch) + "\n" + _table(["tokens", "plan"], rows))
     known = sorted({r["problem"] for r in m["resolution"]})
     unknown = [p for p in problems or () if p not in known]

@@ -36,6 +36,7 @@ name the file, the line, the field and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import re
@@ -51,6 +52,7 @@ from cuteaot.runtime.kernels import ActivationSpec, TopKSumSpec
 from cuteaot.runtime.kernels.w4a16.fused_spec import FusedSpec
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.kernels.route_pack import MAX_EXPERTS, IdsDType
+from cuteaot.runtime.kernels.topk_sum import MAX_TOP_K
 from cuteaot.runtime.nf3 import NF3_BLOCK_K
 from cuteaot.runtime.weights import SCALE_GROUP_K
 from cuteaot.runtime.types import Activation, DType, WeightFormat
@@ -278,6 +280,8 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
                 f"list buckets up to {MAX_TOKENS}"))
     num_experts = r.integer(m["num_experts"], f"{field}.num_experts")
     top_k = r.integer(m["top_k"], f"{field}.top_k")
+    if not 1 <= top_k <= MAX_TOP_K:  # the top-k sum's unrolled route loop
+        raise r.fail(m["top_k"], f"{field}.top_k", f"top_k must be an int in [1, {MAX_TOP_K}], got {top_k}")
     if top_k > num_experts:
         raise r.fail(m["top_k"], f"{field}.top_k", f"top_k {top_k} exceeds num_experts {num_experts}")
     fast_math = r.one_or_list(m["fast_math"], f"{field}.fast_math", r.boolean) if "fast_math" in m else (True,)
@@ -319,8 +323,11 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
     if problem.gemm or problem.fused:
         _check_int32_routes(r, tokens_node, f"{field}.tokens", problem)
     # The kernel families' own validity checks decide what combinations can be built.
+    # The activation's check is the swiglu node's where the sizes pass it without the swiglu values.
+    unswiglued = dataclasses.replace(problem, swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None)
     checks = [
-        ("intermediate_size", lambda: problem.activation_spec(problem.dtypes[0], True)),
+        ("intermediate_size", lambda: unswiglued.activation_spec(problem.dtypes[0], True)),
+        ("swiglu", lambda: problem.activation_spec(problem.dtypes[0], True)),
         ("hidden_size", lambda: problem.topk_sum_spec(problem.dtypes[0])),
     ]
     # every token count up to the largest bucket must have a plan (fit check, tiles); checked on the H200
@@ -333,10 +340,6 @@ def _one_problem(r: _Reader, node: _Node, field: str, tp: int) -> MoeProblem:
         try:
             check()
         except BadInputError as exc:
-            # the field the message is about, where it names one (a top_k or swiglu value caught by the
-            # activation or top-k sum kernel's checks)
-            name = next((key for word, key in (("top_k", "top_k"), ("swiglu", "swiglu")) if word in str(exc)
-                         and key in m), name)
             raise r.fail(m.get(name, node), f"{field}.{name}", str(exc)) from None
     if problem.gemm or problem.fused:
         _check_layer_sizes(r, m, field, problem)

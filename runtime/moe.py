@@ -271,12 +271,7 @@ class MoeLayer:
         self._prepared: dict[tuple[int, int], tuple[MoeWorkspace, PreparedLaunch]] = {}
         self._steps: dict[tuple, _PackedSteps] = {}
         self._last_workspace: tuple = (None, -1, None)  # (stream, pool generation, workspace) of the last call
-        for launch in self.entry.launches:  # every kernel it can launch, loaded and co-residency checked now
-            if launch.m_min <= self.max_tokens:
-                for role, digest in launch.kernels.items():
-                    kernel = persistent_launch(bundle, digest)
-                    kernel.check_grid(launch.grid(role))
-                    self._check_stored_sizes(role, kernel)
+        self._check_launches(self.entry, self.max_tokens)  # every kernel it can launch, loaded and checked now
         self.shape = self._workspace_shape()
         pool = bundle.workspaces
         pool.acquire(self.shape, self._allocate_workspace)
@@ -362,6 +357,16 @@ class MoeLayer:
             raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
                                 f"got range [{lo}, {hi}]")
 
+    def _check_launches(self, entry: Entry, tokens: int) -> None:
+        """Every kernel `entry` launches for up to `tokens` tokens: loaded, co-residency checked, its grids
+        fitting the GPU and its stored weight sizes this runtime's (once per layer and table)."""
+        for launch in entry.launches:
+            if launch.m_min <= tokens:
+                for role, digest in launch.kernels.items():
+                    kernel = persistent_launch(self.bundle, digest)
+                    kernel.check_grid(launch.grid(role))
+                    self._check_stored_sizes(role, kernel)
+
     def _entry(self, calibration: bool) -> Entry:
         """The table entry of plain calls, or of calibration calls (activation_amax given)."""
         if not calibration:
@@ -392,12 +397,10 @@ class MoeLayer:
         """The table's launch of an m-token call and its checked kernel (cached)."""
         r = self._resolved.get((m, collect_amax))
         if r is None:
+            if collect_amax:  # the calibration table's kernels: checked on first use, not when the layer was built
+                self._check_calibration()
             launch = self._entry(collect_amax).launch(m)
             kernels = {role: persistent_launch(self.bundle, digest) for role, digest in launch.kernels.items()}
-            if collect_amax:  # the calibration table's kernels: not loaded (nor checked) when the layer was built
-                for role, kernel in kernels.items():
-                    kernel.check_grid(launch.grid(role))
-                    self._check_stored_sizes(role, kernel)
             r = Resolved(launch, kernels)
             if r.packs_routes:
                 self._check_packing(r.kernels["fused"], m)
@@ -681,12 +684,13 @@ class MoeLayer:
         return m
 
     def _check_calibration(self) -> None:
-        """Calibration kernels exist for this layer, and index activation_amax by its expert count."""
+        """Calibration kernels exist for this layer (checked as the plain ones were at construction, once),
+        and index activation_amax by its expert count."""
         if self._amax_rows is None:
-            if not self.calibration_tokens:
-                self._entry(True)  # raises UnknownSpecializationError, naming what the bundle has
+            entry = self._entry(True)  # raises UnknownSpecializationError, naming what the bundle has
+            self._check_launches(entry, self.calibration_tokens)
             rows = {persistent_launch(self.bundle, digest).spec.amax_experts
-                    for launch in self._entry(True).launches if launch.m_min <= self.calibration_tokens
+                    for launch in entry.launches if launch.m_min <= self.calibration_tokens
                     for role, digest in launch.kernels.items() if role == "fused"}
             if len(rows) != 1:
                 raise BundleError(f"this bundle's calibration kernels disagree on activation_amax's rows ({sorted(rows)})"

@@ -235,42 +235,36 @@ class Entry:
         counts (a table edited by hand, or written by another tool, fails here rather than at a launch)."""
         expected = 1
         for launch in self.launches:
-            for name, value, kind in (("m_min", launch.m_min, int), ("m_max", launch.m_max, int),
-                                      ("kernels", launch.kernels, dict), ("sizes", launch.sizes, dict),
-                                      ("grids", launch.grids, dict)):
-                if isinstance(value, bool) or not isinstance(value, kind):
-                    raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a launch has {name} = "
-                                              f"{value!r}, not {'an int' if kind is int else 'an object'}")
-            counts = [("grid_x", launch.grid_x, 1), ("route_block", launch.route_block, 0)]
-            counts += [(f"grids[{role!r}]", v, 1) for role, v in launch.grids.items()]
-            counts += [(f"sizes[{name!r}]", v, 0) for name, v in launch.sizes.items()]
-            for name, value, least in counts:
-                if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                    raise SchemaMismatchError(
-                        f"resolution entry {self.problem}/{self.profile}: launch [{launch.m_min}, {launch.m_max}] has "
-                        f"{name} = {value!r}, not an int >= {least}")
+            where = f"launch [{launch.m_min}, {launch.m_max}]"
+            for name in ("kernels", "sizes", "grids"):
+                if not isinstance(getattr(launch, name), dict):
+                    self._fail(f"{where} has {name} = {getattr(launch, name)!r}, not an object")
+            self._counts(where, [("m_min", launch.m_min, 1), ("m_max", launch.m_max, 1), ("grid_x", launch.grid_x, 1),
+                                 ("route_block", launch.route_block, 0)]
+                         + [(f"grids[{role!r}]", v, 1) for role, v in launch.grids.items()]
+                         + [(f"sizes[{name!r}]", v, 0) for name, v in launch.sizes.items()])
             if not launch.kernels or not all(isinstance(d, str) for d in launch.kernels.values()):
-                raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: launch [{launch.m_min}, "
-                                          f"{launch.m_max}] names no kernel digests: {launch.kernels!r}")
+                self._fail(f"{where} names no kernel digests: {launch.kernels!r}")
             if launch.m_min != expected or launch.m_max < launch.m_min:
-                raise SchemaMismatchError(
-                    f"resolution entry {self.problem}/{self.profile}: launch ranges must tile 1..max from 1 "
-                    f"without gaps, got [{launch.m_min}, {launch.m_max}] after {expected - 1}"
-                )
+                self._fail(f"launch ranges must tile 1..max from 1 without gaps, got [{launch.m_min}, "
+                           f"{launch.m_max}] after {expected - 1}")
             expected = launch.m_max + 1
         if not self.launches or not self.workspaces:
-            raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile} has no launches or workspaces")
+            self._fail("has no launches or workspaces")
         for ws in self.workspaces:
             if not isinstance(ws.sizes, dict):
-                raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a workspace has sizes = "
-                                          f"{ws.sizes!r}, not an object")
-            for name, value in (("max_tokens", ws.max_tokens), *ws.sizes.items()):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: a workspace has "
-                                              f"{name} = {value!r}, not an int >= 0")
+                self._fail(f"a workspace has sizes = {ws.sizes!r}, not an object")
+            self._counts("a workspace", [("max_tokens", ws.max_tokens, 0), *((n, v, 0) for n, v in ws.sizes.items())])
         if max(ws.max_tokens for ws in self.workspaces) < self.max_tokens:
-            raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: no workspace serves its "
-                                      f"{self.max_tokens} tokens")
+            self._fail(f"no workspace serves its {self.max_tokens} tokens")
+
+    def _counts(self, where: str, counts) -> None:
+        for name, value, least in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                self._fail(f"{where} has {name} = {value!r}, not an int >= {least}")
+
+    def _fail(self, message: str):
+        raise SchemaMismatchError(f"resolution entry {self.problem}/{self.profile}: {message}")
 
 
 # ------------------------------------------------------------------------------------- the table

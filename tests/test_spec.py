@@ -131,9 +131,9 @@ def test_token_bucket_bound_names_file_line_field_and_limit(tmp_path):
 def test_int32_route_vectors_bound_the_largest_bucket(tmp_path):
     """A wide, high-top_k fused problem whose route buffers overflow int32 vector counts is refused."""
     wide = GOOD.replace("hidden_size: 256", "hidden_size: 65536").replace("num_experts: 8", "num_experts: 512")
-    wide = wide.replace("top_k: 2", "top_k: 512").replace("tokens: [1, 8]", "tokens: [1, 4096]")
+    wide = wide.replace("top_k: 2", "top_k: 32").replace("tokens: [1, 8]", "tokens: [1, 16384]")
     err = _error(tmp_path, wide + "    gemm: true\n")
-    assert err.field == "moe[0].tokens" and "int32" in str(err) and "at most 511" in str(err)
+    assert err.field == "moe[0].tokens" and "int32" in str(err) and "at most 8,191" in str(err)
 
 
 def test_missing_key(tmp_path):
