@@ -55,13 +55,22 @@ def random_nvfp4(experts: int, n: int, k: int, generator: torch.Generator, std: 
 
 
 def dequantize_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """ModelOpt tensors -> float32 (E, N, K): (e2m1 * block scale) * weight_scale_2, in float32."""
+    """ModelOpt tensors -> float32 (E, N, K): (e2m1 * block scale) * weight_scale_2, in float32.
+    A few experts at a time: the temporaries of a whole layer (int64 codes, 16 bytes per weight)
+    would not fit beside a large model's layer on an 80 GB GPU."""
     experts, n, half_k = weight.shape
-    codes = torch.stack((weight & 0xF, weight >> 4), dim=-1).reshape(experts, n, 2 * half_k).long()
-    magnitude = torch.tensor(E2M1_MAGNITUDES, device=weight.device)[codes & 7]
-    e2m1 = torch.where((codes & 8) != 0, -magnitude, magnitude)
-    block = weight_scale.float().repeat_interleave(BLOCK_K, dim=-1)
-    return (e2m1 * block) * weight_scale_2.float().reshape(experts, 1, 1)
+    out = torch.empty(experts, n, 2 * half_k, dtype=torch.float32, device=weight.device)
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=weight.device)
+    step = max(1, (1 << 26) // max(1, n * half_k))
+    for start in range(0, experts, step):
+        part = slice(start, min(experts, start + step))
+        w = weight[part]
+        codes = torch.stack((w & 0xF, w >> 4), dim=-1).reshape(w.shape[0], n, 2 * half_k).long()
+        magnitude = magnitudes[codes & 7]
+        e2m1 = torch.where((codes & 8) != 0, -magnitude, magnitude)
+        block = weight_scale[part].float().repeat_interleave(BLOCK_K, dim=-1)
+        out[part] = (e2m1 * block) * weight_scale_2[part].float().reshape(-1, 1, 1)
+    return out
 
 
 # ---- device decode emulation ---------------------------------------------------------------------
