@@ -10,7 +10,9 @@ while the rest wait for SMs that another spinning grid holds.  Two parts:
 * hang: per launch mode, a child process runs `--trials` rounds of two streams (one of high priority)
   that each queue a matmul of random size and then `--calls` layer calls, the two streams' layers
   drained at random moments against each other; the child is killed after `--timeout` s.  Prints how
-  many rounds completed, and "HUNG" where the child did not finish.
+  many rounds completed, and "HUNG" where the child did not finish.  With `--graphs` the layer calls
+  are CUDA graphs captured on each stream after `reserve()` and replayed there (as an engine with two
+  overlapped batches replays its graphs): a graph keeps the launch attributes it was captured with.
 * cost: the layer's µs with each launch mode, with and without programmatic dependent launch
   (CUDA-graph replay, L2 flushed, interleaved rounds) at `--m-cost`, and the relative difference of
   the outputs.
@@ -63,6 +65,9 @@ def child(args) -> None:
     rng = random.Random(1)
     mats = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for n in (2048, 3072, 4096, 6144)]
     outs = {(s, m): torch.full_like(inputs[m][0], float("nan")) for s in range(2) for m in args.m}
+    graphs = _graphs(layer, inputs, outs, streams) if args.graphs else None
+    for out in outs.values():  # poisoned after the graphs' warm-up calls: only the rounds may write them
+        out.fill_(float("nan"))
     written = set()
     torch.cuda.synchronize()
     for trial in range(args.trials):
@@ -72,7 +77,10 @@ def child(args) -> None:
                 torch.mm(a, a)  # holds SMs for a while; the layers queue behind it
                 for _ in range(args.calls):
                     m = rng.choice(args.m)
-                    layer(*inputs[m], out=outs[(s, m)])
+                    if graphs is None:
+                        layer(*inputs[m], out=outs[(s, m)])
+                    else:
+                        graphs[(s, m)].replay()
                     written.add((s, m))
         if rng.random() < 0.5:
             streams[rng.randrange(2)].synchronize()
@@ -89,12 +97,29 @@ def child(args) -> None:
     print(f"{args.child}: done {args.trials} rounds", flush=True)
 
 
+def _graphs(layer, inputs, outs, streams) -> dict:
+    """{(stream index, M): a CUDA graph of one layer call writing outs[(s, M)]}, each captured on its stream
+    (so it runs with that stream's reserved workspace), after an eager warm-up call there."""
+    graphs = {}
+    for s, stream in enumerate(streams):
+        for m, args in inputs.items():
+            with torch.cuda.stream(stream):
+                layer(*args, out=outs[(s, m)])
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                layer(*args, out=outs[(s, m)])
+            graphs[(s, m)] = graph
+    torch.cuda.synchronize()
+    return graphs
+
+
 def hang_test(args) -> dict:
     results = {}
     for mode in ("plain", "cooperative"):
         cmd = [sys.executable, "-m", "benchmarks.concurrent_barriers", "--child", mode, "--bundle", args.bundle,
                "--problem", args.problem.split(",")[0], "--m", ",".join(map(str, args.m)), "--trials", str(args.trials),
-               "--calls", str(args.calls)]
+               "--calls", str(args.calls)] + (["--graphs"] if args.graphs else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -165,6 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--graphs", action="store_true", help="the hang test replays CUDA graphs of the layer calls")
     ap.add_argument("--skip", choices=["hang", "cost"])
     ap.add_argument("--json")
     ap.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)

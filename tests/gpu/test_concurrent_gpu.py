@@ -25,3 +25,17 @@ def test_layers_on_two_streams_at_once_do_not_hang(fused_bundle_dir):
         pytest.fail(f"two streams of grid-barrier layers hung: {exc.stdout!r}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.strip().endswith("default: done 200 rounds")
+
+
+def test_graphs_of_layers_replayed_on_two_streams_do_not_hang(fused_bundle_dir):
+    """The same with CUDA graphs captured on each stream after reserve() (the launch attributes in effect at
+    capture are the graph's), replayed on both streams as an engine with two overlapped batches does."""
+    cmd = [sys.executable, "-m", "benchmarks.concurrent_barriers", "--child", "default", "--bundle",
+           str(fused_bundle_dir), "--problem", "tiny-fused-silu", "--m", "1,2,8,64", "--trials", "200", "--calls", "4",
+           "--graphs"]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"two streams of graph-replayed grid-barrier layers hung: {exc.stdout!r}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.strip().endswith("default: done 200 rounds")
