@@ -174,11 +174,19 @@ def test_decode_and_packed_paths_agree(bundle, worst_errors):
         assert err <= 5e-3, f"M={m}: decode vs packed rel diff {err:.2e}"
 
 
-def test_activation_amax_calibration(bundle, check):
+@pytest.mark.parametrize("chunk", [None, 64, 300])
+def test_activation_amax_calibration(bundle, check, chunk):
+    """Calibration calls record each expert's FC1-input and activation maxima.  `chunk`: the call runs in
+    pieces of that many tokens, as it does where the bundle's calibration table stops below the plain
+    one (MoeLayer.calibration_tokens; no test bundle has such a table, so the test sets it): every piece
+    must add its maxima to the same rows."""
     model = Model("silu-bf16", seed=13)
     layer = model.layer(bundle)
+    if chunk is not None:
+        assert layer.calibration_tokens > chunk
+        layer.calibration_tokens = chunk
     layers = 3
-    for m in (5, 200):
+    for m in (5, 200) if chunk is None else (200, 1000):
         x, w, ids = model.inputs(m)
         amax = torch.zeros(layers, model.e, 2, device="cuda")
         out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype), activation_amax=amax, layer_idx=1)
