@@ -179,13 +179,17 @@ def uniform_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Gene
 
 
 def skewed_routing(m: int, hidden: int, experts: int, top_k: int, g: torch.Generator):
-    """As uniform_routing, but most routes on five experts (0.6, 0.3 and 0.1 / 3 each of the first choice's
-    weight), the other top-k choices spread thin over the rest: a few experts with many route blocks, many
-    with one part-filled block."""
+    """As uniform_routing, but most routes on five experts: each token draws its top_k distinct experts
+    without replacement (Gumbel top-k) from a distribution that gives the first five 0.45, 0.2, 0.1,
+    0.075 and 0.075 and spreads 0.1 over the rest, so that at any top_k a few experts get many route
+    blocks and many get one part-filled block."""
     x, weights, _ = uniform_routing(m, hidden, experts, top_k, g)
-    probs = torch.tensor([0.6, 0.3] + [0.1 / 3] * 3 + [0.0] * (experts - 5), device=g.device)
-    logits = torch.log(probs + 1e-12) + 0.01 * torch.rand(m, experts, generator=g, device=g.device)
-    return x, weights, logits.topk(top_k, dim=1).indices.to(torch.int32)
+    crowd = torch.tensor([0.45, 0.2, 0.1, 0.075, 0.075])[:experts]
+    rest = experts - crowd.numel()
+    probs = torch.cat((crowd, torch.full((rest,), 0.1 / max(rest, 1)))) if rest else crowd
+    u = torch.rand(m, experts, generator=g, device=g.device).clamp_min(1e-30)
+    keys = probs.to(g.device).log() - (-u.log()).log()  # log p + Gumbel noise: top-k = a draw without replacement
+    return x, weights, keys.topk(top_k, dim=1).indices.to(torch.int32)
 
 
 def run_layers(layers: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,

@@ -78,15 +78,19 @@ def test_compare_formats_checks_every_layer_at_check_m(capsys):
     assert "stand-in plan" in capsys.readouterr().out
 
 
-def test_skewed_routing_crowds_five_experts_and_keeps_the_conventions():
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_skewed_routing_crowds_five_experts_and_keeps_the_conventions(top_k):
     g = torch.Generator().manual_seed(3)
-    x, w, ids = skewed_routing(1000, 16, 64, 8, g)
-    ux, uw, uids = uniform_routing(1000, 16, 64, 8, torch.Generator().manual_seed(3))
+    x, w, ids = skewed_routing(1000, 16, 64, top_k, g)
+    ux, uw, uids = uniform_routing(1000, 16, 64, top_k, torch.Generator().manual_seed(3))
     assert (x.shape, w.shape, ids.shape, ids.dtype) == (ux.shape, uw.shape, uids.shape, uids.dtype)
-    assert all(len(set(row)) == 8 for row in ids.tolist())  # distinct experts per token
+    assert all(len(set(row)) == top_k for row in ids.tolist())  # distinct experts per token
     counts = torch.bincount(ids.flatten().long(), minlength=64)
-    assert (counts[:5] == 1000).all()  # every token picks the five crowded experts
-    assert counts[5:].sum() == 3000 and counts[5:].max() < 200  # the other three choices spread thin
+    rest = counts[5:]
+    assert counts[0] > 700 and counts[:5].sum() > 0.75 * 1000 * min(5, top_k)  # the five crowded experts: most routes
+    assert 0 < rest.max() < 100 and (rest > 0).sum() > 40  # the others get a few routes each, not none
+    if top_k == 8:
+        assert (counts[:5] > 900).all()  # nearly every token picks all five
 
 
 def test_reference_params_fill_swigluoai_defaults_only():
