@@ -15,16 +15,21 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.gpu
 
 
-def test_layers_on_two_streams_at_once_do_not_hang(fused_bundle_dir):
-    bundle = fused_bundle_dir
+def _probe(bundle, trials: int, *extra: str, timeout: float) -> None:
+    """The probe's child in the runtime's default mode (cooperative grids once streams are reserved) on
+    tiny-fused-silu at M 1, 2, 8, 64: it must finish `trials` rounds and match the one-stream results."""
     cmd = [sys.executable, "-m", "benchmarks.concurrent_barriers", "--child", "default", "--bundle", str(bundle),
-           "--problem", "tiny-fused-silu", "--m", "1,2,8,64", "--trials", "200", "--calls", "4"]
+           "--problem", "tiny-fused-silu", "--m", "1,2,8,64", "--trials", str(trials), "--calls", "4", *extra]
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"two streams of grid-barrier layers hung: {exc.stdout!r}")
+        pytest.fail(f"two streams of grid-barrier layers hung ({' '.join(extra) or 'eager'}): {exc.stdout!r}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.strip().endswith("default: done 200 rounds")
+    assert done.stdout.strip().endswith(f"default: done {trials} rounds")
+
+
+def test_layers_on_two_streams_at_once_do_not_hang(fused_bundle_dir):
+    _probe(fused_bundle_dir, 200, timeout=90)
 
 
 def test_graphs_of_layers_replayed_on_two_streams_do_not_hang(fused_bundle_dir):
@@ -32,12 +37,4 @@ def test_graphs_of_layers_replayed_on_two_streams_do_not_hang(fused_bundle_dir):
     effect at capture), replayed on both streams as an engine with two overlapped batches does: no hang, and
     each stream's outputs (poisoned after capture) equal the one-stream result.  With plain launches the
     same replay hung on an H100 after 360 and 520 rounds (two runs); cooperative ones finished 1000."""
-    cmd = [sys.executable, "-m", "benchmarks.concurrent_barriers", "--child", "default", "--bundle",
-           str(fused_bundle_dir), "--problem", "tiny-fused-silu", "--m", "1,2,8,64", "--trials", "1000", "--calls", "4",
-           "--graphs"]
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"two streams of graph-replayed grid-barrier layers hung: {exc.stdout!r}")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.strip().endswith("default: done 1000 rounds")
+    _probe(fused_bundle_dir, 1000, "--graphs", timeout=100)
