@@ -213,20 +213,17 @@ class LoadedKernel:
         self.block = record.block
         self.smem = record.dynamic_smem_bytes
         self.programmatic = record.waits_for_prior_grids
-        # its CTAs wait on each other: set by the family that knows (PersistentLaunch, route packing)
-        self._waits_on_grid = False
+        # its CTAs wait on each other: marked by the family that knows (PersistentLaunch, route packing)
+        self.waits_on_grid = False
         self.state = LaunchState() if state is None else state  # its bundle's
         self._mode, self._mode_generation = 0, -1  # launch_mode, cached for _LaunchSettings.generation
         self._tls = threading.local()
 
-    @property
-    def waits_on_grid(self) -> bool:
-        return self._waits_on_grid
-
-    @waits_on_grid.setter
-    def waits_on_grid(self, value: bool) -> None:
-        self._waits_on_grid = bool(value)
-        self._mode_generation = -1
+    def mark_waits_on_grid(self) -> None:
+        """Its CTAs wait on each other (grid barriers, split-K turns): launched cooperatively where layers
+        run concurrently (launch_mode)."""
+        self.waits_on_grid = True
+        self._mode_generation = -1  # its cached launch mode is stale
 
     def bind(self, signature: Signature) -> None:
         """Declare the runtime's signature for this kernel; refuses one the build did not check."""

@@ -357,15 +357,19 @@ class MoeLayer:
             raise BadInputError(f"expert_map values must be -1 or local expert ids < {self.num_experts}, "
                                 f"got range [{lo}, {hi}]")
 
-    def _check_launches(self, entry: Entry, tokens: int) -> None:
+    def _check_launches(self, entry: Entry, tokens: int) -> list[tuple[str, PersistentLaunch]]:
         """Every kernel `entry` launches for up to `tokens` tokens: loaded, co-residency checked, its grids
-        fitting the GPU and its stored weight sizes this runtime's (once per layer and table)."""
+        fitting the GPU and its stored weight sizes this runtime's (once per layer and table); returns
+        them as (role, kernel)."""
+        checked = []
         for launch in entry.launches:
             if launch.m_min <= tokens:
                 for role, digest in launch.kernels.items():
                     kernel = persistent_launch(self.bundle, digest)
                     kernel.check_grid(launch.grid(role))
                     self._check_stored_sizes(role, kernel)
+                    checked.append((role, kernel))
+        return checked
 
     def _entry(self, calibration: bool) -> Entry:
         """The table entry of plain calls, or of calibration calls (activation_amax given)."""
@@ -688,10 +692,8 @@ class MoeLayer:
         and index activation_amax by its expert count."""
         if self._amax_rows is None:
             entry = self._entry(True)  # raises UnknownSpecializationError, naming what the bundle has
-            self._check_launches(entry, self.calibration_tokens)
-            rows = {persistent_launch(self.bundle, digest).spec.amax_experts
-                    for launch in entry.launches if launch.m_min <= self.calibration_tokens
-                    for role, digest in launch.kernels.items() if role == "fused"}
+            rows = {kernel.spec.amax_experts for role, kernel in self._check_launches(entry, self.calibration_tokens)
+                    if role == "fused"}
             if len(rows) != 1:
                 raise BundleError(f"this bundle's calibration kernels disagree on activation_amax's rows ({sorted(rows)})"
                                   ": its table is corrupt; rebuild it")

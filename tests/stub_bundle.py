@@ -100,8 +100,13 @@ class RecordingKernel(_IssuesPacked):
     run as in the runtime, and each launch is recorded in `issued` as (tag, grid, values in
     declaration order) instead of being issued."""
 
+    waits_on_grid = False
+
     def __init__(self, issued: list, tag=None, block=(512, 1, 1)):
         self.issued, self.tag, self.block = issued, tag, block
+
+    def mark_waits_on_grid(self):
+        self.waits_on_grid = True
 
     def bind(self, signature):
         self._signature = signature

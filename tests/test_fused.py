@@ -570,8 +570,10 @@ def test_persistent_kernel_that_is_not_co_resident_is_refused(monkeypatch):
     spec = spec_of(plan, 2048, 768, 128, 8, "silu")
     def loaded(key, block=(spec.threads, 1, 1), smem=spec.shared_bytes):
         record = types.SimpleNamespace(registers=168, dynamic_smem_bytes=smem, key=key, block=block)
-        return types.SimpleNamespace(function=object(), block=block, bind=lambda sig: None, record=record,
-                                     waits_on_grid=False)
+        found = types.SimpleNamespace(function=object(), block=block, bind=lambda sig: None, record=record,
+                                      waits_on_grid=False)
+        found.mark_waits_on_grid = lambda: setattr(found, "waits_on_grid", True)
+        return found
 
     kernel = loaded(spec.key())
     bundle = types.SimpleNamespace(kernel_by_digest=lambda digest: kernel, profile=H200)

@@ -300,8 +300,13 @@ def test_prepared_route_pack_launches_what_pack_routes_launches(monkeypatch, tok
     from tests.stub_bundle import RecordingKernel
 
     issued: list = []
-    bundle = SimpleNamespace(device=torch.device("cpu"), device_index=None, plans=BundlePlans(),
-                             kernel=lambda key: RecordingKernel(issued, key.facts["stage"]))
+    made: list = []  # the kernels the plans loaded
+
+    def kernel(key):
+        made.append(RecordingKernel(issued, key.facts["stage"]))
+        return made[-1]
+
+    bundle = SimpleNamespace(device=torch.device("cpu"), device_index=None, plans=BundlePlans(), kernel=kernel)
     monkeypatch.setattr(rp, "current_stream_handle", lambda index: 0)
     e, top_k, block = 64, 8, 16
     ids = (torch.arange(tokens * top_k, dtype=torch.int32) % e).view(tokens, top_k)
@@ -326,6 +331,8 @@ def test_prepared_route_pack_launches_what_pack_routes_launches(monkeypatch, tok
         for name, a, b in zip(names, got, want):
             unread = (name == "workspace" and single) or (name == "expert_map" and not expert_map)
             assert a == b or unread, name
+    # the multi stage meets at a grid barrier: marked so, it launches cooperatively where layers run concurrently
+    assert made and all(k.waits_on_grid == (k.tag == "multi") for k in made)
 
 
 def test_a_callers_workspace_gets_its_barrier_count_zeroed_and_cuteaots_own_does_not(monkeypatch):

@@ -390,7 +390,8 @@ def test_kernels_whose_ctas_wait_on_each_other_launch_cooperatively_once_layers_
                                        symbol="k", key=None, waits_for_prior_grids=waits)
         kernel = LoadedKernel(record, function=f"fn{int(waits)}{int(on_grid)}", context=None, state=state)
         assert kernel.waits_on_grid is False  # only the family that knows its CTAs wait marks it
-        kernel.waits_on_grid = on_grid
+        if on_grid:
+            kernel.mark_waits_on_grid()
         kernel.bind(signature)
         kernel._tls.buf = bundle_mod.ArgBuffer(signature)
         kernels.append(kernel)

@@ -353,7 +353,8 @@ class _RoutePackPlan:
                     f"{spec.key().describe()} was built with block {tuple(found.block)}, but this runtime "
                     f"plans for ({THREADS}, 1, 1); rebuild the bundle"
                 )
-            found.waits_on_grid = stage is RouteStage.MULTI  # its CTAs meet at a grid barrier
+            if stage is RouteStage.MULTI:  # its CTAs meet at a grid barrier
+                found.mark_waits_on_grid()
             self._kernels[stage] = found
         return found
 

@@ -229,7 +229,7 @@ class PersistentLaunch:
                 f"{self.spec.key().version}, block ({self.spec.threads}, 1, 1), {self.spec.dynamic_smem_bytes} B: "
                 "the bundle was built by another version of cuteaot; rebuild it")
         self.kernel.bind(self.spec.SIGNATURE)
-        self.kernel.waits_on_grid = True  # launched cooperatively where layers run concurrently (bundle.py)
+        self.kernel.mark_waits_on_grid()  # launched cooperatively where layers run concurrently (bundle.py)
         resident = check_cu(
             driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 self.kernel.function, self.kernel.block[0], self.kernel.record.dynamic_smem_bytes
