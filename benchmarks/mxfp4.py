@@ -10,10 +10,11 @@ Per model and M, in one process on one routing (uniform top-k):
 * `mxfp4+bias`  MoeLayer on random MXFP4 blocks/scales with gpt-oss's interleaved gate/up rows and
                 bf16 biases, packed by prepare_w13_mxfp4 / prepare_w2_mxfp4 (the checkpoint's format).
 
-Timing as in benchmarks/peers.py: CUDA-graph replay of (L2 flush, layer call), the flush's own time
-subtracted (`device_us`, median of 11 replays), in `--rounds` interleaved rounds (each round times
-every implementation once, so clock drift hits all alike); the median over rounds is reported.  At one M (--check-m) both outputs are compared with the float32
-reference (tests/reference/moe.py) after poisoning.  Issue 15's target: MXFP4 within 5 % of NVFP4 at
+Timing as in benchmarks/peers.py (benchmarks/common.FlushedTimer): each call replayed from a one-call
+CUDA graph between two events after an untimed L2 flush, nothing subtracted, the three layers
+interleaved sample by sample (`--rounds` x 10 samples, so clock drift hits all alike); medians.  At one
+M (--check-m) the outputs are compared with the float32 reference (tests/reference/moe.py) after
+poisoning.  Issue 15's target: MXFP4 within 5 % of NVFP4 at
 every M (the packed bytes per weight are the same, 4.5 bits; the biases add one 16-byte load per
 stored output chunk).
 """
