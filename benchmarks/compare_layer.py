@@ -8,10 +8,10 @@ The layer-level twin of benchmarks/compare_gemm.py: every MoE layer problem the 
 (plain variant: no expert map, no calibration, no bias, not deterministic, layers of `--weights`)
 gets random NVFP4 weights (repacked for nvfp4 layers, read as stored for modelopt ones; random NF3 tensors
 for nf3 layers) and, per M, one routing (uniform top-k) and one input; a MoeLayer of each bundle runs them.  Their
-outputs are compared (‖new−base‖/‖base‖), then timed in interleaved rounds: each round times base
-then each new with `device_us` (CUDA-graph replay of an L2 flush and the call, the flush's own time
-subtracted), and the median over rounds is reported with new / base.  Rounds interleave so that
-clock and thermal drift hit both alike; judge a change by new / base within one call.
+outputs are compared (‖new−base‖/‖base‖), then timed with benchmarks/common.FlushedTimer (each call
+replayed from a one-call CUDA graph after an untimed L2 flush, nothing subtracted; base and every new
+interleaved sample by sample, `--rounds` x 10 samples), and the medians are reported with new / base.
+Interleaving makes clock and thermal drift hit all alike; judge a change by new / base within one call.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 
 Each variant sets the planner's constants (`SINGLE_CTA_MAX_ROUTES`, `MULTI_MIN_CHUNK` of
 cuteaot.runtime.kernels.route_pack) for its calls; every output is checked against the plain-torch
-reference first; then the variants are timed in interleaved rounds (CUDA-graph replay of an L2 flush and
-the call, flush subtracted; medians).  Uniform top-k routing.
+reference first; then the variants are timed interleaved (benchmarks/common.FlushedTimer: each call
+replayed from a one-call CUDA graph after an untimed L2 flush, nothing subtracted; medians).  Uniform
+top-k routing.
 """
 
 from __future__ import annotations
