@@ -1168,6 +1168,14 @@ def read_timers(*, loc=None, ip=None) -> tuple[Int64, Int64]:
 
 
 @dsl_user_op
+def read_sm_ids(*, loc=None, ip=None) -> tuple[Int64, Int64]:
+    """(%smid, %nsmid) of the calling thread's SM, widened to two int64: a timeline probe's placement record."""
+    out = _asm(2, T.i64, [], "{\n .reg .u32 s, n;\n mov.u32 s, %smid;\n mov.u32 n, %nsmid;\n"
+               " cvt.u64.u32 $0, s;\n cvt.u64.u32 $1, n;\n}", "=l,=l", effects=True, loc=loc, ip=ip)
+    return Int64(out[0]), Int64(out[1])
+
+
+@dsl_user_op
 def st_global_v2_i64(addr: Int64, a: Int64, b: Int64, *, loc=None, ip=None) -> None:
     _asm(0, None, _ir([Int64(addr), Int64(a), Int64(b)], loc, ip), "st.global.v2.b64 [$0], {$1, $2};", "l,l,l",
          effects=True, loc=loc, ip=ip)

@@ -30,9 +30,11 @@ from .wgmma import gemm_kernel
 
 # Measurement switch (benchmarks/decode_timeline.py): decode kernels store a per-CTA timeline of both clocks in
 # c_tmp, which their whole tiles leave unused: entry 0, after the prior-grid wait 1, FC1 tile 2-5 (routes read,
-# first stage in, main loop done, stored), after the grid barrier 6, FC2 tile 7-10, exit 11.  Read while
-# compiling and not a key fact: set it only to build a separate bundle for that script, never a served one.
+# first stage in, main loop done, stored), after the grid barrier 6, FC2 tile 7-10, exit 11; slot SM_SLOT holds
+# the CTA's SM (%smid, %nsmid) instead of clocks.  Read while compiling and not a key fact: set it only to build
+# a separate bundle for that script, never a served one.
 TIMELINE = False
+SM_SLOT = 12
 
 
 class W4A16FusedMoeKernel:
@@ -112,6 +114,7 @@ class W4A16FusedMoeKernel:
             if tid == Int32(0):
                 store_clocks(routing["c_tmp"], 0, (g0, c0))
                 store_clocks(routing["c_tmp"], 1, I.read_timers())
+                store_clocks(routing["c_tmp"], SM_SLOT, I.read_sm_ids())
         self.fc1._persistent(fc1_ops, smem, tid, cta, grid_x, tokens, fc1_first)
         # direct routes: while the other CTAs finish FC1, FC2's first route reads and its first tile's first
         # stages into L2 (on packed plans the same prefetch measured no faster, docs/benchmarks.md)
