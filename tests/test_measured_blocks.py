@@ -78,7 +78,8 @@ def test_planner_takes_tall_blocks_where_the_table_says_and_the_rule_elsewhere(t
     for m in (200, 800, 4096):
         assert planning.measured_choice("tall", m, *SHAPE, H200) is None
     assert planning.measured_choice("tall", 512, 7168, 256, 256, 8, False, H200) is None  # a shape too far to borrow
-    assert planning.measured_choice("tall", 512, *SHAPE, PROFILES["h100"]) is None  # another profile
+    assert planning.measured_choice("tall", 512, *SHAPE, PROFILES["b200"]) is None  # another profile
+    assert planning.measured_choice("tall", 512, *SHAPE, PROFILES["h100"]) is True  # the H200's: the same SMs
     assert planning.measured_choice("decode", 512, *SHAPE, H200) is None  # another knob
     # the layer plan: M = 512 by the rule is the fused kernel on 48-row blocks; measured, the wgmma split
     split = split_layer(512, QWEN3, H200)
@@ -129,13 +130,16 @@ def test_borrowing_is_only_for_shapes_no_table_holds(table, monkeypatch):
     other = (2048, 1024, 64, 6, True)  # known to no table, 0.29 from OLMOE and 1.27 from QWEN3
     assert planning.measured_choice("tall", 342, *other, H200) is True  # QWEN3 at 342 * 6 / 64 * 16 = 513
     assert planning.measured_choice("fusepack", 100, *other, H200) is None  # never borrowed (NOT_BORROWED)
-    assert planning.measured_choice("tall", 342, *other, PROFILES["h100"]) is None  # no h100 table to borrow
+    assert planning.measured_choice("tall", 342, *other, PROFILES["b200"]) is None  # no b200 table to borrow
+    assert planning.measured_choice("tall", 342, *other, PROFILES["h100"]) is True  # the H200's, borrowed
     # what the build's planning line says of each
     assert planning.tables_of(*OLMOE, H200) == "measured tables"
     assert planning.tables_of(*other, H200) == ("tables borrowed from H 2048 I 1024 E 64 top-8 (0.29 away), "
                                                 "H 2048 I 768 E 128 top-8 (1.27 away)")  # decode's, tall's
     assert planning.tables_of(7168, 256, 256, 8, False, H200).startswith("no measured shape within 2.0")
     assert planning.tables_of(*other, PROFILES["b200"]) == "nothing measured on b200: the rule alone"
+    assert planning.tables_of(*OLMOE, PROFILES["h100"]) == "measured tables, h200's (the same SMs)"
+    assert planning.tables_of(*other, PROFILES["h100"]).endswith("(1.27 away), h200's (the same SMs)")
     monkeypatch.setattr(planning, "BORROW", False)
     assert planning.measured_choice("tall", 342, *other, H200) is None
 
@@ -331,3 +335,16 @@ def test_holdout_plans_each_shape_from_the_others_tables(tmp_path):
     assert result["points"] == 4 and (result["faster"], result["slower"]) == (2, 0)
     assert result["borrowed"] == pytest.approx((0.9 * 0.8) ** 0.25)
     assert result["own_table"] == pytest.approx((0.9 * 0.8) ** 0.25)
+
+
+def test_the_h100_plans_with_the_h200_tables():
+    """No table was measured on an H100; it has the H200's SMs, so the shipped H200 tables plan for it (timed on
+    an H100 against the rule alone: 0.86-0.99x where the plans differ, docs/benchmarks.md 2026-12-05), and a profile with other SMs
+    keeps the rule."""
+    h100, b200 = PROFILES["h100"], PROFILES["b200"]
+    assert planning.tables_profile(h100) == "h200" and planning.tables_profile(H200) == "h200"
+    assert planning.tables_profile(b200) == "b200"
+    for m in (1, 2, 4, 8, 64, 256, 1024, 2048, 4096, 16384):
+        assert plan_layer(m, QWEN3, h100) == plan_layer(m, QWEN3, H200), m
+        assert split_layer(m, QWEN3, h100) == split_layer(m, QWEN3, H200), m
+    assert any(plan_layer(m, QWEN3, h100) != plan_layer(m, QWEN3, b200) for m in (1, 2, 8, 64))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from cuteaot.runtime.devices import DeviceProfile
+from cuteaot.runtime.devices import PROFILES, DeviceProfile
 from cuteaot.runtime.errors import BadInputError
 from cuteaot.runtime.kernels.w4a16.gemm_spec import Epilogue, GemmSpec, Mainloop, Routes
 from cuteaot.runtime.types import DType
@@ -327,6 +327,19 @@ def _profile_tables(knob: str, profile: str) -> dict:
     return {key[1:]: value for key, value in _measured(knob).items() if key[0] == profile}
 
 
+def tables_profile(profile: DeviceProfile) -> str:
+    """The profile whose measured tables plan for `profile`: its own where some table holds it, else the first
+    profile with tables and the same planning facts (the H100 plans with the H200's tables: the same SMs, shared
+    memory and registers, only the memory differs; measured on an H100, docs/benchmarks.md, 2026-12-05)."""
+    measured = {key[0] for key in _known_shapes()}
+    if profile.name in measured:
+        return profile.name
+    for other in PROFILES.values():
+        if other.name in measured and other.planning_facts == profile.planning_facts:
+            return other.name
+    return profile.name
+
+
 def reload_measured() -> None:
     """Read MEASURED_BLOCKS again on the next question (after the file or its path changed)."""
     for cached in (_measured, _known_shapes, _profile_tables):
@@ -338,20 +351,22 @@ def tables_of(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
     """Where this shape's measured choices come from, for the build's planning line: its own tables,
     the nearest measured shapes' (BORROW), or none (the rule alone)."""
     shape = (hidden_size, intermediate_size, num_experts, top_k, gated)
-    if (profile.name, *shape) in _known_shapes():
-        return "measured tables"
-    if not any(key[0] == profile.name for key in _known_shapes()):
+    name = tables_profile(profile)
+    of = "" if name == profile.name else f", {name}'s (the same SMs)"
+    if (name, *shape) in _known_shapes():
+        return "measured tables" + of
+    if not any(key[0] == name for key in _known_shapes()):
         return f"nothing measured on {profile.name}: the rule alone"
     lenders = set()
     for knob in MEASURED_KNOBS if BORROW else ():
-        near = _lender(shape, _profile_tables(knob, profile.name))
+        near = _lender(shape, _profile_tables(knob, name))
         if knob not in NOT_BORROWED and near is not None:
             lenders.add(near)
     if not lenders:
         return f"no measured shape within {BORROW_RADIUS} (BORROW_RADIUS): the rule alone"
     return "tables borrowed from " + ", ".join(
         f"H {h} I {i} E {e} top-{k}{'' if g else ' ungated'} ({shape_distance(shape, (h, i, e, k, g)):.2f} away)"
-        for h, i, e, k, g in sorted(lenders, key=lambda t: shape_distance(shape, t)))
+        for h, i, e, k, g in sorted(lenders, key=lambda t: shape_distance(shape, t))) + of
 
 
 def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -364,13 +379,13 @@ def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int,
         return True
     if policy == "rule":
         return None
-    key = (profile.name, hidden_size, intermediate_size, num_experts, top_k, gated)
+    key = (tables_profile(profile), hidden_size, intermediate_size, num_experts, top_k, gated)
     entries = _measured(knob)
     if key in entries:
         return True if any(lo <= m <= hi for lo, hi in entries[key][1]) else None
     if not BORROW or knob in NOT_BORROWED or key in _known_shapes():
         return None
-    return borrowed_choice(m, key[1:], _profile_tables(knob, profile.name))
+    return borrowed_choice(m, key[1:], _profile_tables(knob, key[0]))
 
 
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
