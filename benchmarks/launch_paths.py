@@ -14,18 +14,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 
 import torch
 from cuda.bindings import driver
 
 from benchmarks.common import host_us_per_call
-from benchmarks.gemm import random_packed
-from cuteaot.runtime import load_bundle
+from benchmarks.layer_overhead import bound_call, qwen3_layer
 from cuteaot.runtime.bundle import _launch_config, launch_mode
-from cuteaot.runtime.moe import MoeLayer
-
-HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 
 
 def libcuda_entry_points():
@@ -44,19 +39,11 @@ def main() -> None:
     ap.add_argument("--bundle", default="generated/moe-models")
     ap.add_argument("--json")
     args = ap.parse_args()
-    bundle = load_bundle(args.bundle)
-    layer = MoeLayer(bundle, random_packed(EXPERTS, 2 * INTER, HIDDEN), random_packed(EXPERTS, HIDDEN, INTER),
-                     top_k=TOP_K)
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    layer = qwen3_layer(args.bundle)
     c_plain, c_ex = libcuda_entry_points()
     rows = []
     for m in (1, 8):
-        g = torch.Generator().manual_seed(m)
-        x = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16).cuda()
-        ids = torch.rand(m, EXPERTS, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
-        w = torch.softmax(torch.randn(m, TOP_K, generator=g), 1).cuda()
-        out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        bound = layer.bind(x, w, ids, out)
+        _, bound = bound_call(layer, m)
         stream = bound.stream
         for r in bound.launches:
             kernel = r.kernel

@@ -32,24 +32,35 @@ from cuteaot.runtime.moe import MoeLayer
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 
 
+def qwen3_layer(bundle_path: str) -> MoeLayer:
+    """A Qwen3-30B-A3B layer of the bundle on random packed weights; pins this process to one core (less
+    migration noise in host timings)."""
+    layer = MoeLayer(load_bundle(bundle_path), random_packed(EXPERTS, 2 * INTER, HIDDEN),
+                     random_packed(EXPERTS, HIDDEN, INTER), top_k=TOP_K)
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    return layer
+
+
+def bound_call(layer: MoeLayer, m: int):
+    """((x, router weights, ids, out) of an m-token call on the GPU, the layer's bound call on them)."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.rand(m, EXPERTS, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(m, TOP_K, generator=g), 1).cuda()
+    out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    return (x, w, ids, out), layer.bind(x, w, ids, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", default="generated/moe-models")
     ap.add_argument("--json")
     ap.add_argument("--steps", action="store_true", help="also time the parts of an eager M = 1 call")
     args = ap.parse_args()
-    bundle = load_bundle(args.bundle)
-    layer = MoeLayer(bundle, random_packed(EXPERTS, 2 * INTER, HIDDEN), random_packed(EXPERTS, HIDDEN, INTER),
-                     top_k=TOP_K)
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core: less migration noise
+    layer = qwen3_layer(args.bundle)
     rows = []
     for m in (1, 8, 64):
-        g = torch.Generator().manual_seed(m)
-        x = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16).cuda()
-        ids = torch.rand(m, EXPERTS, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
-        w = torch.softmax(torch.randn(m, TOP_K, generator=g), 1).cuda()
-        out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        bound = layer.bind(x, w, ids, out)
+        (x, w, ids, out), bound = bound_call(layer, m)
         stream = bound.stream
         recorded = []
         for r in bound.launches:
