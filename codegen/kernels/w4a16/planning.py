@@ -327,11 +327,17 @@ def _profile_tables(knob: str, profile: str) -> dict:
     return {key[1:]: value for key, value in _measured(knob).items() if key[0] == profile}
 
 
+@functools.cache
+def _measured_profiles() -> frozenset:
+    """The profiles some table holds."""
+    return frozenset(key[0] for key in _known_shapes())
+
+
 def tables_profile(profile: DeviceProfile) -> str:
     """The profile whose measured tables plan for `profile`: its own where some table holds it, else the first
     profile with tables and the same planning facts (the H100 plans with the H200's tables: the same SMs, shared
     memory and registers, only the memory differs; measured on an H100, docs/benchmarks.md, 2026-12-05)."""
-    measured = {key[0] for key in _known_shapes()}
+    measured = _measured_profiles()
     if profile.name in measured:
         return profile.name
     for other in PROFILES.values():
@@ -342,7 +348,7 @@ def tables_profile(profile: DeviceProfile) -> str:
 
 def reload_measured() -> None:
     """Read MEASURED_BLOCKS again on the next question (after the file or its path changed)."""
-    for cached in (_measured, _known_shapes, _profile_tables):
+    for cached in (_measured, _known_shapes, _measured_profiles, _profile_tables):
         cached.cache_clear()
 
 
@@ -355,7 +361,7 @@ def tables_of(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
     of = "" if name == profile.name else f", {name}'s (the same SMs)"
     if (name, *shape) in _known_shapes():
         return "measured tables" + of
-    if not any(key[0] == name for key in _known_shapes()):
+    if name not in _measured_profiles():
         return f"nothing measured on {profile.name}: the rule alone"
     lenders = set()
     for knob in MEASURED_KNOBS if BORROW else ():
