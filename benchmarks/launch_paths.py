@@ -19,8 +19,8 @@ import torch
 from cuda.bindings import driver
 
 from benchmarks.common import host_us_per_call
-from benchmarks.layer_overhead import bound_call, qwen3_layer
-from cuteaot.runtime.bundle import _launch_config, launch_mode
+from benchmarks.layer_overhead import bound_call, qwen3_layer, recorded_launch
+from cuteaot.runtime.bundle import launch_mode
 
 
 def libcuda_entry_points():
@@ -46,13 +46,9 @@ def main() -> None:
         _, bound = bound_call(layer, m)
         stream = bound.stream
         for r in bound.launches:
-            kernel = r.kernel
-            mode = launch_mode(kernel)
-            fn, grid, (bx, by, bz), smem, address = kernel.function, r.grid_x, kernel.block, kernel.smem, r.buffer.address
+            fn, grid, (bx, by, bz), smem, address, config = recorded_launch(r, stream)
             fn_handle = int(fn)
-            if mode:
-                config = _launch_config(kernel, bool(mode & 1), bool(mode & 2))
-                config.gridDimX, config.hStream = grid, stream
+            if config is not None:
                 config_ptr = config.getPtr()
 
                 def cuda_python(config=config, fn=fn, address=address):
@@ -71,9 +67,9 @@ def main() -> None:
                 "ctypes libcuda": via_ctypes,
                 "empty python call": lambda: None,
             }, calls=1000, reps=11)  # fewer calls than the launch queue holds: host time, not device time
-            row = {"M": m, "kernel": kernel.record.symbol[:60], "mode": mode, **host}
+            row = {"M": m, "kernel": r.kernel.record.symbol[:60], "mode": launch_mode(r.kernel), **host}
             rows.append(row)
-            print(f"M={m} mode={mode} {row['kernel']}: cuda-python {host['cuda-python']:.2f} us, "
+            print(f"M={m} mode={row['mode']} {row['kernel']}: cuda-python {host['cuda-python']:.2f} us, "
                   f"ctypes {host['ctypes libcuda']:.2f} us, empty call {host['empty python call']:.2f} us", flush=True)
     torch.cuda.synchronize()
     if args.json:

@@ -51,6 +51,18 @@ def bound_call(layer: MoeLayer, m: int):
     return (x, w, ids, out), layer.bind(x, w, ids, out)
 
 
+def recorded_launch(r, stream: int) -> tuple:
+    """(function, grid, block, smem, `void**` address, launch configuration or None) of a bound call's recorded
+    launch `r`: what the driver call the runtime uses for it takes (`cuLaunchKernelEx` with the attributes the
+    runtime launches the kernel with, where it has any; else `cuLaunchKernel`)."""
+    config = None
+    mode = launch_mode(r.kernel)
+    if mode:
+        config = _launch_config(r.kernel, bool(mode & 1), bool(mode & 2))
+        config.gridDimX, config.hStream = r.grid_x, stream
+    return r.kernel.function, r.grid_x, r.kernel.block, r.kernel.smem, r.buffer.address, config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", default="generated/moe-models")
@@ -62,14 +74,7 @@ def main() -> None:
     for m in (1, 8, 64):
         (x, w, ids, out), bound = bound_call(layer, m)
         stream = bound.stream
-        recorded = []
-        for r in bound.launches:
-            config = None
-            mode = launch_mode(r.kernel)  # the attributes the runtime launches this kernel with
-            if mode:
-                config = _launch_config(r.kernel, bool(mode & 1), bool(mode & 2))
-                config.gridDimX, config.hStream = r.grid_x, stream
-            recorded.append((r.kernel.function, r.grid_x, r.kernel.block, r.kernel.smem, r.buffer.address, config))
+        recorded = [recorded_launch(r, stream) for r in bound.launches]
 
         def bare():
             for fn, grid, (bx, by, bz), smem, address, config in recorded:

@@ -10,11 +10,11 @@ one routing (uniform top-k) and one input:
 * `packed`    MoeLayer on prepare_w13 / prepare_w2 of the checkpoint (repacked);
 * `modelopt`  MoeLayer on prepare_w13_modelopt / prepare_w2_modelopt of the same tensors (no copy).
 
-Timing: benchmarks/common.FlushedTimer (each call replayed from a one-call CUDA graph after an untimed
-L2 flush, nothing subtracted, the layouts interleaved sample by sample; medians).  Beside each time: the weight bytes the routing
-touches (the distinct routed experts' codes and scales of W13 and W2; the same for both layouts) at the
-measured copy bandwidth (`floor`).  At --check-m both outputs are compared with the float32 reference
-on the dequantized checkpoint, after poisoning.
+Timing: benchmarks/common.FlushedTimer (each call replayed from a one-call CUDA graph after an untimed L2
+flush, nothing subtracted, the layouts interleaved sample by sample; medians). Beside each time: the weight
+bytes the routing touches (the distinct routed experts' codes and scales of W13 and W2; the same for both
+layouts) at the measured copy bandwidth (`floor`). At --check-m both outputs are compared with the float32
+reference on the dequantized checkpoint, after poisoning.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ Timing as in benchmarks/peers.py (benchmarks/common.FlushedTimer): each call rep
 CUDA graph between two events after an untimed L2 flush, nothing subtracted, the three layers
 interleaved sample by sample (`--rounds` x 10 samples, so clock drift hits all alike); medians.  At one
 M (--check-m) the outputs are compared with the float32 reference (tests/reference/moe.py) after
-poisoning.  Issue 15's target: MXFP4 within 5 % of NVFP4 at
-every M (the packed bytes per weight are the same, 4.5 bits; the biases add one 16-byte load per
-stored output chunk).
+poisoning.  Issue 15's target: MXFP4 within 5 % of NVFP4 at every M (the packed bytes per weight
+are the same, 4.5 bits; the biases add one 16-byte load per stored output chunk).
 """
 
 from __future__ import annotations

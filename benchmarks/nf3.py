@@ -8,13 +8,12 @@ Per model and M, in one process, on one routing (uniform top-k) and one input:
 * `nvfp4`  MoeLayer on random ModelOpt NVFP4 weights (prepare_w13 / prepare_w2);
 * `nf3`    MoeLayer on random NF3 tensors of the same shapes (prepare_w13_nf3 / prepare_w2_nf3).
 
-gpt-oss layers carry bf16 expert biases in both.  Timing: benchmarks/common.FlushedTimer (each call replayed
+gpt-oss layers carry bf16 expert biases in both. Timing: benchmarks/common.FlushedTimer (each call replayed
 from a one-call CUDA graph between two events after an untimed L2 flush, nothing subtracted, the formats
-interleaved sample by sample; medians).  Beside
-each time: the weight bytes the routing touches (the distinct routed experts' packed codes and
-scales of W13 and W2, from the packed tensors themselves) and that many bytes at the measured copy
-bandwidth (`floor`).  At --check-m both outputs are compared with the float32 reference after
-poisoning.  Target: NF3 >= 1.2x faster than NVFP4 at M <= 8.
+interleaved sample by sample; medians). Beside each time: the weight bytes the routing touches (the distinct
+routed experts' packed codes and scales of W13 and W2, from the packed tensors themselves) and that many
+bytes at the measured copy bandwidth (`floor`). At --check-m both outputs are compared with the float32
+reference after poisoning. Target: NF3 >= 1.2x faster than NVFP4 at M <= 8.
 """
 
 from __future__ import annotations

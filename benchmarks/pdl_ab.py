@@ -6,11 +6,10 @@
 One MoeLayer per model (random ModelOpt NVFP4 weights, packed or read as stored), one uniform routing
 per M; each call is captured twice, once with every kernel launched plainly and once with the kernels
 that wait for their predecessors launched with programmatic stream serialization
-(`cuteaot.runtime.bundle.set_programmatic_launch`), and the two are timed in interleaved rounds
-(benchmarks/common.FlushedTimer: each call replayed from a one-call CUDA graph after an untimed L2 flush, nothing subtracted;
-medians).  The two
-outputs must agree (‖pdl−plain‖/‖plain‖ ≤ 5e-3; only the order of atomic adds may differ): the kernels are
-the same, only when their CTAs launch differs.
+(`cuteaot.runtime.bundle.set_programmatic_launch`), and the two are timed interleaved
+(benchmarks/common.FlushedTimer: each call replayed from a one-call CUDA graph after an untimed L2 flush,
+nothing subtracted; medians). The two outputs must agree (‖pdl−plain‖/‖plain‖ ≤ 5e-3; only the order of
+atomic adds may differ): the kernels are the same, only when their CTAs launch differs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How much of a layer call route packing takes: the layer, and `pack_routes` alone on the same ids and
-block size, timed alike (benchmarks/common.FlushedTimer: one-call CUDA-graph replays after an untimed L2 flush, nothing
-subtracted, interleaved; medians).
+block size, timed alike (benchmarks/common.FlushedTimer: one-call CUDA-graph replays after an untimed L2
+flush, nothing subtracted, interleaved; medians).
 
     python -m benchmarks.route_pack_share [--bundle generated/moe-models] [--models qwen3-30b-a3b,...]
                                           [--m 64,256,1024,4096,16384] [--rounds 3]
