@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cuteaot.codegen.enumerate import jobs
-from cuteaot.codegen.kernels.w4a16.fused_planning import DECODE_MAX_M, fused_spec_for, plan_fused
+from cuteaot.codegen.kernels.w4a16.fused_planning import DECODE_MAX_M, fused_spec_for, plan_fused, plan_layer
 from cuteaot.codegen.spec import load_spec
 from cuteaot.codegen.table import plan_bundle
 from cuteaot.runtime.devices import PROFILES
@@ -211,9 +211,9 @@ def test_table_workspaces_cover_every_launch_up_to_their_capacity(tmp_path, prof
     for entry in plan_bundle(spec).entries:
         for ws in entry.workspaces:
             for launch in entry.launches:
-                if launch.m_min <= ws.max_tokens:
+                if launch.m_min <= ws.max_tokens and "fused" in launch.kernels:  # (not the two-GEMM launches)
                     m = min(launch.m_max, ws.max_tokens)
-                    plan = plan_fused(m, 512, 256, 16, 4, True, PROFILES[profile], expert_map=entry.facts.expert_map)
+                    plan = plan_layer(m, entry.facts, PROFILES[profile])
                     assert plan.c_tmp_floats <= ws.sizes["c_tmp_floats"]
                     assert plan.lock_words <= ws.sizes["lock_words"]
                     assert plan.max_route_slots <= ws.sizes["route_slots"]
@@ -446,7 +446,7 @@ def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeyp
             stubs._planned.cache_clear()  # the stub's table is planned under this policy
             calls = stubs.stub_launches(monkeypatch)
             layer = MoeLayer(stubs.stub_bundle(), w13, w2, top_k=4, activation="silu")
-            for m in (8, 4096):  # the fused kernel; FC1 and FC2 as two GEMMs
+            for m in (5, 4096):  # the fused kernel; FC1 and FC2 as two GEMMs
                 calls.clear()
                 x, w, ids = _inputs(m=m)
                 out = torch.empty(m, 512, dtype=torch.bfloat16)
@@ -459,9 +459,9 @@ def test_packed_call_with_the_fused_topk_sum_launches_no_topk_sum_kernel(monkeyp
                     assert calls[1] == ("zero", out.data_ptr(), m * 512 // 2)
     finally:
         stubs._planned.cache_clear()
-    # M = 8: 32 routes, packed by the fused kernel itself (pack_experts)
-    assert seen["always", 8] == (["fused"], True, True)
-    assert seen["rule", 8] == (["fused", "topk_sum"], False, False)
+    # M = 5: 20 routes, packed by the fused kernel itself (pack_experts)
+    assert seen["always", 5] == (["fused"], True, True)
+    assert seen["rule", 5] == (["fused", "topk_sum"], False, False)
     assert seen["always", 4096] == (["pack_routes", "zero", "fused", "fused"], True, True)
     assert seen["rule", 4096] == (["pack_routes", "fused", "fused", "topk_sum"], False, False)
 
@@ -532,11 +532,11 @@ def test_a_call_whose_kernel_packs_launches_no_route_packing(monkeypatch):
             layer = MoeLayer(stubs.stub_bundle(), w13, w2, top_k=4, activation="silu")
             for dtype in (torch.int32, torch.int64):
                 calls.clear()
-                x, w, ids = _inputs(m=16)
+                x, w, ids = _inputs(m=5)  # (this problem's fused packed plans: 3-6 tokens)
                 ids = ids.to(dtype)
-                layer(x, w, ids, out=torch.empty(16, 512, dtype=torch.bfloat16))
+                layer(x, w, ids, out=torch.empty(5, 512, dtype=torch.bfloat16))
                 fused = [c[2] for c in calls if c[0] == "fused"][0]
-                r = layer.resolve(16)
+                r = layer.resolve(5)
                 narrowed = layer.workspace().ids32.data_ptr() if dtype is torch.int64 else ids.data_ptr()
                 seen[packs, dtype] = ([c[0] for c in calls], r.packs_routes,
                                       fused["route_indices"] == narrowed, "+pack" in r.describe())

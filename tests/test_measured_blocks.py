@@ -300,6 +300,44 @@ def test_promote_gives_16_row_wgmma_blocks_where_the_rule_packs_8(table, monkeyp
     assert split_layer(16, QWEN3, H200) is None
 
 
+def test_the_rule_promotes_where_a_layer_has_few_experts(table):
+    """With no table (an empty one here), 16-row wgmma blocks replace 8-row mma.sync ones on layers of at most
+    PROMOTE_MAX_EXPERTS experts (Llama-4-Scout, Phi-3.5-MoE, Mixtral: 16, 16, 8), never on more."""
+    import dataclasses
+
+    scout = MoeLayerFacts(dtype=DType.BF16, hidden_size=5120, intermediate_size=8192, num_experts=16, top_k=1,
+                          activation=Activation.SILU)
+    for m in (8, 32, 64):
+        split = split_layer(m, scout, H200)
+        assert split is not None and {p.plan.moe_block_size for p in split} == {16}, m
+        assert {p.plan.mainloop for p in split} == {"wgmma"}
+    assert plan_layer(4, dataclasses.replace(scout, top_k=2), H200).moe_block_size == 16  # the fused kernel too
+    wider = dataclasses.replace(scout, num_experts=planning.PROMOTE_MAX_EXPERTS * 2)
+    assert split_layer(8, wider, H200) is None and plan_layer(8, wider, H200).moe_block_size == 8
+    assert split_layer(8, scout, PROFILES["b200"]) is None  # no wgmma there: the rule's 8-row plan
+
+
+def test_the_rule_takes_tall_blocks_from_fewer_routes_where_tiles_are_many(table):
+    """With no table, 128-row blocks from WGMMA_TALL_SPREAD_MIN_ROUTES routes per expert where one block an
+    expert still leaves every GEMM 4 x 132 128-wide tiles (Qwen3-Next-80B: 512 experts x 8), not where it
+    would leave one wave (Granite-3.0-1B: 32 x 8); from WGMMA_TALL_MIN_ROUTES everywhere."""
+    assert planning.WGMMA_TALL_SPREAD_MIN_ROUTES < planning.WGMMA_TALL_MIN_ROUTES
+    next80 = MoeLayerFacts(dtype=DType.BF16, hidden_size=2048, intermediate_size=512, num_experts=512, top_k=10,
+                           activation=Activation.SILU)
+    granite = MoeLayerFacts(dtype=DType.BF16, hidden_size=1024, intermediate_size=512, num_experts=32, top_k=8,
+                            activation=Activation.SILU)
+
+    def block(facts, routes_per_expert):
+        m = -(-routes_per_expert * facts.num_experts // facts.top_k)
+        split = split_layer(m, facts, H200)
+        assert split is not None and split[0].plan.moe_block_size == split[1].plan.moe_block_size
+        return split[0].plan.moe_block_size
+
+    spread = planning.WGMMA_TALL_SPREAD_MIN_ROUTES
+    assert block(next80, spread - 1) == 64 and block(next80, spread) == 128
+    assert block(granite, spread) == 64 and block(granite, planning.WGMMA_TALL_MIN_ROUTES) == 128
+
+
 def test_the_shipped_promote_entries():
     """docs/results/tune-promote-2026-12-02.json: 16-row wgmma blocks won on Mixtral-8x7B at M = 7-24 (0.70-0.92x)
     and on the narrow Qwen3-235B shards (tp8 at 12-64, tp4 at 7-12), lost 2-7 % on the wide 128-expert shapes."""

@@ -76,6 +76,7 @@ from .planning import (
     tile_misfit,
     wgmma_blocks_per_sm,
     wgmma_tall_block,
+    wgmma_tall_rule,
     wgmma_tile,
     wide_by_k,
 )
@@ -228,7 +229,7 @@ def plan_fused(
     layout = "modelopt" if stored_as_is else "packed"
     block = 8 if decode else select_route_block_size(m, top_k, num_experts)
     if not decode:
-        block = promoted_block(block, dims, scale, profile, layout, promote, short)
+        block = promoted_block(block, dims, scale, profile, layout, promote, short, num_experts=num_experts)
     if block == ALLOWED_MOE_BLOCK_SIZES[-1] and profile.arch not in WGMMA_ARCHS:
         block = FUSED_MMA_SYNC_MAX_BLOCK  # 64-row blocks spill there (see the constant)
     routes = m * top_k
@@ -505,8 +506,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
         return None  # the fused decode regime serves this M
     if layer_choice("fusepack", m, facts, profile) and plan_layer(m, facts, profile).pack_routes:
         return None  # measured: the fused kernel, packing its routes itself, beats two launches and a packing
-    (_, k1_stored), (_, k2_stored) = (stored_dims(fc1_n, facts.hidden_size),
-                                              stored_dims(facts.hidden_size, facts.intermediate_size))
+    (n1_stored, k1_stored), (n2_stored, k2_stored) = (stored_dims(fc1_n, facts.hidden_size),
+                                                      stored_dims(facts.hidden_size, facts.intermediate_size))
     tall = layer_choice("tall", m, facts, profile)
     # 256-row blocks: both GEMMs or neither (one packing of the routes); measured, else the K rule on both
     wide = layer_choice("wide", m, facts, profile)
@@ -518,6 +519,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
             tall = True
         if wide is None and MODELOPT_WIDE_ANY_K:
             wide = True
+    if tall is None:  # the rule, over both GEMMs' tiles (one packing of the routes serves both)
+        tall = wgmma_tall_rule(m, facts.top_k, facts.num_experts, (n1_stored, n2_stored), profile)
     # FC1 alone on 256-row blocks, FC2 reading them as 128-row ones (WGMMA_MIXED_MAX_ROUTES), where only
     # FC2's K keeps the layer off them and nothing was measured
     mixed = (wide is None and not wide_by_k(k1_stored, k2_stored) and wide_by_k(k1_stored)

@@ -199,6 +199,24 @@ WGMMA_TALL_WIDE_TILE = False
 # Average routes per expert from which a GEMM packs 128-row blocks (the wgmma loop's tallest), for
 # layers without a measured choice (MEASURED_BLOCKS).
 WGMMA_TALL_MIN_ROUTES = 128
+# ... and from this many where one 128-row block an expert still gives every GEMM of the layer
+# WGMMA_TALL_SPREAD_MIN_TILES x the SM count of 128-wide tiles.  The measured "tall" tables (H200) start
+# winning at 55-78 routes per expert on nine of the ten shapes, each with 768-2816 such tiles; the tenth
+# (Qwen3-235B tp8, 384 tiles) never wins.  Shapes no table holds (docs/benchmarks.md, twenty-ninth session):
+# Qwen3-Next-80B (4096 tiles) 0.84-0.95x the layer's time at 80-120 routes per expert (H100 and H200),
+# Llama-4-Scout (2048 tiles) 0.78-0.94x at 80-128 (H200), Granite-3.0-1B (256 tiles: one wave) 1.23-1.25x at
+# 80-112 (H100).
+WGMMA_TALL_SPREAD_MIN_ROUTES = 80
+WGMMA_TALL_SPREAD_MIN_TILES = 4
+# Experts up to which the rule takes 16-row wgmma blocks where it packs 8-row mma.sync ones (the
+# "promote" choice, otherwise measured per shape and not borrowed): few experts, each holding many
+# weight bytes per route.  The measured tables (H200): Mixtral-8x7B (8 experts) wins at every M of
+# 7-64, gpt-oss-20b (32) from 40 tokens, the 128-expert shapes but the narrow Qwen3-235B shards never;
+# borrowed by 64-expert shapes it lost at 7 of 8 points.  Measured with this rule (docs/benchmarks.md,
+# twenty-ninth session): Llama-4-Scout and Phi-3.5-MoE (16 experts, no table) 0.90-0.97x the layer's time at
+# every M of 7-48 on an H100; on the H200 0.86-0.98x at 3-8 tokens, 0.95-1.03x at 16-48; Mixtral at 3-6
+# tokens, below its table's range, 0.82-0.90x (H200).
+PROMOTE_MAX_EXPERTS = 16
 # Average routes per expert from which the standalone GEMM packs 256-row blocks (two warpgroups over
 # one staged activation tile, wgmma N = 256); the fused kernel keeps one warpgroup and 128 rows.  Measured
 # on the H200 against 256 (compare_layer --check, identical operands, 3 rounds,
@@ -394,12 +412,24 @@ def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int,
     return borrowed_choice(m, key[1:], _profile_tables(knob, key[0]))
 
 
+def wgmma_tall_rule(m: int, top_k: int, num_experts: int, widths, profile: DeviceProfile) -> bool:
+    """The rule for 128-row blocks where nothing was measured: the average expert has WGMMA_TALL_MIN_ROUTES
+    routes, or WGMMA_TALL_SPREAD_MIN_ROUTES where a block an expert leaves every GEMM (output widths
+    `widths`) WGMMA_TALL_SPREAD_MIN_TILES x the SM count of 128-wide tiles."""
+    routes = m * top_k
+    if routes >= WGMMA_TALL_MIN_ROUTES * num_experts:
+        return True
+    tiles = min(num_experts * tile_count(n, 128) for n in widths)  # (128-row blocks run 128-wide tiles)
+    return (routes >= WGMMA_TALL_SPREAD_MIN_ROUTES * num_experts
+            and tiles >= WGMMA_TALL_SPREAD_MIN_TILES * profile.sm_count)
+
+
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
                      tall: bool | None = None) -> int:
     """`block`, or WGMMA_TALL_BLOCK where every (n, k) of `dims` takes a 128-row wgmma tile and
-    `tall` says so (None: where the average expert has WGMMA_TALL_MIN_ROUTES routes)."""
+    `tall` says so (None: `wgmma_tall_rule` over the ns of `dims`)."""
     if tall is None:
-        tall = m * top_k >= WGMMA_TALL_MIN_ROUTES * num_experts
+        tall = wgmma_tall_rule(m, top_k, num_experts, [n for n, _ in dims], profile)
     if tall and all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None for n, k in dims):
         return WGMMA_TALL_BLOCK
     return block
@@ -475,10 +505,13 @@ def on_wgmma(block: int, short: bool | None = None) -> bool:
     return block not in WGMMA_SHORT_BLOCKS or (WGMMA_SHORT if short is None else short)
 
 def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None,
-                   short: bool | None = None) -> int:
-    """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
-    every (n, k) of `dims`, else `block`.  (Stored-layout layers are never promoted: no wgmma tile runs their
-    16-row blocks, MODELOPT_WGMMA_SHORT_BLOCKS.)"""
+                   short: bool | None = None, *, num_experts: int) -> int:
+    """16 for a packed 8-row block where `promote` (the "promote" knob; None: the rule, at most
+    PROMOTE_MAX_EXPERTS experts) says so and a 16-row wgmma tile runs every (n, k) of `dims`, else `block`.
+    (Stored-layout layers are never promoted: no wgmma tile runs their 16-row blocks,
+    MODELOPT_WGMMA_SHORT_BLOCKS.)"""
+    if promote is None:
+        promote = num_experts <= PROMOTE_MAX_EXPERTS
     if block != 8 or not promote or not on_wgmma(16, short):
         return block
     if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):
@@ -760,7 +793,8 @@ def plan_gemm(
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
     if pinned_tile is None and not direct:
-        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote, short)
+        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote, short,
+                               num_experts=num_experts)
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
         block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
