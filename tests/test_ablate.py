@@ -49,10 +49,6 @@ def test_each_part_taken_out_leaves_its_instructions_out(monkeypatch, tokens, mm
     from cuteaot.runtime.devices import PROFILES
     from cuteaot.runtime.types import DType
 
-    from cuteaot.codegen.kernels.w4a16 import planning
-
-    # the 8-expert problem's 8-row blocks would be promoted to the wgmma loop (PROMOTE_MAX_EXPERTS)
-    monkeypatch.setattr(planning, "PROMOTE_MAX_EXPERTS", 0)
     problem = next(p for p in load_spec(ROOT / "specs" / "tiny-gemm.yaml").moe if p.name == "tiny-gemm-silu")
     spec = problem.gemm_specs(tokens, DType.BF16, PROFILES["h200"])["fc2_gemm"]
     assert spec.mainloop.value == ("wgmma" if mma == "HGMMA" else "mma_sync")

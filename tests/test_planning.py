@@ -372,13 +372,9 @@ def test_wgmma_is_planned_only_where_it_runs():
     # a pinned tile keeps the mma.sync loop and its 64-row blocks
     pinned = plan_gemm(4096, 1536, 2048, 8, 128, H200, scale_format=K16, pinned_tile=TileConfig(64, 128))
     assert pinned.mainloop == "mma_sync" and pinned.moe_block_size == 64
-    # 128-row blocks once the average expert fills them (routes >= 128 * experts), from 80 routes where one block
-    # an expert still gives 4 x 132 128-wide tiles (1536 here), else 64
-    assert plan_gemm(1279, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 64
-    assert plan_gemm(1280, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
-    narrow_n = plan_gemm(2047, 384, 2048, 8, 128, H200, scale_format=K16)  # 3 tiles an expert: 384 in all
-    assert narrow_n.moe_block_size == 64
-    assert plan_gemm(2048, 384, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
+    # 128-row blocks once the average expert fills them (routes >= 128 * experts), else 64
+    assert plan_gemm(2047, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 64
+    assert plan_gemm(2048, 1536, 2048, 8, 128, H200, scale_format=K16).moe_block_size == 128
     # 256-row blocks (two warpgroups) once the average expert has 160 routes (WGMMA_WIDE_MIN_ROUTES,
     # measured): an expert's 129-256 routes then share one decode of its weights
     assert wgmma_tile(1536, 2048, 256, K16, H200) == (narrow, None)

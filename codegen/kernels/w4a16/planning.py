@@ -216,7 +216,7 @@ WGMMA_TALL_SPREAD_MIN_TILES = 4
 # twenty-ninth session): Llama-4-Scout and Phi-3.5-MoE (16 experts, no table) 0.90-0.97x the layer's time at
 # every M of 7-48 on an H100; on the H200 0.86-0.98x at 3-8 tokens, 0.95-1.03x at 16-48; Mixtral at 3-6
 # tokens, below its table's range, 0.82-0.90x (H200).
-PROMOTE_MAX_EXPERTS = 16
+PROMOTE_MAX_EXPERTS = 16  # (layers only, as WGMMA_TALL_SPREAD_*: the standalone GEMM keeps its plain rules)
 # Average routes per expert from which the standalone GEMM packs 256-row blocks (two warpgroups over
 # one staged activation tile, wgmma N = 256); the fused kernel keeps one warpgroup and 128 rows.  Measured
 # on the H200 against 256 (compare_layer --check, identical operands, 3 rounds,
@@ -413,9 +413,10 @@ def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int,
 
 
 def wgmma_tall_rule(m: int, top_k: int, num_experts: int, widths, profile: DeviceProfile) -> bool:
-    """The rule for 128-row blocks where nothing was measured: the average expert has WGMMA_TALL_MIN_ROUTES
-    routes, or WGMMA_TALL_SPREAD_MIN_ROUTES where a block an expert leaves every GEMM (output widths
-    `widths`) WGMMA_TALL_SPREAD_MIN_TILES x the SM count of 128-wide tiles."""
+    """A layer's rule for 128-row blocks where nothing was measured: the average expert has
+    WGMMA_TALL_MIN_ROUTES routes, or WGMMA_TALL_SPREAD_MIN_ROUTES where a block an expert leaves every GEMM
+    (output widths `widths`) WGMMA_TALL_SPREAD_MIN_TILES x the SM count of 128-wide tiles.  (The standalone
+    GEMM keeps WGMMA_TALL_MIN_ROUTES: the evidence is the layers'.)"""
     routes = m * top_k
     if routes >= WGMMA_TALL_MIN_ROUTES * num_experts:
         return True
@@ -427,9 +428,9 @@ def wgmma_tall_rule(m: int, top_k: int, num_experts: int, widths, profile: Devic
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
                      tall: bool | None = None) -> int:
     """`block`, or WGMMA_TALL_BLOCK where every (n, k) of `dims` takes a 128-row wgmma tile and
-    `tall` says so (None: `wgmma_tall_rule` over the ns of `dims`)."""
+    `tall` says so (None: where the average expert has WGMMA_TALL_MIN_ROUTES routes)."""
     if tall is None:
-        tall = wgmma_tall_rule(m, top_k, num_experts, [n for n, _ in dims], profile)
+        tall = m * top_k >= WGMMA_TALL_MIN_ROUTES * num_experts
     if tall and all(wgmma_tile(n, k, WGMMA_TALL_BLOCK, scale_format, profile)[0] is not None for n, k in dims):
         return WGMMA_TALL_BLOCK
     return block
@@ -505,13 +506,10 @@ def on_wgmma(block: int, short: bool | None = None) -> bool:
     return block not in WGMMA_SHORT_BLOCKS or (WGMMA_SHORT if short is None else short)
 
 def promoted_block(block: int, dims, scale_format, profile, layout: str = "packed", promote: bool | None = None,
-                   short: bool | None = None, *, num_experts: int) -> int:
-    """16 for a packed 8-row block where `promote` (the "promote" knob; None: the rule, at most
-    PROMOTE_MAX_EXPERTS experts) says so and a 16-row wgmma tile runs every (n, k) of `dims`, else `block`.
-    (Stored-layout layers are never promoted: no wgmma tile runs their 16-row blocks,
-    MODELOPT_WGMMA_SHORT_BLOCKS.)"""
-    if promote is None:
-        promote = num_experts <= PROMOTE_MAX_EXPERTS
+                   short: bool | None = None) -> int:
+    """16 for a packed 8-row block where `promote` (the "promote" knob) says so and a 16-row wgmma tile runs
+    every (n, k) of `dims`, else `block`.  (Stored-layout layers are never promoted: no wgmma tile runs their
+    16-row blocks, MODELOPT_WGMMA_SHORT_BLOCKS.)"""
     if block != 8 or not promote or not on_wgmma(16, short):
         return block
     if all(wgmma_tile(n, k, 16, scale_format, profile, layout)[0] is not None for n, k in dims):
@@ -793,8 +791,7 @@ def plan_gemm(
     # select_route_block_size gives 8 here anyway (m * top_k <= 6 * num_experts).
     block = 8 if direct else select_route_block_size(m, top_k, num_experts)
     if pinned_tile is None and not direct:
-        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote, short,
-                               num_experts=num_experts)
+        block = promoted_block(block, ((n, k),), scale_format, profile, layout, promote, short)
         block = wgmma_tall_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, tall)
         block = wgmma_wide_block(m, top_k, num_experts, block, ((n, k),), scale_format, profile, wide)
     mainloop = "mma_sync"
