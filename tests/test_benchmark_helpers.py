@@ -132,6 +132,15 @@ def test_build_variant_sets_planner_constants_before_the_build(monkeypatch):
                          ("planning.WGMMA_WIDE_MIN_ROUTES=routes", "must be a Python literal")):
         with pytest.raises(SystemExit, match=message):
             build_variant.apply([bad])
+    # a variant's plan fingerprint differs from the plain build's (else a copy of that build reads up to date)
+    build = importlib.import_module("cuteaot.codegen.build")
+
+    plain = build.plan_fingerprint()
+    monkeypatch.setattr(build, "plan_fingerprint", build.plan_fingerprint)  # restored after
+    build_variant.fingerprint_with([])
+    assert build.plan_fingerprint() == plain
+    build_variant.fingerprint_with(["planning.WGMMA_WIDE_MIN_ROUTES=999"])
+    assert build.plan_fingerprint() not in (plain, None)
 
 
 def _source_page(path, rows):
