@@ -56,7 +56,6 @@ from .planning import (
     gemm_spec_for,
     plan_for,
     LARGE_BATCH_TILE_CONFIGS,
-    PROMOTE_MAX_EXPERTS,
     small_block_tile,
     SMALL_BATCH_TILE_CONFIGS,
     WGMMA_ARCHS,
@@ -68,6 +67,7 @@ from .planning import (
     _RESIDENT_SHARED_MEMORY_PER_BLOCK,
     blocks_per_sm,
     estimated_registers,
+    layer_rules,
     measured_choice,
     on_wgmma,
     packed_m8_blocks_per_sm,
@@ -77,7 +77,6 @@ from .planning import (
     tile_misfit,
     wgmma_blocks_per_sm,
     wgmma_tall_block,
-    wgmma_tall_rule,
     wgmma_tile,
     wide_by_k,
 )
@@ -225,10 +224,7 @@ def plan_fused(
         raise BadInputError(f"top_k={top_k} exceeds num_experts={num_experts}")
     dims = fused_gemm_dims(hidden_size, intermediate_size, gated, nf3=scale is ScaleFormat.E4M3_K32)
     (n1, k1), (n2, k2) = dims
-    if promote is None:  # the layer rules where nothing was measured
-        promote = num_experts <= PROMOTE_MAX_EXPERTS
-    if tall is None:
-        tall = wgmma_tall_rule(m, top_k, num_experts, (n1, n2), profile)
+    tall, promote = layer_rules(m, top_k, num_experts, (n1, n2), profile, tall, promote)
     direct = m <= DECODE_MAX_M if decode is None else decode and m <= DECODE_MEASURED_MAX_M
     decode = direct and not expert_map and not collect_amax and not deterministic
     layout = "modelopt" if stored_as_is else "packed"
@@ -524,10 +520,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
             tall = True
         if wide is None and MODELOPT_WIDE_ANY_K:
             wide = True
-    if tall is None:  # the layer rules, over both GEMMs' tiles (one packing of the routes serves both)
-        tall = wgmma_tall_rule(m, facts.top_k, facts.num_experts, (n1_stored, n2_stored), profile)
-    if promote is None:
-        promote = facts.num_experts <= PROMOTE_MAX_EXPERTS
+    # the layer rules where nothing was measured, over both GEMMs' tiles (one packing serves both)
+    tall, promote = layer_rules(m, facts.top_k, facts.num_experts, (n1_stored, n2_stored), profile, tall, promote)
     # FC1 alone on 256-row blocks, FC2 reading them as 128-row ones (WGMMA_MIXED_MAX_ROUTES), where only
     # FC2's K keeps the layer off them and nothing was measured
     mixed = (wide is None and not wide_by_k(k1_stored, k2_stored) and wide_by_k(k1_stored)

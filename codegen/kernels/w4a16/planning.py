@@ -412,17 +412,23 @@ def measured_choice(knob: str, m: int, hidden_size: int, intermediate_size: int,
     return borrowed_choice(m, key[1:], _profile_tables(knob, key[0]))
 
 
-def wgmma_tall_rule(m: int, top_k: int, num_experts: int, widths, profile: DeviceProfile) -> bool:
-    """A layer's rule for 128-row blocks where nothing was measured: the average expert has
-    WGMMA_TALL_MIN_ROUTES routes, or WGMMA_TALL_SPREAD_MIN_ROUTES where a block an expert leaves every GEMM
-    (output widths `widths`) WGMMA_TALL_SPREAD_MIN_TILES x the SM count of 128-wide tiles.  (The standalone
-    GEMM keeps WGMMA_TALL_MIN_ROUTES: the evidence is the layers'.)"""
-    routes = m * top_k
-    if routes >= WGMMA_TALL_MIN_ROUTES * num_experts:
-        return True
-    tiles = min(num_experts * tile_count(n, 128) for n in widths)  # (128-row blocks run 128-wide tiles)
-    return (routes >= WGMMA_TALL_SPREAD_MIN_ROUTES * num_experts
+def layer_rules(m: int, top_k: int, num_experts: int, widths, profile: DeviceProfile,
+                tall: bool | None, promote: bool | None) -> tuple[bool, bool]:
+    """A layer's (tall, promote): the given choices, and where one is None (nothing measured) the layer's rule.
+
+    tall: 128-row blocks once the average expert has WGMMA_TALL_MIN_ROUTES routes, or WGMMA_TALL_SPREAD_MIN_ROUTES
+    where a block an expert leaves every GEMM (output widths `widths`) WGMMA_TALL_SPREAD_MIN_TILES x the SM count
+    of 128-wide tiles.  promote: at most PROMOTE_MAX_EXPERTS experts.  (The standalone GEMM keeps its plain
+    rules, wgmma_tall_block's and no promotion: the evidence is the layers'.)"""
+    if tall is None:
+        routes = m * top_k
+        tiles = min(num_experts * tile_count(n, 128) for n in widths)  # (128-row blocks run 128-wide tiles)
+        tall = routes >= WGMMA_TALL_MIN_ROUTES * num_experts or (
+            routes >= WGMMA_TALL_SPREAD_MIN_ROUTES * num_experts
             and tiles >= WGMMA_TALL_SPREAD_MIN_TILES * profile.sm_count)
+    if promote is None:
+        promote = num_experts <= PROMOTE_MAX_EXPERTS
+    return tall, promote
 
 
 def wgmma_tall_block(m: int, top_k: int, num_experts: int, block: int, dims, scale_format, profile,
