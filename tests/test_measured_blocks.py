@@ -247,6 +247,26 @@ def test_fc1_alone_on_wide_blocks_where_only_fc2_k_forbids_them(table):
     assert blocks(3000) == (256, 256, None, None) and blocks(2560) == (256, 128, 256, None)
 
 
+def test_narrow_blocks_where_measured_override_the_rule_and_the_wide_table(table, monkeypatch):
+    """"narrow": 128-row blocks for both GEMMs where its table says so, over the K rule (GLM-4.5-Air), over a
+    "wide" table, and over the mixed packing (Qwen3-30B: FC1 alone on 256 rows)."""
+    def blocks(m, facts):
+        fc1, fc2 = split_layer(m, facts, H200)
+        return fc1.plan.moe_block_size, fc2.plan.moe_block_size, fc2.spec.packing_block
+
+    assert [blocks(m, GLM) for m in (3072, 4096)] == [(256, 256, None)] * 2
+    _write(table, "narrow", [[3800, 5000]], facts=GLM)
+    assert [blocks(m, GLM) for m in (3072, 3800, 4096, 5000, 5001)] == [
+        (256, 256, None), (128, 128, None), (128, 128, None), (128, 128, None), (256, 256, None)]
+    _rows(table, wide=[(SHAPE, (11586, 16384), [[11586, 16384]])], narrow=[(SHAPE, (2560, 16384), [[12000, 16384]])])
+    assert blocks(11586, QWEN3) == (256, 256, None) and blocks(12000, QWEN3) == (128, 128, None)
+    _write(table, "narrow", [[3000, 3500]])
+    assert blocks(2999, QWEN3) == (256, 128, 256) and blocks(3000, QWEN3) == (128, 128, None)
+    # the policies tune_blocks builds with: "always" takes 128 rows wherever the rule takes 256
+    monkeypatch.setitem(planning.POLICY, "narrow", "always")
+    assert blocks(2999, QWEN3) == (128, 128, None) and blocks(16384, GLM) == (128, 128, None)
+
+
 def test_the_shipped_wide_entries():
     # measured on the H200 (docs/results/tune-wide-2026-12-01.json): Qwen3-30B only from 11586 tokens
     qwen3 = split_layer(16384, QWEN3, H200)

@@ -529,6 +529,8 @@ def split_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> tuple[G
              < WGMMA_MIXED_MAX_ROUTES * facts.num_experts)
     if wide is None:
         wide = wide_by_k(k1_stored, k2_stored)
+    if layer_choice("narrow", m, facts, profile):
+        wide = mixed = False  # measured: 128-row blocks beat the 256-row ones the rule or "wide" would take
     p1 = plan_for(m, fc1_n, facts.hidden_size, facts.top_k, facts.num_experts, profile, tall, wide or mixed,
                   facts.weights.layout, promote, producer, tall_wide)
     p2 = plan_for(m, facts.hidden_size, facts.intermediate_size, facts.top_k, facts.num_experts, profile, tall, wide,

@@ -264,16 +264,23 @@ WGMMA_WIDE_MIN_K = 1024
 # intermediate through HBM, against the fused kernel's grid barriers.  Measured on the H200 (2026-12-04,
 # docs/results/tune-fusepack-2026-12-04.json): 0.95-0.96x on Qwen3-30B at M = 116-128, 0.97x on Qwen3-235B tp4
 # and gpt-oss-20b, 0.98x on gpt-oss-120b and Nemotron, 0.99x (no win) on tp1 / tp2 / GLM / Mixtral, 1.01-1.04x on tp8.
+# A twelfth, "narrow", is "wide" the other way round: 128-row blocks where the rule (or the "wide" table) packs
+# 256-row ones for a layer run as two GEMMs.  256 rows decode each weight tile for twice the tokens, but an
+# expert's routes past a multiple of 256 then cost a whole second 256-row tile for a few of them, and an SM
+# holds one such CTA: on an H100 (docs/benchmarks.md, thirtieth session) 128-row blocks took 0.955x / 0.961x
+# the layer's time on GLM-4.5-Air at 256 / 384 routes per expert and 1.10x at 192, 0.974x on Qwen1.5-MoE at
+# 273 and 1.07x at 205: it turns on how each expert's routes fill the blocks, which a table per shape and M
+# records and no single threshold does.
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
 MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide",
-                  "splitk", "fusepack")
+                  "splitk", "fusepack", "narrow")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
           "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured",
-          "splitk": "measured", "fusepack": "measured"}
+          "splitk": "measured", "fusepack": "measured", "narrow": "measured"}
 
 
 # A layer shape that no knob's table holds (a model nobody measured here) borrows, knob by knob, the
