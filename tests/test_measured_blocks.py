@@ -273,6 +273,16 @@ def test_the_shipped_wide_entries():
     assert qwen3[0].plan.moe_block_size == 256 and split_layer(8192, QWEN3, H200)[0].plan.moe_block_size == 128
 
 
+def test_the_shipped_narrow_entries():
+    """Measured (docs/results/tune-narrow-2026-12-05-*.json): GLM-4.5-Air takes 128-row blocks where its experts
+    average just over 256 routes (M = 4096: 0.955x), and keeps 256-row ones below (M = 3072: 128-row 1.10x);
+    Mixtral-8x7B, where 128-row blocks lost at every M, keeps the rule's 256-row blocks."""
+    mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
+                            activation=Activation.SILU)
+    assert [split_layer(m, GLM, H200)[0].plan.moe_block_size for m in (3072, 4096, 16384)] == [256, 128, 256]
+    assert {split_layer(m, mixtral, H200)[0].plan.moe_block_size for m in (1024, 4096, 16384)} == {256}
+
+
 def test_the_shipped_tall_entries_below_256_tokens():
     """128-row blocks had won against the 16- to 48-row mma.sync plans at some mid M (Mixtral-8x7B at
     M = 79-175, docs/results/tune-tall-mid-2026-12-02.json); against the same blocks on the wgmma loop they
