@@ -206,6 +206,8 @@ def test_shipped_table_is_well_formed():
 
 GLM = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=1408, num_experts=128, top_k=8,
                     activation=Activation.SILU)
+MIXTRAL = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
+                        activation=Activation.SILU)
 
 
 def test_wide_blocks_by_the_k_rule_and_where_measured(table):
@@ -277,10 +279,8 @@ def test_the_shipped_narrow_entries():
     """Measured (docs/results/tune-narrow-2026-12-05-*.json): GLM-4.5-Air takes 128-row blocks where its experts
     average just over 256 routes (M = 4096: 0.955x), and keeps 256-row ones below (M = 3072: 128-row 1.10x);
     Mixtral-8x7B, where 128-row blocks lost at every M, keeps the rule's 256-row blocks."""
-    mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
-                            activation=Activation.SILU)
     assert [split_layer(m, GLM, H200)[0].plan.moe_block_size for m in (3072, 4096, 16384)] == [256, 128, 256]
-    assert {split_layer(m, mixtral, H200)[0].plan.moe_block_size for m in (1024, 4096, 16384)} == {256}
+    assert {split_layer(m, MIXTRAL, H200)[0].plan.moe_block_size for m in (1024, 4096, 16384)} == {256}
 
 
 def test_the_shipped_tall_entries_below_256_tokens():
@@ -289,10 +289,8 @@ def test_the_shipped_tall_entries_below_256_tokens():
     take 1.17-1.31x the time (docs/results/tall-vs-short-rule-2026-12-02.json), so those ranges are gone and
     every shape keeps the rule's blocks there.  Mixtral takes 128-row blocks from 248 tokens (at 224 and
     240 its 64-row split plan stays faster)."""
-    mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
-                            activation=Activation.SILU)
     for m, tall in ((64, False), (79, False), (128, False), (175, False), (176, False), (247, False), (248, True)):
-        split = split_layer(m, mixtral, H200)
+        split = split_layer(m, MIXTRAL, H200)
         assert (split is not None and split[0].plan.moe_block_size == 128) == tall, m
     for m in (64, 128, 192):  # (8-row fused plans at 64; 16- and 32-row wgmma GEMMs from 128)
         for facts in (QWEN3, GLM):
@@ -371,11 +369,9 @@ def test_the_rule_takes_tall_blocks_from_fewer_routes_where_tiles_are_many(table
 def test_the_shipped_promote_entries():
     """docs/results/tune-promote-2026-12-02.json: 16-row wgmma blocks won on Mixtral-8x7B at M = 7-24 (0.70-0.92x)
     and on the narrow Qwen3-235B shards (tp8 at 12-64, tp4 at 7-12), lost 2-7 % on the wide 128-expert shapes."""
-    mixtral = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2,
-                            activation=Activation.SILU)
     tp8 = MoeLayerFacts(dtype=DType.BF16, hidden_size=4096, intermediate_size=192, num_experts=128, top_k=8,
                         activation=Activation.SILU)
-    for facts, m in ((mixtral, 8), (mixtral, 24), (tp8, 16), (tp8, 48)):
+    for facts, m in ((MIXTRAL, 8), (MIXTRAL, 24), (tp8, 16), (tp8, 48)):
         split = split_layer(m, facts, H200)
         assert split is not None and split[0].plan.moe_block_size == 16, (facts.intermediate_size, m)
     for m in (16, 32, 64):
