@@ -11,8 +11,9 @@ planning.WGMMA_WIDE_MIN_K), "promote" (16-row wgmma route blocks where the rule 
 kernel), "splitsum" (the same for the FC2 GEMM of a layer run as two GEMMs) and "tallwide" (the two
 GEMMs' 128-row blocks on the 256-wide tile of two warpgroups, planning.WGMMA_TALL_WIDE_TILE), "splitk"
 (decode launches that split K over every co-resident CTA where one wave of whole tiles would do) and
-"fusepack" (the fused kernel, packing its routes itself, where the rule runs two GEMM launches) and "narrow"
-(128-row wgmma route blocks where the rule or "wide" packs 256-row ones for a layer run as two GEMMs).
+"fusepack" (the fused kernel, packing its routes itself, where the rule runs two GEMM launches), "narrow"
+(128-row wgmma route blocks where the rule or "wide" packs 256-row ones for a layer run as two GEMMs) and
+"micro" (a decode launch on the barrier-free micro kernel, codegen/kernels/w4a16/micro.py).
 
     # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
     python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
@@ -44,7 +45,7 @@ TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
 # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
 KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide", "splitk",
-         "fusepack", "narrow")
+         "fusepack", "narrow", "micro")
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:

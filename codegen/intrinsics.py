@@ -995,6 +995,20 @@ def ld_global_nc_v4_u32(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_global_nc_v2_u32(addr: Int64, *, loc=None, ip=None):
+    """Read-only (non-coherent) 8-byte load (8-byte aligned)."""
+    return _u32(_asm(2, T.i32, _ir([Int64(addr)], loc, ip), "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l",
+                     effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """Plain (coherent) 4-byte load: data this CTA wrote earlier in the launch (after a bar.sync)."""
+    return Uint32(_asm(1, T.i32, _ir([Int64(addr)], loc, ip), "ld.global.b32 $0, [$1];", "=r,l",
+                       effects=True, loc=loc, ip=ip)[0])
+
+
+@dsl_user_op
 def ld_global_acquire_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
     """GPU-scope acquire load (pairs with `red_add_release_i32` / `st_global_release_i32`)."""
     return Int32(_asm(1, T.i32, _ir([Int64(addr)], loc, ip), "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
@@ -1053,6 +1067,20 @@ def red_add_release_i32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     """GPU-scope release reduction (no return): publishes this thread's earlier writes."""
     _asm(0, None, _ir([Int64(addr), Int32(v)], loc, ip), "red.release.gpu.global.add.s32 [$0], $1;", "l,r",
          effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    """Atomic float add into global memory (relaxed, GPU scope; no return)."""
+    _asm(0, None, _ir([Int64(addr), Float32(v)], loc, ip), "red.global.add.f32 [$0], $1;", "l,f",
+         effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_v4_f32(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None) -> None:
+    """Atomic element-wise add of four floats to 16 bytes of global memory (16-byte aligned; sm_90+)."""
+    _asm(0, None, _ir([Int64(addr), Float32(v0), Float32(v1), Float32(v2), Float32(v3)], loc, ip),
+         "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -105,6 +105,63 @@ def test_splitk_decode_splits_one_wave_plans_over_every_co_resident_cta():
     assert plan_fused(64, *QWEN3_30B, True, H200, splitk=True) == packed
 
 
+def test_micro_plans_decode_launches_it_can_serve(monkeypatch):
+    """The "micro" knob: a decode plan runs the barrier-free micro kernel with one CTA per work item (a route's
+    FC1 tile) up to the co-resident grid; shapes or options it cannot serve keep the persistent kernel."""
+    from cuteaot.codegen.kernels.w4a16 import planning
+
+    def facts(hidden, inter, experts, top_k, activation="silu", **options):
+        return MoeLayerFacts(dtype="bf16", hidden_size=hidden, intermediate_size=inter, num_experts=experts,
+                             top_k=top_k, activation=activation, **options)
+
+    qwen3 = facts(*QWEN3_30B)
+    monkeypatch.setitem(planning.POLICY, "micro", "rule")
+    rule = plan_layer(1, qwen3, H200)
+    assert rule.decode and not rule.micro
+    monkeypatch.setitem(planning.POLICY, "micro", "always")
+    p = plan_layer(1, qwen3, H200)
+    assert p.micro and p.grid_x == 8 * 12 and p.fc1_tile == rule.fc1_tile  # 8 routes x 12 FC1 tiles
+    spec = fused_spec_for(p, qwen3)
+    assert spec.micro and spec.micro_slice == 64 and spec.key() != fused_spec_for(rule, qwen3).key()
+    gpt_oss = facts(*GPT_OSS, "swigluoai")
+    p2 = plan_layer(2, gpt_oss, H200)  # 2 x 4 routes x 45 tiles = 360 items on the 264 co-resident CTAs
+    assert p2.micro and p2.grid_x == p2.max_grid_x == 264 and p2.whole_tiles_m8
+    # not served: biases, packed routes, the stored layout, NF3, relu2 with I not a multiple of its 128-column slice
+    assert not plan_layer(1, facts(*GPT_OSS, "swigluoai", bias=True), H200).micro
+    assert not plan_layer(64, qwen3, H200).micro
+    assert not plan_layer(1, facts(*QWEN3_30B, weights="modelopt"), H200).micro
+    assert not plan_layer(1, facts(*QWEN3_30B, weights="nf3"), H200).micro
+    assert not plan_layer(1, facts(2688, 1856, 128, 6, "relu2"), H200).micro
+    assert plan_layer(1, facts(2688, 1792, 128, 6, "relu2"), H200).micro
+
+
+def test_micro_spec_refuses_what_the_kernel_does_not_serve():
+    base = dict(dtype="bf16", hidden_size=2048, intermediate_size=768, top_k=8, activation="silu", fc1_tile_n=128,
+                fc1_tile_k=128, fc2_tile_n=256, fc2_tile_k=64, moe_block_size=8, blocks_per_sm=1, decode=True,
+                gated_epilogue=True, micro=True)
+    assert FusedSpec(**base).micro_slice == 64
+    assert "micro" not in FusedSpec(**{**base, "micro": None}).key().facts  # older keys keep their digests
+    for change, why in (({"decode": False}, "decode"), ({"gated_epilogue": None}, "gated_epilogue"),
+                        ({"bias": True}, "biases"),
+                        ({"activation": "relu2", "gated_epilogue": None, "intermediate_size": 320}, "intermediate_size"),
+                        ({"micro": False}, "None or True")):
+        with pytest.raises(BadInputError, match=why):
+            FusedSpec(**{**base, **change})
+
+
+def test_micro_launches_reserve_their_output_sums_in_the_locks(monkeypatch):
+    """The resolution table sizes `locks` for the micro kernel's counter and (M, H) float32 sums."""
+    from cuteaot.codegen.kernels.w4a16 import planning
+    from cuteaot.runtime.kernels.w4a16.fused_spec import MICRO_SUMS_WORD
+
+    monkeypatch.setitem(planning.POLICY, "micro", "always")
+    spec = load_spec("specs/bench-decode.yaml")
+    entry = next(e for e in plan_bundle(spec).entries if e.facts.hidden_size == 2048)
+    two = entry.launch(2)
+    assert two.sizes["lock_words"] >= MICRO_SUMS_WORD + 2 * 2048
+    assert entry.workspace(2).sizes["lock_words"] >= two.sizes["lock_words"]
+
+
 def test_topk_sum_folds_into_packed_plans_only():
     """The "topksum" knob: a packed plan's FC2 adds the routes' rows into the output (the decode
     regime's red.add), so no top-k sum kernel runs; never where the order must be fixed

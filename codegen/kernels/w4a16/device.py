@@ -2,7 +2,7 @@
 
 gemm.py (scheduler, the mma.sync loop via mainloop.py and epilogue.py) <- wgmma.py (the sm_90a
 warpgroup-MMA loop, and `gemm_kernel`, which picks between them) <- fused.py (both GEMM phases in
-one persistent kernel) <- this module: no import cycles.
+one persistent kernel), micro.py (the barrier-free small-M layer) <- this module: no import cycles.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec
 
 from ..common import fake_arguments
 from .fused import W4A16FusedMoeKernel
+from .micro import W4A16MicroMoeKernel
 from .wgmma import gemm_kernel
 
 
@@ -20,4 +21,5 @@ def build_gemm(spec: GemmSpec):
 
 
 def build_fused(spec: FusedSpec):
-    return W4A16FusedMoeKernel(spec), fake_arguments(spec)
+    kernel = W4A16MicroMoeKernel(spec) if spec.micro else W4A16FusedMoeKernel(spec)
+    return kernel, fake_arguments(spec)

@@ -16,7 +16,10 @@ Two regimes, as in the seed:
   wave of whole-K tiles covers both GEMMs, the grid is right-sized to FC1's tiles and
   each CTA owns one whole tile (no split-K); where either GEMM would need a second
   wave, K is split over every co-resident CTA instead (measured 0.76-0.94x on the
-  H200, see DECODE_ONE_WAVE).  Wide N tiles are chosen where they save a wave.
+  H200, see DECODE_ONE_WAVE).  Wide N tiles are chosen where they save a wave.  Where
+  planning.MEASURED_BLOCKS measured it faster (knob "micro"), a decode launch runs the
+  barrier-free micro kernel instead (FusedSpec.micro: one CTA per route and FC1 tile, FC2
+  over that tile's slice of K, float32 sums in the lock words; `_micro_plan`).
 * packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
   separate top-k sum kernel combines them; the grid is every co-resident CTA.
   Where planning.MEASURED_BLOCKS measured it faster (knob "topksum"), a packed
@@ -164,6 +167,8 @@ class FusedPlan:
     topk_sum: bool = False
     # packed routes: the kernel packs them itself, no route-pack launch before it (FusedSpec.pack_experts)
     pack_routes: bool = False
+    # decode on the barrier-free micro kernel (FusedSpec.micro); its output sums live in `locks` (micro_lock_words)
+    micro: bool = False
 
     @property
     def lock_words(self) -> int:
@@ -288,6 +293,19 @@ def plan_fused(
     )
 
 
+def _micro_plan(plan: FusedPlan, facts: MoeLayerFacts) -> FusedPlan:
+    """A decode plan on the micro kernel, where FusedSpec.micro can serve the layer (else the plan as it is): the
+    same tiles, one CTA per work item (a route's FC1 tile) up to the co-resident grid, whole-K FC1 tiles."""
+    items = plan.m * facts.top_k * tile_count(facts.activation.fc1_width(facts.intermediate_size),
+                                              plan.fc1_tile.tile_n)
+    micro = replace(plan, micro=True, grid_x=min(items, plan.max_grid_x), whole_tiles_m8=True)
+    try:
+        fused_spec_for(micro, facts)
+    except BadInputError:
+        return plan
+    return micro
+
+
 def _packs_in_kernel(routes: int, num_experts: int, expert_map: bool, collect_amax: bool) -> bool:
     """Whether a packed plan packs its routes in the fused kernel (PACK_IN_KERNEL): its tables hold them."""
     return (PACK_IN_KERNEL and not (expert_map or collect_amax) and routes <= PACK_MAX_ROUTES
@@ -409,7 +427,7 @@ def fused_spec_for(plan: FusedPlan, facts: MoeLayerFacts, amax_experts: int = 0)
         mainloop=Mainloop(plan.mainloop), bias=facts.bias, weights=facts.weights,
         scale_exponent=_scale_exponent(facts), gated_epilogue=True if fused_gated_epilogue(plan, facts) else None,
         topk_sum=True if plan.topk_sum else None,
-        pack_experts=facts.num_experts if plan.pack_routes else None,
+        pack_experts=facts.num_experts if plan.pack_routes else None, micro=True if plan.micro else None,
     )
 
 
@@ -465,6 +483,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       topk_sum=layer_choice("topksum", m, facts, profile),
                       stored_as_is=facts.weights.layout == "modelopt",
                       splitk=layer_choice("splitk", m, facts, profile))
+    if plan.decode and layer_choice("micro", m, facts, profile):
+        plan = _micro_plan(plan, facts)
     if plan.pack_routes:
         shared = fused_spec_for(plan, facts).shared_bytes
         if (shared > profile.max_shared_memory_per_block_optin

@@ -271,16 +271,18 @@ WGMMA_WIDE_MIN_K = 1024
 # the layer's time on GLM-4.5-Air at 256 / 384 routes per expert and 1.10x at 192, 0.974x on Qwen1.5-MoE at
 # 273 and 1.07x at 205: it turns on how each expert's routes fill the blocks, which a table per shape and M
 # records and no single threshold does.
+# A thirteenth, "micro", runs a decode launch on the barrier-free micro kernel (FusedSpec.micro,
+# codegen/kernels/w4a16/micro.py) wherever that can serve the layer.
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
 MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide",
-                  "splitk", "fusepack", "narrow")
+                  "splitk", "fusepack", "narrow", "micro")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
           "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured",
-          "splitk": "measured", "fusepack": "measured", "narrow": "measured"}
+          "splitk": "measured", "fusepack": "measured", "narrow": "measured", "micro": "measured"}
 
 
 # A layer shape that no knob's table holds (a model nobody measured here) borrows, knob by knob, the

@@ -53,7 +53,7 @@ class FusedSpec(SpecKey):
     FAMILY = "w4a16_fused_moe"
     VERSION = 2  # 2: the bias parameter(s) joined the ABI
     # NVFP4 kernels: the keys they had before NF3 (and kernels without the facts added since)
-    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue", "topk_sum", "pack_experts"})
+    KEY_OMITS_NONE = frozenset({"weights", "scale_exponent", "gated_epilogue", "topk_sum", "pack_experts", "micro"})
     # The kernel's parameters, in order (16-byte aligned pointers); the runtime launches by these names.
     SIGNATURE = Signature(
         (
@@ -74,7 +74,8 @@ class FusedSpec(SpecKey):
             ptr("w13_bias", Pointee.ELEM, "(E, fc1 width) dtype FC1 bias, [gate | up] (read if bias)"),
             ptr("w2_bias", Pointee.ELEM, "(E, H) dtype FC2 bias (read if bias)"),
             ptr("c_tmp", Pointee.F32, "float32 split-K partials (shared by FC1 and FC2)"),
-            ptr("locks", Pointee.I32, "int32: barrier words then split-K lock slots; zero between launches"),
+            ptr("locks", Pointee.I32, "int32: barrier words then split-K lock slots (micro: a counter, then the "
+                "(M, H) float32 output sums); zero between launches"),
             ptr("amax", Pointee.F32, "(layers, E, 2) float32 activation maxima (read if collect_amax)"),
             i32("layer", "layer index into amax"),
             i32("tokens", "M"),
@@ -122,6 +123,12 @@ class FusedSpec(SpecKey):
     # The expert count E of the routing when the kernel packs the (at most PACK_MAX_ROUTES) routes itself,
     # into shared memory, from topk_ids (see the module doc); None: it reads a route packing from memory.
     pack_experts: Optional[int] = None
+    # True (decode only): the barrier-free small-M kernel (codegen/kernels/w4a16/micro.py).  A CTA's work item is
+    # one route's FC1 tile, activated, then FC2 over the tile's slice of K into every output column: each item
+    # adds a partial of its token's output row into float32 sums in `locks` (MICRO_SUMS_WORD on), and the CTA
+    # that finishes last turns the sums into `fc2_out` and zeroes them.  No grid barrier, no co-residency.
+    # None: the persistent kernel above.
+    micro: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
@@ -171,6 +178,33 @@ class FusedSpec(SpecKey):
             raise BadInputError(f"pack_experts must be None, or 1..{PACK_MAX_EXPERTS} experts for packed routes "
                                 f"without expert_map or amax; got {self.pack_experts!r}")
         self.fc1_gemm, self.fc2_gemm  # validate the tiles against the stored sizes
+        if self.micro not in (None, True):
+            raise BadInputError(f"micro must be None or True, got {self.micro!r}")
+        if self.micro:
+            self._check_micro()
+
+    def _check_micro(self) -> None:
+        """What the micro kernel serves: decode, packed NVFP4 without biases or an input-side router weight,
+        FC1 writing the activation itself, logical sizes equal to the stored ones, 64-column output slabs."""
+        why = []
+        if not self.decode:
+            why.append("decode (direct routes)")
+        if self.weights is not None:
+            why.append(f"packed NVFP4 weights (got {self.weight_format.value})")
+        if self.bias or self.router_weight_on_input:
+            why.append("no biases and the router weight on FC2's output")
+        if self.mainloop is not Mainloop.MMA_SYNC:
+            why.append("the mma.sync loop")
+        if self.gated and not self.gated_epilogue:
+            why.append("a gated activation applied in FC1's epilogue (gated_epilogue)")
+        dims = fused_gemm_dims(self.hidden_size, self.intermediate_size, self.gated)
+        if dims != ((self.fc1_width, self.hidden_size), (self.hidden_size, self.intermediate_size)):
+            why.append("hidden_size and intermediate_size stored unpadded")
+        if self.hidden_size % 64 or self.intermediate_size % self.micro_slice:
+            why.append(f"hidden_size a multiple of 64 and intermediate_size of the FC1 tile's {self.micro_slice} "
+                       f"activated columns")
+        if why:
+            raise BadInputError("micro needs " + "; ".join(why))
 
     # --------------------------------------------------------------- parts
 
@@ -262,6 +296,22 @@ class FusedSpec(SpecKey):
     @property
     def barrier_words(self) -> int:
         return BARRIER_WORDS
+
+    @property
+    def micro_slice(self) -> int:
+        """micro: the activated columns one FC1 tile yields, FC2's slice of K per work item."""
+        return self.fc1_tile_n // 2 if self.gated else self.fc1_tile_n
+
+
+# micro (FusedSpec.micro): in `locks`, the word of the finished-CTA counter and the first word of the (M, H) float32
+# output sums (16-byte aligned), both after the grid-barrier words the kernel does not use.
+MICRO_COUNTER_WORD = BARRIER_WORDS
+MICRO_SUMS_WORD = -(-(BARRIER_WORDS + 1) // 4) * 4
+
+
+def micro_lock_words(tokens: int, hidden_size: int) -> int:
+    """The `locks` words a micro launch of `tokens` tokens uses (its counter and output sums)."""
+    return MICRO_SUMS_WORD + tokens * hidden_size
 
 
 # The most routes (M * top_k) and experts a kernel with pack_experts packs: its shared-memory tables hold them.

@@ -206,7 +206,8 @@ class PersistentLaunch:
     """A kernel of the resolution table (GEMM or fused MoE) whose co-residency has been checked.
 
     Its CTAs wait on each other (split-K turns, grid barriers), so a grid with CTAs that
-    are not resident at once would deadlock: refuse the kernel instead.  Built once per kernel
+    are not resident at once would deadlock: refuse the kernel instead.  (The micro kernel,
+    FusedSpec.micro, is the exception: its CTAs never wait, so any grid runs.)  Built once per kernel
     (`persistent_launch` caches it on the bundle).
     """
 
@@ -229,14 +230,17 @@ class PersistentLaunch:
                 f"{self.spec.key().version}, block ({self.spec.threads}, 1, 1), {self.spec.dynamic_smem_bytes} B: "
                 "the bundle was built by another version of cuteaot; rebuild it")
         self.kernel.bind(self.spec.SIGNATURE)
-        self.kernel.mark_waits_on_grid()  # launched cooperatively where layers run concurrently (bundle.py)
+        # the micro kernel (FusedSpec.micro) is the one table kernel whose CTAs never wait on each other
+        self.waits = not getattr(self.spec, "micro", None)
+        if self.waits:
+            self.kernel.mark_waits_on_grid()  # launched cooperatively where layers run concurrently (bundle.py)
         resident = check_cu(
             driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 self.kernel.function, self.kernel.block[0], self.kernel.record.dynamic_smem_bytes
             ),
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         )
-        if resident < self.spec.blocks_per_sm:
+        if self.waits and resident < self.spec.blocks_per_sm:
             raise LaunchError(
                 f"{key.describe()}: only {resident} CTAs per SM fit on {bundle.profile.name} "
                 f"({self.kernel.record.registers} registers, {self.kernel.record.dynamic_smem_bytes} B shared), "
@@ -246,8 +250,8 @@ class PersistentLaunch:
         self.capacity = resident * bundle.profile.sm_count  # CTAs resident at once on the (matched) GPU
 
     def check_grid(self, grid_x: int) -> None:
-        """A grid of this kernel fits the GPU at once (its CTAs wait on each other)."""
-        if not 1 <= grid_x <= self.capacity:
+        """A grid of this kernel fits the GPU at once where its CTAs wait on each other; any grid otherwise."""
+        if not 1 <= grid_x <= (self.capacity if self.waits else grid_x):
             raise BundleError(f"the resolution table launches {self.spec.key().describe()} with {grid_x} CTAs; "
                               f"{self.capacity} fit this GPU at once: the bundle's table is corrupt; rebuild it")
 

@@ -1,0 +1,274 @@
+"""CuTeDSL micro W4A16 MoE kernel: the small-M fused layer without a grid barrier (FusedSpec.micro).
+
+The persistent decode kernel (fused.py) runs FC1 over every CTA, meets at a grid barrier, then runs FC2: at
+Qwen3-30B M = 1 the barrier, FC2's route reads and its first stage cost ~4 us of a ~15 us kernel
+(docs/benchmarks.md, "The decode kernel's timeline").  Here a CTA's work item is one route r and one FC1
+n-tile j; nothing waits for another CTA until the very end:
+
+1. FC1: the decode kernel's own whole-K tile (gemm.py `_tile`, direct routes, 8-row block), whose epilogue
+   activates (gated epilogue, or relu2) and writes the tile's `micro_slice` activated columns of row r;
+2. FC2 over that slice of K into all H output columns: each warp takes 64-column slabs of the packed weights
+   (slab w, w + warps, ...); a lane's fragment words are exactly the 16 bytes it would have copied to shared
+   memory (the packed layout is in fragment order), so they are loaded straight into registers, a few slabs
+   ahead, with no shared memory and no barrier; the slice's activations (row r, read back after the CTA's
+   barrier) are the MMA's token column 0;
+3. every partial, times FC2's global scale and the route's router weight, is added (red.add.f32) into the
+   (M, H) float32 sums in `locks`; each CTA then counts itself done, and the last one converts the sums into
+   the dtype output and zeroes them and the counter (the workspace is clean after every launch).
+
+Work items are grid-strided, so any grid is correct and no CTA waits on another: no co-residency is needed.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
+
+from cuteaot.runtime.kernels.w4a16.fused_spec import MICRO_COUNTER_WORD, MICRO_SUMS_WORD, FusedSpec
+from cuteaot.runtime.types import DType
+
+from ... import intrinsics as I
+from ..common import after_prior_grids
+from .gemm import _Operands
+from .wgmma import gemm_kernel
+
+# Slabs a warp loads ahead of the one it multiplies: each is micro_slice / 16 x 24 bytes a lane in flight.
+MICRO_LOOKAHEAD = 2
+# True: a slab's 64 sums go out as 16 four-float reductions (three shuffles gather 4 adjacent columns into one
+# lane), False: as 64 one-float reductions from the 8 lanes that hold token column 0.
+MICRO_VECTOR_RED = False
+# True: as an item starts, its FC2 slice (weights and scales, one bulk L2 prefetch per 16-k row) is brought into
+# L2 while FC1 streams, so FC2's register loads wait for L2 instead of HBM.
+MICRO_PREFETCH_L2 = False
+
+
+class W4A16MicroMoeKernel:
+    def __init__(self, spec: FusedSpec):
+        assert spec.micro, "FusedSpec.micro selects this kernel"
+        self.s = spec
+        self.fc1 = gemm_kernel(spec.fc1_gemm, None, False)
+        self.fc2 = gemm_kernel(spec.fc2_gemm, None, False)  # its dequant and MMA helpers only
+        self.threads = spec.threads
+        self.warps = spec.threads // 32
+        self.is_fp16 = spec.dtype is DType.FP16
+        g2 = spec.fc2_gemm
+        self.n2, self.k2 = g2.n, g2.k
+        self.rows = spec.micro_slice // 16  # 16-k rows of FC2 a work item multiplies
+        self.slabs = self.n2 // 64
+        self.slabs_per_warp = -(-self.slabs // self.warps)
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
+                 activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
+                 w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
+                 block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
+                 w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
+                 amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32, stream):
+        self.kernel(a, w13, w2, fc1_out, activated, fc2_out, w13_scales, w2_scales, w13_global_scale,
+                    w2_global_scale, route_indices, block_experts, route_count, topk_weights, w13_bias, w2_bias,
+                    c_tmp, locks, amax, layer, tokens, num_experts).launch(
+            grid=(1, 1, 1), block=[self.threads, 1, 1], smem=self.s.shared_bytes,
+            min_blocks_per_mp=self.s.blocks_per_sm, stream=stream, preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
+               activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
+               w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
+               block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
+               w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
+               amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32):
+        after_prior_grids(persistent=True)
+        s = self.s
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        tid, cta, grid_x = Int32(tidx), Int32(bidx), Int32(gdim)
+        smem = I.shared_ptr_to_u32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16))
+        lock_base = I.gmem_address(locks)
+        sums = lock_base + Int64(MICRO_SUMS_WORD * 4)
+        fc1_ops = _Operands(
+            a=I.gmem_address(a), qweight=I.gmem_address(w13), out=I.gmem_address(activated),
+            scales=I.gmem_address(w13_scales), global_scale=I.gmem_address(w13_global_scale),
+            bias=I.gmem_address(w13_bias), route_indices=I.gmem_address(route_indices),
+            block_experts=I.gmem_address(block_experts), route_count=I.gmem_address(route_count),
+            topk_weights=I.gmem_address(topk_weights), c_tmp=I.gmem_address(c_tmp),
+            locks=lock_base + Int64(s.barrier_words * 4), num_experts=num_experts,  # (a whole tile takes no lock)
+        )
+        routes = tokens * Int32(s.top_k)
+        n1_tiles = Int32(s.fc1_gemm.n_tiles)
+        items = routes * n1_tiles
+        item = cta
+        while item < items:
+            route = item // n1_tiles
+            j = item - route * n1_tiles
+            expert, pair = self.fc1._direct_reads(fc1_ops, route, routes)
+            # a route outside [0, E) (masked, or a caller's bug) adds nothing and never indexes the weights
+            if expert >= Int32(0) and expert < num_experts:
+                # FC2's per-route factors, loaded now so they are in registers when the slabs are
+                scale = (I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4))
+                         * I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4)))
+                if cutlass.const_expr(MICRO_PREFETCH_L2):
+                    self._prefetch_slice(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
+                self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
+                               Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair)
+                cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
+                self._fc2_slice(I.gmem_address(activated), I.gmem_address(w2), I.gmem_address(w2_scales), sums,
+                                tid, route, expert, j, scale)
+            item += grid_x
+        self._finish(I.gmem_address(fc2_out), lock_base + Int64(MICRO_COUNTER_WORD * 4), sums, tid, grid_x, tokens)
+
+    # ------------------------------------------------------------------ FC2 over one slice of K
+
+    @cute.jit
+    def _fc2_slice(self, activated: Int64, qweight: Int64, scales: Int64, sums: Int64, tid: Int32, route: Int32,
+                   expert: Int32, j: Int32, scale: Float32):
+        """sums[token of route, :] += scale * (activated[route, slice j] @ W2[expert][slice j, :]).
+
+        Warp w multiplies slabs w, w + warps, ... (64 output columns each) over the slice's `rows` 16-k rows;
+        lane (g, t) holds int4 `lane` of each 16-k row of the slab (four words: column blocks 16 jj + g, + 8)
+        and the 8 bytes of scales its group g reads (docs/layouts.md), as the mma.sync loop's shared-memory
+        reads would have given it.  The activations are the MMA's B operand, token column 0 only (lanes g = 0);
+        the results for that column sit in lanes t = 0: acc[jj, 0] (column 16 jj + g) and acc[jj, 2] (+ 8)."""
+        s, rows = self.s, self.rows
+        warp = tid // Int32(32)
+        lane = tid & Int32(31)
+        g = lane // Int32(4)
+        t = lane % Int32(4)
+        first_row = j * Int32(rows)  # the slice's first 16-k row of FC2's K
+        # activations: (k = 2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-k row of the slice, row `route`
+        act = cute.make_rmem_tensor((rows, 2), Uint32)
+        act.fill(0)
+        if g == Int32(0):
+            base = activated + (Int64(route) * Int64(s.intermediate_size) + Int64(first_row * Int32(16) + Int32(2) * t)) * Int64(2)
+            for r in cutlass.range_constexpr(rows):
+                act[r, 0] = I.ld_global_u32(base + Int64(32 * r))
+                act[r, 1] = I.ld_global_u32(base + Int64(32 * r + 16))
+        # this lane's int4 of the slice's first 16-k row in slab 0, and its scale bytes there
+        q0 = qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(first_row) * Int64(self.n2 // 2)
+                        + Int64(lane)) * Int64(16)
+        s0 = scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2) + Int64(g * Int32(8))
+        token = route // Int32(s.top_k)
+        out_row = sums + Int64(token) * Int64(self.n2 * 4)
+        count = self.slabs_per_warp
+        loaded = [None] * count
+        acc = cute.make_rmem_tensor((4, 4), Float32)
+        frag = cute.make_rmem_tensor((2, 2), Uint32)
+        for i in cutlass.range_constexpr(count + MICRO_LOOKAHEAD):
+            if cutlass.const_expr(i < count):
+                loaded[i] = self._load_slab(q0, s0, self._slab(warp, i))
+            c = i - MICRO_LOOKAHEAD
+            if cutlass.const_expr(c >= 0):
+                words, pieces = loaded[c]
+                acc.fill(0.0)
+                self._multiply(acc, frag, words, pieces, act)
+                slab = warp + Int32(c * self.warps)
+                self._add_slab(acc, out_row + Int64(slab * Int32(64)) * Int64(4), lane, g, t, scale,
+                               slab < Int32(self.slabs) if (c + 1) * self.warps > self.slabs else None)
+
+    @cute.jit
+    def _add_slab(self, acc: cute.Tensor, row: Int64, lane: Int32, g: Int32, t: Int32, scale: Float32, inside):
+        """sums[row + column] += scale x the slab's token-0 results (acc[jj, 0]: column 16 jj + g, acc[jj, 2]:
+        + 8, in lanes t = 0); `inside` None: the slab exists for every warp, else whether this warp's does."""
+        if cutlass.const_expr(MICRO_VECTOR_RED):
+            lead = lane % Int32(16) == Int32(0)  # lanes g = 0 and 4 (t = 0) gather columns g .. g + 3
+            if cutlass.const_expr(inside is not None):
+                lead = lead and inside
+            for jj in cutlass.range_constexpr(4):
+                for half in cutlass.range_constexpr(2):
+                    v = acc[jj, 2 * half] * scale
+                    v1 = cute.arch.shuffle_sync_down(v, 4)
+                    v2 = cute.arch.shuffle_sync_down(v, 8)
+                    v3 = cute.arch.shuffle_sync_down(v, 12)
+                    if lead:
+                        I.red_add_v4_f32(row + Int64(g + Int32(16 * jj + 8 * half)) * Int64(4), v, v1, v2, v3)
+        else:
+            add = t == Int32(0)
+            if cutlass.const_expr(inside is not None):
+                add = add and inside
+            if add:
+                col = row + Int64(g) * Int64(4)
+                for jj in cutlass.range_constexpr(4):
+                    I.red_add_f32(col + Int64(64 * jj), acc[jj, 0] * scale)
+                    I.red_add_f32(col + Int64(64 * jj + 32), acc[jj, 2] * scale)
+
+    @cute.jit
+    def _prefetch_slice(self, qweight: Int64, scales: Int64, tid: Int32, expert: Int32, j: Int32):
+        """MICRO_PREFETCH_L2: thread r < rows brings 16-k row r of the item's FC2 slice into L2 (all N columns
+        of a row are contiguous: n2 * 8 bytes), thread rows + r that row's n2 scale bytes."""
+        rows = self.rows
+        row = j * Int32(rows) + tid % Int32(rows)
+        if tid < Int32(rows):
+            I.prefetch_l2_bulk(qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(row) * Int64(self.n2 // 2))
+                               * Int64(16), self.n2 * 8)
+        elif tid < Int32(2 * rows):
+            I.prefetch_l2_bulk(scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(row) * Int64(self.n2),
+                               self.n2)
+
+    @cute.jit
+    def _slab(self, warp: Int32, i: cutlass.Constexpr[int]) -> Int32:
+        """Warp `warp`'s i-th slab; past the last slab it re-reads the last (loaded, never added)."""
+        slab = warp + Int32(i * self.warps)
+        if cutlass.const_expr((i + 1) * self.warps > self.slabs):
+            slab = cutlass.min(slab, Int32(self.slabs - 1))
+        return slab
+
+    @cute.jit
+    def _load_slab(self, q0: Int64, s0: Int64, slab: Int32):
+        """The lane's weight words (4 per 16-k row) and raw scale words (2 per row) of one slab."""
+        words, pieces = [], []
+        q = q0 + Int64(slab) * Int64(32 * 16)
+        p = s0 + Int64(slab) * Int64(64)
+        for r in cutlass.range_constexpr(self.rows):
+            words.append(I.ld_global_nc_v4_u32(q + Int64(r * self.n2 * 8)))
+            pieces.append(I.ld_global_nc_v2_u32(p + Int64(r * self.n2)))
+        return words, pieces
+
+    @cute.jit
+    def _multiply(self, acc: cute.Tensor, frag: cute.Tensor, words, pieces, act: cute.Tensor):
+        """One slab's MMAs over the slice: acc[jj, :] += D^T of column blocks (16 jj + g, + 8) x tokens (2t, 2t+1)."""
+        for r in cutlass.range_constexpr(self.rows):
+            for jj in cutlass.range_constexpr(4):
+                halves = self.fc2._scale_halves(pieces[r][jj // 2], jj % 2)
+                self.fc2._scaled_weight_fragment(frag, words[r][jj], halves)
+                d0, d1, d2, d3 = self.fc2._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
+                                               frag[0, 0], frag[1, 0], frag[0, 1], frag[1, 1], act[r, 0], act[r, 1])
+                acc[jj, 0] = d0
+                acc[jj, 1] = d1
+                acc[jj, 2] = d2
+                acc[jj, 3] = d3
+
+    # ------------------------------------------------------------------ the last CTA
+
+    @cute.jit
+    def _finish(self, out: Int64, counter: Int64, sums: Int64, tid: Int32, grid_x: Int32, tokens: Int32):
+        """Count this CTA done (release: after its adds); the last one (acquire: after everyone's) writes
+        out = dtype(sums) for the launch's tokens and zeroes the sums and the counter."""
+        cute.arch.sync_threads()  # every thread's adds precede thread 0's release
+        last = Int32(0)
+        if tid == Int32(0):
+            if I.atom_add_release_i32(counter, Int32(1)) == grid_x - Int32(1):
+                I.ld_global_acquire_i32(counter)  # reads the last add: ordered after every CTA's release
+                last = Int32(1)
+        if I.sync_threads_count(last) != Int32(0):
+            chunks = tokens * Int32(self.n2 // 8)  # 8 outputs a thread a step: two float4 in, one 16-byte store
+            zero = Float32(0.0)
+            i = tid
+            while i < chunks:
+                at = sums + Int64(i) * Int64(32)
+                x0, x1, x2, x3 = I.ld_global_v4_f32(at)
+                y0, y1, y2, y3 = I.ld_global_v4_f32(at + Int64(16))
+                I.st_global_v4_u32(out + Int64(i) * Int64(16), self._pack(x0, x1), self._pack(x2, x3),
+                                   self._pack(y0, y1), self._pack(y2, y3))
+                I.st_global_v4_f32(at, zero, zero, zero, zero)
+                I.st_global_v4_f32(at + Int64(16), zero, zero, zero, zero)
+                i += Int32(self.threads)
+            if tid == Int32(0):
+                I.st_global_i32(counter, Int32(0))
+
+    @cute.jit
+    def _pack(self, x0: Float32, x1: Float32) -> Uint32:
+        if cutlass.const_expr(self.is_fp16):
+            return I.pack_f32x2_f16x2(x0, x1)
+        return I.pack_f32x2_bf16x2(x0, x1)

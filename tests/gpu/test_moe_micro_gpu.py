@@ -1,0 +1,164 @@
+"""The micro kernel (FusedSpec.micro: decode without a grid barrier) on the GPU, against a float32 reference.
+
+Bundles: specs/tiny-micro.yaml planned by the rule and with the micro kernel wherever it runs
+(`python -m benchmarks.tune_blocks build specs/tiny-micro.yaml --knob micro --targets h200 --out
+generated/tune-micro`; CUTEAOT_MICRO_BUNDLES names another such directory).  Every test draws fresh
+random weights and inputs and poisons the output first.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
+from cuteaot.runtime.moe import MoeLayer
+from tests.gpu.test_moe_fused_gpu import poisoned, rel_err
+from tests.reference.moe import moe_reference, skewed_topk_ids
+from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[2]
+# name -> (H, I, E, top_k, activation, dtype): the problems of specs/tiny-micro.yaml
+PROBLEMS = {
+    "silu-bf16": (512, 256, 16, 4, "silu", "bf16"),
+    "silu-fp16": (512, 256, 16, 4, "silu", "fp16"),
+    "swigluoai": (576, 384, 8, 2, "swigluoai", "bf16"),
+    "relu2": (640, 256, 8, 3, "relu2", "bf16"),
+    "many-items": (512, 2048, 16, 8, "silu", "bf16"),  # M = 2: 512 work items on 264 CTAs
+}
+OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
+TOL = 1e-2
+
+
+def _bundle(policy: str):
+    root = Path(os.environ.get("CUTEAOT_MICRO_BUNDLES", ROOT / "generated" / "tune-micro"))
+    path = root / policy / "tiny-micro"
+    if not (path / "manifest.json").exists():
+        pytest.skip(f"no {path}: python -m benchmarks.tune_blocks build specs/tiny-micro.yaml --knob micro "
+                    f"--targets h200 --out {root}")
+    return load_bundle(path)
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return _bundle("always")
+
+
+@pytest.fixture(scope="module")
+def rule():
+    return _bundle("rule")
+
+
+class Model:
+    def __init__(self, name: str):
+        h, i, e, top_k, activation, dtype = PROBLEMS[name]
+        self.h, self.e, self.top_k, self.activation, self.dtype = h, e, top_k, activation, dtype
+        self.g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        n1 = 2 * i if activation != "relu2" else i
+        q13 = quantize_nvfp4(torch.randn(e, n1, h, generator=self.g) * 0.05)
+        q2 = quantize_nvfp4(torch.randn(e, h, i, generator=self.g) * 0.05)
+        self.w13, self.w2 = prepare_w13(*q13, dtype).to("cuda"), prepare_w2(*q2, dtype).to("cuda")
+        self.w13_f, self.w2_f = dequantize_modelopt(*q13).cuda(), dequantize_modelopt(*q2).cuda()
+        self.ref_kw = OAI if activation == "swigluoai" else {}
+
+    def layer(self, bundle) -> MoeLayer:
+        return MoeLayer(bundle, self.w13, self.w2, top_k=self.top_k, activation=self.activation)
+
+    def inputs(self, m: int, skewed: bool = False):
+        torch_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float16
+        x = (torch.randn(m, self.h, generator=self.g) * 2).to(torch_dtype)
+        if skewed:
+            ids = skewed_topk_ids(m, self.e, self.top_k, self.g)
+        else:
+            ids = torch.rand(m, self.e, generator=self.g).topk(self.top_k, dim=1).indices.to(torch.int32)
+        weights = torch.softmax(torch.randn(m, self.top_k, generator=self.g), dim=1)
+        return x.cuda(), weights.cuda(), ids.cuda()
+
+    def reference(self, x, w, ids):
+        return moe_reference(x, self.w13_f, self.w2_f, w, ids, self.activation, **self.ref_kw)[0]
+
+
+def assert_clean(layer) -> None:
+    """Every lock word but the barrier's top bit back at zero: the micro kernel's counter and sums too."""
+    locks = layer.workspace().locks.cpu()
+    assert int(locks[0]) & 0x7FFFFFFF == 0 and int(locks[1:].abs().sum()) == 0, "dirty workspace"
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_micro_layer_matches_reference(micro, rule, name, worst_errors):
+    model = Model(name)
+    layer, persistent = model.layer(micro), model.layer(rule)
+    for m in (1, 2, 1, 3):  # back to M = 1 after a larger launch: the sums were cleaned; M = 3 is not micro
+        fused = layer.resolve(m).kernels.get("fused")
+        assert bool(fused is not None and fused.spec.micro) == (m <= 2), f"M={m}: the plan is not the tested one"
+        for skewed in (False, True):
+            x, w, ids = model.inputs(m, skewed)
+            out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+            ref = model.reference(x, w, ids)
+            assert not out.isnan().any(), f"{name} M={m}: a row was never written"
+            err = rel_err(out, ref)
+            worst_errors.record(f"micro {name}", err)
+            assert err <= TOL, f"{name} M={m} skewed={skewed}: rel err {err:.2e}"
+            base = persistent(x, w, ids)
+            assert rel_err(base, ref) <= TOL
+        assert_clean(layer)
+
+
+def test_micro_drops_masked_and_out_of_range_routes(micro):
+    """A route id outside [0, E) (-1: masked; E: a caller's bug) adds nothing: the others' sum is the output."""
+    model = Model("silu-bf16")
+    layer = model.layer(micro)
+    x, w, ids = model.inputs(2)
+    bad = ids.clone()
+    bad[0, 1] = -1
+    bad[1, 3] = model.e
+    out = layer(x, w, bad, out=poisoned(2, model.h, model.dtype))
+    dropped = w.clone()
+    dropped[0, 1] = 0
+    dropped[1, 3] = 0
+    assert rel_err(out, model.reference(x, dropped, ids)) <= TOL
+    every = torch.full_like(ids, -1)  # no route at all: zeros, every row written
+    out = layer(x, w, every, out=poisoned(2, model.h, model.dtype))
+    assert torch.equal(out, torch.zeros_like(out))
+    assert_clean(layer)
+
+
+def test_micro_graph_replay_and_two_streams(micro):
+    model = Model("many-items")
+    layer = model.layer(micro)
+    x, w, ids = model.inputs(2)
+    eager = layer(x, w, ids).clone()
+    assert layer.resolve(2).kernels["fused"].spec.micro
+    out = torch.empty_like(eager)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x, w, ids, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        layer(x, w, ids, out=out)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, eager.float()) <= 1e-3  # float32 sums in no fixed order: the last bit may differ
+    data = [model.inputs(m) for m in (1, 2)]
+    want = [layer(*d).clone() for d in data]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    layer.reserve(streams)
+    outs = [torch.empty_like(t) for t in want]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for s, d, o in zip(streams, data, outs):
+            with torch.cuda.stream(s):
+                layer(*d, out=o)
+    torch.cuda.synchronize()
+    for o, t in zip(outs, want):
+        assert rel_err(o, t.float()) <= 1e-3
