@@ -126,8 +126,8 @@ def test_micro_plans_decode_launches_it_can_serve(monkeypatch):
     gpt_oss = facts(*GPT_OSS, "swigluoai")
     p2 = plan_layer(2, gpt_oss, H200)  # 2 x 4 routes x 45 tiles = 360 items on the 264 co-resident CTAs
     assert p2.micro and p2.grid_x == p2.max_grid_x == 264 and p2.whole_tiles_m8
-    # not served: biases, packed routes, the stored layout, NF3, relu2 with I not a multiple of its 128-column slice
-    assert not plan_layer(1, facts(*GPT_OSS, "swigluoai", bias=True), H200).micro
+    assert plan_layer(1, facts(*GPT_OSS, "swigluoai", bias=True), H200).micro  # gpt-oss's checkpoint biases
+    # not served: packed routes, the stored layout, NF3, relu2 with I not a multiple of its 128-column slice
     assert not plan_layer(64, qwen3, H200).micro
     assert not plan_layer(1, facts(*QWEN3_30B, weights="modelopt"), H200).micro
     assert not plan_layer(1, facts(*QWEN3_30B, weights="nf3"), H200).micro
@@ -142,7 +142,7 @@ def test_micro_spec_refuses_what_the_kernel_does_not_serve():
     assert FusedSpec(**base).micro_slice == 64
     assert "micro" not in FusedSpec(**{**base, "micro": None}).key().facts  # older keys keep their digests
     for change, why in (({"decode": False}, "decode"), ({"gated_epilogue": None}, "gated_epilogue"),
-                        ({"bias": True}, "biases"),
+                        ({"router_weight_on_input": True}, "router weight"),
                         ({"activation": "relu2", "gated_epilogue": None, "intermediate_size": 320}, "intermediate_size"),
                         ({"micro": False}, "None or True")):
         with pytest.raises(BadInputError, match=why):

@@ -13,7 +13,7 @@ n-tile j; nothing waits for another CTA until the very end:
    ahead, with no shared memory and no barrier; the slice's activations (row r, read back after the CTA's
    barrier) are the MMA's token column 0;
 3. every partial, times FC2's global scale and the route's router weight, is added (red.add.f32) into the
-   (M, H) float32 sums in `locks`; each CTA then counts itself done, and the last one converts the sums into
+   (M, H) float32 sums in `locks` (with biases, the route's first item also adds its weight x FC2's bias); each CTA then counts itself done, and the last one converts the sums into
    the dtype output and zeroes them and the counter (the workspace is clean after every launch).
 
 Work items are grid-strided, so any grid is correct and no CTA waits on another: no co-residency is needed.
@@ -107,8 +107,8 @@ class W4A16MicroMoeKernel:
             # a route outside [0, E) (masked, or a caller's bug) adds nothing and never indexes the weights
             if expert >= Int32(0) and expert < num_experts:
                 # FC2's per-route factors, loaded now so they are in registers when the slabs are
-                scale = (I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4))
-                         * I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4)))
+                weight = I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4))
+                scale = I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4)) * weight
                 if cutlass.const_expr(MICRO_PREFETCH_L2):
                     self._prefetch_slice(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
                 self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
@@ -116,6 +116,9 @@ class W4A16MicroMoeKernel:
                 cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
                 self._fc2_slice(I.gmem_address(activated), I.gmem_address(w2), I.gmem_address(w2_scales), sums,
                                 tid, route, expert, j, scale)
+                if cutlass.const_expr(s.bias):
+                    if j == Int32(0):  # the route's FC2 bias, once (its first slice)
+                        self._add_bias(I.gmem_address(w2_bias), sums, tid, route, expert, weight)
             item += grid_x
         self._finish(I.gmem_address(fc2_out), lock_base + Int64(MICRO_COUNTER_WORD * 4), sums, tid, grid_x, tokens)
 
@@ -192,6 +195,20 @@ class W4A16MicroMoeKernel:
                 for jj in cutlass.range_constexpr(4):
                     I.red_add_f32(col + Int64(64 * jj), acc[jj, 0] * scale)
                     I.red_add_f32(col + Int64(64 * jj + 32), acc[jj, 2] * scale)
+
+    @cute.jit
+    def _add_bias(self, bias: Int64, sums: Int64, tid: Int32, route: Int32, expert: Int32, weight: Float32):
+        """sums[token of route, :] += weight * w2_bias[expert, :] (FC2's epilogue adds the bias before the router
+        weight), two columns a thread a step."""
+        h = self.s.hidden_size
+        row = sums + Int64(route // Int32(self.s.top_k)) * Int64(self.n2 * 4)
+        pairs = bias + Int64(expert) * Int64(h * 2)
+        c = tid
+        while c < Int32(h // 2):
+            b0, b1 = self.fc2._unpack_pair(I.ld_global_nc_u32(pairs + Int64(c) * Int64(4)))
+            I.red_add_f32(row + Int64(c) * Int64(8), b0 * weight)
+            I.red_add_f32(row + Int64(c) * Int64(8) + Int64(4), b1 * weight)
+            c += Int32(self.threads)
 
     @cute.jit
     def _prefetch_slice(self, qweight: Int64, scales: Int64, tid: Int32, expert: Int32, j: Int32):

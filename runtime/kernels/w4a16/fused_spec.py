@@ -184,15 +184,15 @@ class FusedSpec(SpecKey):
             self._check_micro()
 
     def _check_micro(self) -> None:
-        """What the micro kernel serves: decode, packed NVFP4 without biases or an input-side router weight,
+        """What the micro kernel serves: decode, packed NVFP4 (MXFP4 packs into it) without an input-side router weight,
         FC1 writing the activation itself, logical sizes equal to the stored ones, 64-column output slabs."""
         why = []
         if not self.decode:
             why.append("decode (direct routes)")
         if self.weights is not None:
             why.append(f"packed NVFP4 weights (got {self.weight_format.value})")
-        if self.bias or self.router_weight_on_input:
-            why.append("no biases and the router weight on FC2's output")
+        if self.router_weight_on_input:
+            why.append("the router weight on FC2's output")
         if self.mainloop is not Mainloop.MMA_SYNC:
             why.append("the mma.sync loop")
         if self.gated and not self.gated_epilogue:
