@@ -167,6 +167,10 @@ def describe_launch(launch: Launch, specs: Mapping[str, object]) -> str:
         return (f"split b{launch.route_block}{summed} {f1.mainloop.value} fc1{act} {f1.tile_n}x{f1.tile_k} "
                 f"fc2 {f2.tile_n}x{f2.tile_k} grid {launch.grid('fc1')}/{launch.grid('fc2')}")
     f = specs["fused"]
+    if f.micro:  # the barrier-free small-M kernel: FC1 tiles, each with FC2 over its slice of K
+        act = f"+{f.activation.value}" if f.gated_epilogue else ""
+        return (f"micro {f.mainloop.value} fc1{act} {f.fc1_tile_n}x{f.fc1_tile_k} fc2 slice {f.micro_slice} "
+                f"grid {launch.grid_x}")
     path = "decode" if launch.direct else f"packed b{launch.route_block}"
     path += " +sum" if not launch.direct and _sums_topk(launch, specs) else ""
     path += " +pack" if _packs_routes(launch, specs) else ""

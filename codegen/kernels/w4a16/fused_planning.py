@@ -293,12 +293,26 @@ def plan_fused(
     )
 
 
-def _micro_plan(plan: FusedPlan, facts: MoeLayerFacts) -> FusedPlan:
-    """A decode plan on the micro kernel, where FusedSpec.micro can serve the layer (else the plan as it is): the
-    same tiles, one CTA per work item (a route's FC1 tile) up to the co-resident grid, whole-K FC1 tiles."""
-    items = plan.m * facts.top_k * tile_count(facts.activation.fc1_width(facts.intermediate_size),
-                                              plan.fc1_tile.tile_n)
-    micro = replace(plan, micro=True, grid_x=min(items, plan.max_grid_x), whole_tiles_m8=True)
+# The micro kernel's work item is one FC1 tile of one route: with MICRO_FC1_128, its FC1 tiles are 128 columns
+# wide (as deep as the decode plan's CTA size makes them), the narrowest a gated epilogue takes, so that the items
+# are as many as they can be (the decode plan widens them to 256 where that saves a wave, or takes 64 where its
+# CTA is 128 threads).  With MICRO_ONE_CTA_PER_SM, a launch whose items fit one per SM runs one CTA an SM
+# (blocks_per_sm 1: the whole register file for the FC2 slice's loads in flight).
+MICRO_FC1_128 = True
+MICRO_ONE_CTA_PER_SM = True
+
+
+def _micro_plan(plan: FusedPlan, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPlan:
+    """A decode plan on the micro kernel, where FusedSpec.micro can serve the layer (else the plan as it is):
+    one CTA per work item (a route's FC1 tile) up to the co-resident grid, whole-K FC1 tiles."""
+    fc1 = plan.fc1_tile
+    if MICRO_FC1_128 and fc1.tile_n != 128:
+        fc1 = TileConfig(fc1.tile_k * fc1.tile_n // 128, 128)  # the same threads
+    items = plan.m * facts.top_k * tile_count(facts.activation.fc1_width(facts.intermediate_size), fc1.tile_n)
+    per_sm = 1 if MICRO_ONE_CTA_PER_SM and items <= profile.sm_count else plan.blocks_per_sm
+    cap = profile.sm_count * per_sm
+    micro = replace(plan, micro=True, fc1_tile=fc1, blocks_per_sm=per_sm, grid_x=min(items, cap), max_grid_x=cap,
+                    whole_tiles_m8=True)
     try:
         fused_spec_for(micro, facts)
     except BadInputError:
@@ -484,7 +498,7 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       stored_as_is=facts.weights.layout == "modelopt",
                       splitk=layer_choice("splitk", m, facts, profile))
     if plan.decode and layer_choice("micro", m, facts, profile):
-        plan = _micro_plan(plan, facts)
+        plan = _micro_plan(plan, facts, profile)
     if plan.pack_routes:
         shared = fused_spec_for(plan, facts).shared_bytes
         if (shared > profile.max_shared_memory_per_block_optin
