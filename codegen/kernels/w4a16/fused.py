@@ -37,17 +37,9 @@ TIMELINE = False
 SM_SLOT = 12
 
 
-class W4A16FusedMoeKernel:
-    def __init__(self, spec: FusedSpec):
-        self.s = spec
-        self.timeline = TIMELINE and spec.decode
-        # the wgmma loop when the plan chose it for both phases; FC1's tile probes are slots 2-5, FC2's 7-10
-        packs = spec.pack_experts is not None  # both phases read the kernel's own route packing
-        self.fc1 = gemm_kernel(spec.fc1_gemm, 2 if self.timeline else None, packs)
-        self.fc2 = gemm_kernel(spec.fc2_gemm, 7 if self.timeline else None, packs)
-        self.act = ActivationKernel(spec.activation_spec)
-        self.threads = spec.threads
-        self.elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
+class FusedLaunch:
+    """The launch of a kernel of the fused family (FusedSpec.SIGNATURE's parameters, the spec's CTA size and shared
+    memory), shared by the persistent kernel below and the micro kernel (micro.py); each defines its `kernel`."""
 
     @cute.jit
     def __call__(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
@@ -62,6 +54,19 @@ class W4A16FusedMoeKernel:
             grid=(1, 1, 1), block=[self.threads, 1, 1], smem=self.s.shared_bytes,
             min_blocks_per_mp=self.s.blocks_per_sm, stream=stream, preferred_smem_carveout=100,
         )
+
+
+class W4A16FusedMoeKernel(FusedLaunch):
+    def __init__(self, spec: FusedSpec):
+        self.s = spec
+        self.timeline = TIMELINE and spec.decode
+        # the wgmma loop when the plan chose it for both phases; FC1's tile probes are slots 2-5, FC2's 7-10
+        packs = spec.pack_experts is not None  # both phases read the kernel's own route packing
+        self.fc1 = gemm_kernel(spec.fc1_gemm, 2 if self.timeline else None, packs)
+        self.fc2 = gemm_kernel(spec.fc2_gemm, 7 if self.timeline else None, packs)
+        self.act = ActivationKernel(spec.activation_spec)
+        self.threads = spec.threads
+        self.elem = cutlass.BFloat16 if spec.dtype is DType.BF16 else cutlass.Float16
 
     @cute.kernel
     def kernel(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,

@@ -30,20 +30,23 @@ from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..common import after_prior_grids
+from .fused import FusedLaunch
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
 # Slabs a warp loads ahead of the one it multiplies: each is micro_slice / 16 x 24 bytes a lane in flight.
 MICRO_LOOKAHEAD = 2
 # True: a slab's 64 sums go out as 16 four-float reductions (three shuffles gather 4 adjacent columns into one
-# lane), False: as 64 one-float reductions from the 8 lanes that hold token column 0.
+# lane), False: as 64 one-float reductions from the 8 lanes that hold token column 0.  True took 1.01-1.17x the
+# layer's time on the H200 (docs/results/tune-micro-vector-red-2026-12-06-h200-5c9b4bb.json).
 MICRO_VECTOR_RED = False
 # True: as an item starts, its FC2 slice (weights and scales, one bulk L2 prefetch per 16-k row) is brought into
-# L2 while FC1 streams, so FC2's register loads wait for L2 instead of HBM.
+# L2 while FC1 streams, so FC2's register loads wait for L2 instead of HBM.  True took 1.05-1.11x the layer's time
+# on the H200 (docs/results/tune-micro-l2-prefetch-2026-12-06-h200-5c9b4bb.json): it competes with FC1's stream.
 MICRO_PREFETCH_L2 = False
 
 
-class W4A16MicroMoeKernel:
+class W4A16MicroMoeKernel(FusedLaunch):
     def __init__(self, spec: FusedSpec):
         assert spec.micro, "FusedSpec.micro selects this kernel"
         self.s = spec
@@ -57,20 +60,6 @@ class W4A16MicroMoeKernel:
         self.rows = spec.micro_slice // 16  # 16-k rows of FC2 a work item multiplies
         self.slabs = self.n2 // 64
         self.slabs_per_warp = -(-self.slabs // self.warps)
-
-    @cute.jit
-    def __call__(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
-                 activated: cute.Pointer, fc2_out: cute.Pointer, w13_scales: cute.Pointer, w2_scales: cute.Pointer,
-                 w13_global_scale: cute.Pointer, w2_global_scale: cute.Pointer, route_indices: cute.Pointer,
-                 block_experts: cute.Pointer, route_count: cute.Pointer, topk_weights: cute.Pointer,
-                 w13_bias: cute.Pointer, w2_bias: cute.Pointer, c_tmp: cute.Pointer, locks: cute.Pointer,
-                 amax: cute.Pointer, layer: Int32, tokens: Int32, num_experts: Int32, stream):
-        self.kernel(a, w13, w2, fc1_out, activated, fc2_out, w13_scales, w2_scales, w13_global_scale,
-                    w2_global_scale, route_indices, block_experts, route_count, topk_weights, w13_bias, w2_bias,
-                    c_tmp, locks, amax, layer, tokens, num_experts).launch(
-            grid=(1, 1, 1), block=[self.threads, 1, 1], smem=self.s.shared_bytes,
-            min_blocks_per_mp=self.s.blocks_per_sm, stream=stream, preferred_smem_carveout=100,
-        )
 
     @cute.kernel
     def kernel(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
