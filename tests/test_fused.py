@@ -123,9 +123,16 @@ def test_micro_plans_decode_launches_it_can_serve(monkeypatch):
     assert p.micro and p.grid_x == 8 * 12 and p.fc1_tile == rule.fc1_tile  # 8 routes x 12 FC1 tiles
     spec = fused_spec_for(p, qwen3)
     assert spec.micro and spec.micro_slice == 64 and spec.key() != fused_spec_for(rule, qwen3).key()
+    assert p.blocks_per_sm == 1  # 96 items fit one an SM: the whole register file for the FC2 slice's loads
     gpt_oss = facts(*GPT_OSS, "swigluoai")
     p2 = plan_layer(2, gpt_oss, H200)  # 2 x 4 routes x 45 tiles = 360 items on the 264 co-resident CTAs
-    assert p2.micro and p2.grid_x == p2.max_grid_x == 264 and p2.whole_tiles_m8
+    assert p2.micro and p2.grid_x == p2.max_grid_x == 264 and p2.whole_tiles_m8 and p2.blocks_per_sm == 2
+    glm = facts(4096, 1408, 128, 8)
+    monkeypatch.setitem(planning.POLICY, "micro", "rule")
+    assert plan_layer(1, glm, H200).fc1_tile == TileConfig(64, 256)  # the decode plan's wide tiles: 88 of them
+    monkeypatch.setitem(planning.POLICY, "micro", "always")
+    g = plan_layer(1, glm, H200)  # a work item per 128-column FC1 tile: 8 x 22 = 176
+    assert g.micro and g.fc1_tile == TileConfig(128, 128) and g.grid_x == 176
     assert plan_layer(1, facts(*GPT_OSS, "swigluoai", bias=True), H200).micro  # gpt-oss's checkpoint biases
     # not served: packed routes, the stored layout, NF3, relu2 with I not a multiple of its 128-column slice
     assert not plan_layer(64, qwen3, H200).micro
@@ -133,6 +140,18 @@ def test_micro_plans_decode_launches_it_can_serve(monkeypatch):
     assert not plan_layer(1, facts(*QWEN3_30B, weights="nf3"), H200).micro
     assert not plan_layer(1, facts(2688, 1856, 128, 6, "relu2"), H200).micro
     assert plan_layer(1, facts(2688, 1792, 128, 6, "relu2"), H200).micro
+
+
+def test_shipped_micro_table():
+    """The measured "micro" table (H200, docs/benchmarks.md, thirty-second session): gpt-oss at M = 1 and
+    Qwen3-30B at M = 2 run the micro kernel, Qwen3-30B at M = 1 and Mixtral keep the persistent decode kernel."""
+    def plan(m, hidden, inter, experts, top_k, activation="silu"):
+        return plan_layer(m, MoeLayerFacts(dtype="bf16", hidden_size=hidden, intermediate_size=inter,
+                                           num_experts=experts, top_k=top_k, activation=activation), H200)
+
+    assert plan(1, *GPT_OSS, "swigluoai").micro and plan(2, *QWEN3_30B).micro
+    assert not plan(1, *QWEN3_30B).micro and not plan(1, 4096, 14336, 8, 2).micro
+    assert plan(1, *QWEN3_30B).decode
 
 
 def test_micro_spec_refuses_what_the_kernel_does_not_serve():
