@@ -13,8 +13,9 @@ n-tile j; nothing waits for another CTA until the very end:
    ahead, with no shared memory and no barrier; the slice's activations (row r, read back after the CTA's
    barrier) are the MMA's token column 0;
 3. every partial, times FC2's global scale and the route's router weight, is added (red.add.f32) into the
-   (M, H) float32 sums in `locks` (with biases, the route's first item also adds its weight x FC2's bias); each CTA then counts itself done, and the last one converts the sums into
-   the dtype output and zeroes them and the counter (the workspace is clean after every launch).
+   (M, H) float32 sums in `locks` (with biases, the route's first item also adds its weight x FC2's bias);
+   each CTA then counts itself done, and the last one converts the sums into the dtype output and zeroes them
+   and the counter (the workspace is clean after every launch).
 
 Work items are grid-strided, so any grid is correct and no CTA waits on another: no co-residency is needed.
 """
@@ -133,14 +134,16 @@ class W4A16MicroMoeKernel(FusedLaunch):
         act = cute.make_rmem_tensor((rows, 2), Uint32)
         act.fill(0)
         if g == Int32(0):
-            base = activated + (Int64(route) * Int64(s.intermediate_size) + Int64(first_row * Int32(16) + Int32(2) * t)) * Int64(2)
+            k = Int64(first_row * Int32(16) + Int32(2) * t)
+            base = activated + (Int64(route) * Int64(s.intermediate_size) + k) * Int64(2)
             for r in cutlass.range_constexpr(rows):
                 act[r, 0] = I.ld_global_u32(base + Int64(32 * r))
                 act[r, 1] = I.ld_global_u32(base + Int64(32 * r + 16))
         # this lane's int4 of the slice's first 16-k row in slab 0, and its scale bytes there
         q0 = qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(first_row) * Int64(self.n2 // 2)
                         + Int64(lane)) * Int64(16)
-        s0 = scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2) + Int64(g * Int32(8))
+        s0 = (scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2)
+              + Int64(g * Int32(8)))
         token = route // Int32(s.top_k)
         out_row = sums + Int64(token) * Int64(self.n2 * 4)
         count = self.slabs_per_warp
@@ -206,8 +209,8 @@ class W4A16MicroMoeKernel(FusedLaunch):
         rows = self.rows
         row = j * Int32(rows) + tid % Int32(rows)
         if tid < Int32(rows):
-            I.prefetch_l2_bulk(qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(row) * Int64(self.n2 // 2))
-                               * Int64(16), self.n2 * 8)
+            first = Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(row) * Int64(self.n2 // 2)  # int4
+            I.prefetch_l2_bulk(qweight + first * Int64(16), self.n2 * 8)
         elif tid < Int32(2 * rows):
             I.prefetch_l2_bulk(scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(row) * Int64(self.n2),
                                self.n2)
