@@ -158,7 +158,7 @@ def _packs_routes(launch: Launch, specs: Mapping[str, object]) -> bool:
 
 def describe_launch(launch: Launch, specs: Mapping[str, object]) -> str:
     """One line for a MoE layer launch of the resolution table, from its kernels' specs by role: the path
-    (decode / packed route blocks / split into two GEMMs, what FC2 sums, who packs), main loop, tiles and
+    (decode / micro / packed route blocks / split into two GEMMs, what FC2 sums, who packs), main loop, tiles and
     grid (`Resolved.describe`, `cuteaot inspect --plans`)."""
     if launch.split:
         f1, f2 = specs["fc1"], specs["fc2"]

@@ -169,7 +169,7 @@ def test_plans_of_a_planned_table_cover_every_entry_and_token_range(spec_name):
             if entry.op == "gemm":
                 assert plan.startswith("direct routes" if launch.direct else f"b{launch.route_block} "), row
             else:
-                assert plan.split()[0] in ("decode", "packed", "split"), row
+                assert plan.split()[0] in ("decode", "micro", "packed", "split"), row
         facts = entry.facts.to_json()
         for option in ("expert_map", "calibration", "deterministic", "bias", "router_weight_on_input"):
             assert (f" {option}" in title) == bool(facts.get(option)), (option, title)

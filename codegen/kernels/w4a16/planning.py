@@ -298,10 +298,13 @@ POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote
 # changed (OLMoE at 896 tokens 1.11x), "promote" 0.92-1.06x (slower at 7 of 8).  So neither of those
 # two is borrowed.  The radius keeps Mixtral (E = 8; its nearest measured shape is 4.0 away) on the
 # rule: borrowed across that distance its choices went both ways (0.70-1.10x).  A shape that some
-# table holds (every shipped one) keeps its own tables and the rule elsewhere.
+# table holds (every shipped one) keeps its own tables and the rule elsewhere.  "micro" is not borrowed
+# either: whether it wins turns on how its work items (routes x 128-column FC1 tiles) fill the SMs against the
+# persistent kernel's grid (0.91-2.2x on the measured shapes, docs/benchmarks.md "thirty-second session"), which
+# routes per expert does not describe, and no leave-one-out has checked it.
 BORROW = True
 BORROW_RADIUS = 2.0
-NOT_BORROWED = ("fusepack", "promote")
+NOT_BORROWED = ("fusepack", "promote", "micro")
 
 Shape = tuple[int, int, int, int, bool]  # hidden, intermediate, experts, top_k, gated
 
