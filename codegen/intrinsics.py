@@ -1077,13 +1077,6 @@ def red_add_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def red_add_v4_f32(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None) -> None:
-    """Atomic element-wise add of four floats to 16 bytes of global memory (16-byte aligned; sm_90+)."""
-    _asm(0, None, _ir([Int64(addr), Float32(v0), Float32(v1), Float32(v2), Float32(v3)], loc, ip),
-         "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def red_add_v4_bf16x2(addr: Int64, v0: Uint32, v1: Uint32, v2: Uint32, v3: Uint32, *, loc=None, ip=None) -> None:
     """Atomic element-wise add of four bf16x2 words to 16 bytes of global memory (16-byte aligned; sm_90+):
     one reduction instead of four of one word (SASS REDG.E.ADD.BF16x8)."""

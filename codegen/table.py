@@ -16,7 +16,6 @@ from typing import Callable, Iterator, Optional
 
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.keys import KernelKey
-from cuteaot.runtime.kernels.w4a16.fused_spec import micro_lock_words
 from cuteaot.runtime.kernels.w4a16.geometry import BARRIER_WORDS
 from cuteaot.runtime.errors import SpecError
 from cuteaot.runtime.resolution import GEMM, MOE_LAYER, Entry, GemmFacts, Launch, Workspace, gemm_variant
@@ -114,15 +113,13 @@ def _moe_layer_entries(problem: MoeProblem, profile: DeviceProfile) -> Iterator[
                 continue
             plan = plan_layer(m, facts, profile)
             # the plan without its per-M launch facts decides the kernel (any field added later counts)
-            decided = replace(plan, m=0, grid_x=0, max_route_slots=0, max_route_blocks=0)
+            decided = replace(plan, m=0, grid_x=0, max_route_slots=0, max_route_blocks=0, micro_sums=0)
             key = specs.get(decided)
             if key is None:
                 key = specs[decided] = fused_spec_for(plan, facts).key()
                 keys.add(key)
             sizes = {"c_tmp_floats": plan.c_tmp_floats, "lock_words": plan.lock_words,
                      "route_slots": plan.max_route_slots, "route_blocks": plan.max_route_blocks}
-            if plan.micro:  # its counter and (M, H) float32 output sums follow the barrier words
-                sizes["lock_words"] = max(plan.lock_words, micro_lock_words(m, facts.hidden_size))
             ranges.add(m, (plan.grid_x, 0 if plan.decode else plan.moe_block_size), {"fused": key.digest}, sizes)
         yield _entry(MOE_LAYER, problem, profile, facts, ranges), keys
 

@@ -80,17 +80,35 @@ def routed_inputs(m: int, h: int, e: int, top_k: int, g: torch.Generator, dtype:
     return x.cuda(), weights.cuda(), ids.cuda()
 
 
-def replayed(layer, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """(eager output, output of the call captured in a CUDA graph and replayed into a poisoned buffer)."""
+def replayed(layer, x, weights, ids, times: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eager output, output of the call captured in a CUDA graph and replayed `times` times, each into the
+    buffer poisoned again)."""
     eager = layer(x, weights, ids)
     out = torch.full_like(eager, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         layer(x, weights, ids, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
+    for _ in range(times):
+        out.fill_(float("nan"))
+        graph.replay()
     torch.cuda.synchronize()
     return eager, out
+
+
+def on_two_streams(layer, data: list, rounds: int = 20) -> list[torch.Tensor]:
+    """Each (x, weights, ids) of `data` on a stream of its own (reserved workspaces), `rounds` times
+    interleaved; the last outputs."""
+    streams = [torch.cuda.Stream() for _ in data]
+    layer.reserve(streams)  # concurrent streams need workspaces of their own
+    outs = [torch.empty(d[0].shape, dtype=d[0].dtype, device="cuda") for d in data]
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for s, d, o in zip(streams, data, outs):
+            with torch.cuda.stream(s):
+                layer(*d, out=o)
+    torch.cuda.synchronize()
+    assert layer.workspace(streams[0].cuda_stream) is not layer.workspace(streams[1].cuda_stream)
+    return outs
 
 
 def poisoned(m, h, dtype):
@@ -237,21 +255,12 @@ def test_two_streams_concurrently(bundle):
     layer = model.layer(bundle)
     data = [model.inputs(m) for m in (64, 1000)]
     want = [layer(*d).clone() for d in data]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    layer.reserve(streams)  # concurrent streams need workspaces of their own
-    outs = [torch.empty_like(w) for w in want]
-    torch.cuda.synchronize()
-    for _ in range(20):
-        for s, d, o in zip(streams, data, outs):
-            with torch.cuda.stream(s):
-                layer(*d, out=o)
-    torch.cuda.synchronize()
+    outs = on_two_streams(layer, data)
     for (x, _, _), o, w in zip(data, outs, want):
         if layer.resolve(x.shape[0]).sums_topk:  # bf16 atomics: the order of the top-k adds may vary
             assert rel_err(o, w.float()) <= 5e-3
         else:
             assert torch.equal(o, w)
-    assert layer.workspace(streams[0].cuda_stream) is not layer.workspace(streams[1].cuda_stream)
 
 
 def test_chunks_above_max_tokens(bundle, check):

@@ -17,7 +17,7 @@ import torch
 
 from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
 from cuteaot.runtime.moe import MoeLayer
-from tests.gpu.test_moe_fused_gpu import poisoned, rel_err
+from tests.gpu.test_moe_fused_gpu import on_two_streams, poisoned, rel_err, replayed
 from tests.reference.moe import moe_reference, skewed_topk_ids
 from tests.reference.nvfp4 import dequantize_modelopt, quantize_nvfp4
 
@@ -154,33 +154,11 @@ def test_micro_drops_masked_and_out_of_range_routes(micro):
 def test_micro_graph_replay_and_two_streams(micro):
     model = Model("many-items")
     layer = model.layer(micro)
-    x, w, ids = model.inputs(2)
-    eager = layer(x, w, ids).clone()
     assert layer.resolve(2).kernels["fused"].spec.micro
-    out = torch.empty_like(eager)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x, w, ids, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        layer(x, w, ids, out=out)
-    for _ in range(5):
-        out.fill_(float("nan"))
-        graph.replay()
-    torch.cuda.synchronize()
+    eager, out = replayed(layer, *model.inputs(2), times=5)
     assert rel_err(out, eager.float()) <= 5e-3  # float32 sums in no fixed order: the last bf16 bit may differ
+    assert_clean(layer)
     data = [model.inputs(m) for m in (1, 2)]
     want = [layer(*d).clone() for d in data]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    layer.reserve(streams)
-    outs = [torch.empty_like(t) for t in want]
-    torch.cuda.synchronize()
-    for _ in range(20):
-        for s, d, o in zip(streams, data, outs):
-            with torch.cuda.stream(s):
-                layer(*d, out=o)
-    torch.cuda.synchronize()
-    for o, t in zip(outs, want):
+    for o, t in zip(on_two_streams(layer, data), want):
         assert rel_err(o, t.float()) <= 5e-3

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from cuteaot.runtime.devices import DeviceProfile
 from cuteaot.runtime.errors import BadInputError
-from cuteaot.runtime.kernels.w4a16.fused_spec import PACK_MAX_EXPERTS, PACK_MAX_ROUTES, FusedSpec
+from cuteaot.runtime.kernels.w4a16.fused_spec import MICRO_SUMS_WORD, PACK_MAX_EXPERTS, PACK_MAX_ROUTES, FusedSpec
 from cuteaot.runtime.kernels.w4a16.gemm_spec import GemmSpec, Mainloop, modelopt_scale_exponent, stored_w13_facts
 from cuteaot.runtime.resolution import MoeLayerFacts
 from cuteaot.runtime.types import WeightFormat
@@ -167,12 +167,14 @@ class FusedPlan:
     topk_sum: bool = False
     # packed routes: the kernel packs them itself, no route-pack launch before it (FusedSpec.pack_experts)
     pack_routes: bool = False
-    # decode on the barrier-free micro kernel (FusedSpec.micro); its output sums live in `locks` (micro_lock_words)
+    # decode on the barrier-free micro kernel (FusedSpec.micro), and its (M, H) float32 output sums (in `locks`)
     micro: bool = False
+    micro_sums: int = 0
 
     @property
     def lock_words(self) -> int:
-        return BARRIER_WORDS + self.max_grid_x
+        """The barrier words and a split-K lock slot per co-resident CTA; micro: its counter and output sums."""
+        return max(BARRIER_WORDS + self.max_grid_x, MICRO_SUMS_WORD + self.micro_sums)
 
     @property
     def c_tmp_floats(self) -> int:
@@ -311,8 +313,8 @@ def _micro_plan(plan: FusedPlan, facts: MoeLayerFacts, profile: DeviceProfile) -
     items = plan.m * facts.top_k * tile_count(facts.activation.fc1_width(facts.intermediate_size), fc1.tile_n)
     per_sm = 1 if MICRO_ONE_CTA_PER_SM and items <= profile.sm_count else plan.blocks_per_sm
     cap = profile.sm_count * per_sm
-    micro = replace(plan, micro=True, fc1_tile=fc1, blocks_per_sm=per_sm, grid_x=min(items, cap), max_grid_x=cap,
-                    whole_tiles_m8=True)
+    micro = replace(plan, micro=True, micro_sums=plan.m * facts.hidden_size, fc1_tile=fc1, blocks_per_sm=per_sm,
+                    grid_x=min(items, cap), max_grid_x=cap, whole_tiles_m8=True)
     try:
         fused_spec_for(micro, facts)
     except BadInputError:

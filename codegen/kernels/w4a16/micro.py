@@ -27,7 +27,6 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import Float32, Int32, Int64, Uint32
 
 from cuteaot.runtime.kernels.w4a16.fused_spec import MICRO_COUNTER_WORD, MICRO_SUMS_WORD, FusedSpec
-from cuteaot.runtime.types import DType
 
 from ... import intrinsics as I
 from ..common import after_prior_grids
@@ -37,14 +36,6 @@ from .wgmma import gemm_kernel
 
 # Slabs a warp loads ahead of the one it multiplies: each is micro_slice / 16 x 24 bytes a lane in flight.
 MICRO_LOOKAHEAD = 2
-# True: a slab's 64 sums go out as 16 four-float reductions (three shuffles gather 4 adjacent columns into one
-# lane), False: as 64 one-float reductions from the 8 lanes that hold token column 0.  True took 1.01-1.17x the
-# layer's time on the H200 (docs/results/tune-micro-vector-red-2026-12-06-h200-5c9b4bb.json).
-MICRO_VECTOR_RED = False
-# True: as an item starts, its FC2 slice (weights and scales, one bulk L2 prefetch per 16-k row) is brought into
-# L2 while FC1 streams, so FC2's register loads wait for L2 instead of HBM.  True took 1.05-1.11x the layer's time
-# on the H200 (docs/results/tune-micro-l2-prefetch-2026-12-06-h200-5c9b4bb.json): it competes with FC1's stream.
-MICRO_PREFETCH_L2 = False
 
 
 class W4A16MicroMoeKernel(FusedLaunch):
@@ -55,7 +46,6 @@ class W4A16MicroMoeKernel(FusedLaunch):
         self.fc2 = gemm_kernel(spec.fc2_gemm, None, False)  # its dequant and MMA helpers only
         self.threads = spec.threads
         self.warps = spec.threads // 32
-        self.is_fp16 = spec.dtype is DType.FP16
         g2 = spec.fc2_gemm
         self.n2, self.k2 = g2.n, g2.k
         self.rows = spec.micro_slice // 16  # 16-k rows of FC2 a work item multiplies
@@ -99,8 +89,6 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 # FC2's per-route factors, loaded now so they are in registers when the slabs are
                 weight = I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4))
                 scale = I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4)) * weight
-                if cutlass.const_expr(MICRO_PREFETCH_L2):
-                    self._prefetch_slice(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
                 self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
                                Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair)
                 cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
@@ -159,34 +147,22 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 acc.fill(0.0)
                 self._multiply(acc, frag, words, pieces, act)
                 slab = warp + Int32(c * self.warps)
-                self._add_slab(acc, out_row + Int64(slab * Int32(64)) * Int64(4), lane, g, t, scale,
+                self._add_slab(acc, out_row + Int64(slab * Int32(64)) * Int64(4), g, t, scale,
                                slab < Int32(self.slabs) if (c + 1) * self.warps > self.slabs else None)
 
     @cute.jit
-    def _add_slab(self, acc: cute.Tensor, row: Int64, lane: Int32, g: Int32, t: Int32, scale: Float32, inside):
+    def _add_slab(self, acc: cute.Tensor, row: Int64, g: Int32, t: Int32, scale: Float32, inside):
         """sums[row + column] += scale x the slab's token-0 results (acc[jj, 0]: column 16 jj + g, acc[jj, 2]:
-        + 8, in lanes t = 0); `inside` None: the slab exists for every warp, else whether this warp's does."""
-        if cutlass.const_expr(MICRO_VECTOR_RED):
-            lead = lane % Int32(16) == Int32(0)  # lanes g = 0 and 4 (t = 0) gather columns g .. g + 3
-            if cutlass.const_expr(inside is not None):
-                lead = lead and inside
+        + 8, in lanes t = 0), one float reduction each (four-float ones with shuffles measured slower,
+        docs/design.md); `inside` None: the slab exists for every warp, else whether this warp's does."""
+        add = t == Int32(0)
+        if cutlass.const_expr(inside is not None):
+            add = add and inside
+        if add:
+            col = row + Int64(g) * Int64(4)
             for jj in cutlass.range_constexpr(4):
-                for half in cutlass.range_constexpr(2):
-                    v = acc[jj, 2 * half] * scale
-                    v1 = cute.arch.shuffle_sync_down(v, 4)
-                    v2 = cute.arch.shuffle_sync_down(v, 8)
-                    v3 = cute.arch.shuffle_sync_down(v, 12)
-                    if lead:
-                        I.red_add_v4_f32(row + Int64(g + Int32(16 * jj + 8 * half)) * Int64(4), v, v1, v2, v3)
-        else:
-            add = t == Int32(0)
-            if cutlass.const_expr(inside is not None):
-                add = add and inside
-            if add:
-                col = row + Int64(g) * Int64(4)
-                for jj in cutlass.range_constexpr(4):
-                    I.red_add_f32(col + Int64(64 * jj), acc[jj, 0] * scale)
-                    I.red_add_f32(col + Int64(64 * jj + 32), acc[jj, 2] * scale)
+                I.red_add_f32(col + Int64(64 * jj), acc[jj, 0] * scale)
+                I.red_add_f32(col + Int64(64 * jj + 32), acc[jj, 2] * scale)
 
     @cute.jit
     def _add_bias(self, bias: Int64, sums: Int64, tid: Int32, route: Int32, expert: Int32, weight: Float32):
@@ -201,19 +177,6 @@ class W4A16MicroMoeKernel(FusedLaunch):
             I.red_add_f32(row + Int64(c) * Int64(8), b0 * weight)
             I.red_add_f32(row + Int64(c) * Int64(8) + Int64(4), b1 * weight)
             c += Int32(self.threads)
-
-    @cute.jit
-    def _prefetch_slice(self, qweight: Int64, scales: Int64, tid: Int32, expert: Int32, j: Int32):
-        """MICRO_PREFETCH_L2: thread r < rows brings 16-k row r of the item's FC2 slice into L2 (all N columns
-        of a row are contiguous: n2 * 8 bytes), thread rows + r that row's n2 scale bytes."""
-        rows = self.rows
-        row = j * Int32(rows) + tid % Int32(rows)
-        if tid < Int32(rows):
-            first = Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(row) * Int64(self.n2 // 2)  # int4
-            I.prefetch_l2_bulk(qweight + first * Int64(16), self.n2 * 8)
-        elif tid < Int32(2 * rows):
-            I.prefetch_l2_bulk(scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(row) * Int64(self.n2),
-                               self.n2)
 
     @cute.jit
     def _slab(self, warp: Int32, i: cutlass.Constexpr[int]) -> Int32:
@@ -268,16 +231,10 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 at = sums + Int64(i) * Int64(32)
                 x0, x1, x2, x3 = I.ld_global_v4_f32(at)
                 y0, y1, y2, y3 = I.ld_global_v4_f32(at + Int64(16))
-                I.st_global_v4_u32(out + Int64(i) * Int64(16), self._pack(x0, x1), self._pack(x2, x3),
-                                   self._pack(y0, y1), self._pack(y2, y3))
+                pack = self.fc2._pack_pair  # dtype pairs, as the GEMM epilogue packs them
+                I.st_global_v4_u32(out + Int64(i) * Int64(16), pack(x0, x1), pack(x2, x3), pack(y0, y1), pack(y2, y3))
                 I.st_global_v4_f32(at, zero, zero, zero, zero)
                 I.st_global_v4_f32(at + Int64(16), zero, zero, zero, zero)
                 i += Int32(self.threads)
             if tid == Int32(0):
                 I.st_global_i32(counter, Int32(0))
-
-    @cute.jit
-    def _pack(self, x0: Float32, x1: Float32) -> Uint32:
-        if cutlass.const_expr(self.is_fp16):
-            return I.pack_f32x2_f16x2(x0, x1)
-        return I.pack_f32x2_bf16x2(x0, x1)

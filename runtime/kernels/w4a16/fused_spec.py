@@ -290,6 +290,12 @@ class FusedSpec(SpecKey):
         return self.gemm_shared_bytes if layout is None else layout.end
 
     @property
+    def waits_on_grid(self) -> bool:
+        """Its CTAs wait on each other (grid barriers, split-K turns), so its grid must be resident at once; the
+        micro kernel's never do."""
+        return not self.micro
+
+    @property
     def dynamic_smem_bytes(self) -> int:
         return self.shared_bytes
 
@@ -304,14 +310,9 @@ class FusedSpec(SpecKey):
 
 
 # micro (FusedSpec.micro): in `locks`, the word of the finished-CTA counter and the first word of the (M, H) float32
-# output sums (16-byte aligned), both after the grid-barrier words the kernel does not use.
+# output sums (16-byte aligned), both after the grid-barrier words the kernel does not use (the plan sizes them).
 MICRO_COUNTER_WORD = BARRIER_WORDS
 MICRO_SUMS_WORD = -(-(BARRIER_WORDS + 1) // 4) * 4
-
-
-def micro_lock_words(tokens: int, hidden_size: int) -> int:
-    """The `locks` words a micro launch of `tokens` tokens uses (its counter and output sums)."""
-    return MICRO_SUMS_WORD + tokens * hidden_size
 
 
 # The most routes (M * top_k) and experts a kernel with pack_experts packs: its shared-memory tables hold them.

@@ -205,9 +205,9 @@ def _check_routes(routes, topk_ids: torch.Tensor, num_experts: int, launch: Laun
 class PersistentLaunch:
     """A kernel of the resolution table (GEMM or fused MoE) whose co-residency has been checked.
 
-    Its CTAs wait on each other (split-K turns, grid barriers), so a grid with CTAs that
-    are not resident at once would deadlock: refuse the kernel instead.  (The micro kernel,
-    FusedSpec.micro, is the exception: its CTAs never wait, so any grid runs.)  Built once per kernel
+    Where its CTAs wait on each other (split-K turns, grid barriers: the spec's `waits_on_grid`), a
+    grid with CTAs that are not resident at once would deadlock: refuse the kernel instead (the micro
+    kernel, FusedSpec.micro, is the one whose CTAs never wait: any grid runs).  Built once per kernel
     (`persistent_launch` caches it on the bundle).
     """
 
@@ -230,8 +230,7 @@ class PersistentLaunch:
                 f"{self.spec.key().version}, block ({self.spec.threads}, 1, 1), {self.spec.dynamic_smem_bytes} B: "
                 "the bundle was built by another version of cuteaot; rebuild it")
         self.kernel.bind(self.spec.SIGNATURE)
-        # the micro kernel (FusedSpec.micro) is the one table kernel whose CTAs never wait on each other
-        self.waits = not getattr(self.spec, "micro", None)
+        self.waits = self.spec.waits_on_grid
         if self.waits:
             self.kernel.mark_waits_on_grid()  # launched cooperatively where layers run concurrently (bundle.py)
         resident = check_cu(
@@ -251,7 +250,7 @@ class PersistentLaunch:
 
     def check_grid(self, grid_x: int) -> None:
         """A grid of this kernel fits the GPU at once where its CTAs wait on each other; any grid otherwise."""
-        if not 1 <= grid_x <= (self.capacity if self.waits else grid_x):
+        if grid_x < 1 or (self.waits and grid_x > self.capacity):
             raise BundleError(f"the resolution table launches {self.spec.key().describe()} with {grid_x} CTAs; "
                               f"{self.capacity} fit this GPU at once: the bundle's table is corrupt; rebuild it")
 

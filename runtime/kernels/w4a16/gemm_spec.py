@@ -569,6 +569,11 @@ class GemmSpec(SpecKey):
         return wgmma_out_row_bytes(self.tile)
 
     @property
+    def waits_on_grid(self) -> bool:
+        """Its CTAs wait on each other (split-K turns), so its grid must be resident at once."""
+        return True
+
+    @property
     def dynamic_smem_bytes(self) -> int:
         """Shared memory requested at launch (the manifest records it; all of it is dynamic)."""
         return self.shared_bytes
