@@ -102,6 +102,32 @@ def test_relabelled_k_slots_with_weights_as_the_a_operand():
     np.testing.assert_allclose(d, w @ x.T, rtol=1e-12, atol=1e-12)
 
 
+def test_micro_kernel_slice_reads_compute_the_product():
+    """The micro kernel's FC2 slice read as stored (codegen/kernels/w4a16/micro.py, `_stored_operands`): lane
+    (g, t) loads bytes 8t .. 8t + 7 of its rows' 32-byte piece of the 64-k slice, two words (k = 16t + 8w ..
+    16t + 8w + 7), one scale per lane and row (byte t: the 16-k group 16t .. 16t + 15); k-step (w, ks) takes word
+    w's pairs 2ks and 2ks + 1, the activation (token column 0, lanes g = 0) paired alike."""
+    rng = np.random.default_rng(2)
+    x = np.zeros((8, 64))
+    x[0] = rng.standard_normal(64)  # the route's activated slice; the MMA's other token columns are zeros
+    w = rng.standard_normal((16, 64))  # two column blocks (rows c0 = g, c1 = g + 8) x the slice's k
+    scale = rng.uniform(0.5, 2.0, (16, 4))  # a scale per row and 16-k group
+    d = np.zeros((16, 8))
+    for word in range(2):
+        for ks in range(2):
+            a_frag, b_frag = [], []
+            for lane in range(LANES):
+                g, t = lane // 4, lane % 4
+                ks_of = slice(16 * t + 8 * word, 16 * t + 8 * word + 8)
+                c0 = _pairs(w[g, ks_of] * scale[g, t])
+                c1 = _pairs(w[g + 8, ks_of] * scale[g + 8, t])
+                a_frag.append((c0[2 * ks], c1[2 * ks], c0[2 * ks + 1], c1[2 * ks + 1]))
+                u = _pairs(x[g, ks_of])  # zeros but for g = 0
+                b_frag.append((u[2 * ks], u[2 * ks + 1]))
+            d += _mma(a_frag, b_frag)
+    np.testing.assert_allclose(d, (w * np.repeat(scale, 16, axis=1)) @ x.T, rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- the warpgroup-MMA loop
 # (codegen/kernels/w4a16/wgmma.py, `_wg_plan_modelopt` / `_wg_words_modelopt`): a stage row holds a
 # tile row's 32 stored bytes, chunk c at c ^ (row >> 2 & 1); lane (g, q) of a warp whose first column is

@@ -1,9 +1,10 @@
 """The micro kernel (FusedSpec.micro: decode without a grid barrier) on the GPU, against a float32 reference.
 
 Bundles: specs/tiny-micro.yaml planned by the rule and with the micro kernel wherever it runs
-(`python -m benchmarks.tune_blocks build specs/tiny-micro.yaml --knob micro --targets h200 --out
+(`python -m benchmarks.tune_blocks build specs/tiny-micro.yaml --knob micro,microstored --targets h200 --out
 generated/tune-micro`; CUTEAOT_MICRO_BUNDLES names another such directory).  Every test draws fresh
-random weights and inputs and poisons the output first.
+random weights and inputs and poisons the output first; the weights are packed, or read as ModelOpt stores
+them (its "micro-stored-*" problems).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuteaot.runtime import load_bundle, prepare_w2, prepare_w13
+from cuteaot.runtime import load_bundle, prepare_w2, prepare_w2_modelopt, prepare_w13, prepare_w13_modelopt
 from cuteaot.runtime.moe import MoeLayer
 from tests.gpu.test_moe_fused_gpu import on_two_streams, poisoned, rel_err, replayed
 from tests.reference.moe import moe_reference, skewed_topk_ids
@@ -31,6 +32,13 @@ PROBLEMS = {
     "swigluoai": (576, 384, 8, 2, "swigluoai", "bf16"),
     "relu2": (640, 256, 8, 3, "relu2", "bf16"),
     "many-items": (512, 2048, 16, 8, "silu", "bf16"),  # M = 2: 512 work items on 264 CTAs
+}
+# the "micro-stored-*" problems, read as stored: name -> (H, I, E, top_k, activation, dtype, W13 orders)
+STORED = {
+    "stored-silu-bf16": (512, 256, 16, 4, "silu", "bf16", ("gate_up", "up_gate")),
+    "stored-silu-fp16": (512, 256, 16, 4, "silu", "fp16", ("gate_up", "up_gate")),
+    "stored-relu2": (640, 256, 8, 3, "relu2", "bf16", ("gate_up",)),
+    "stored-swigluoai-bias": (576, 384, 8, 2, "swigluoai", "bf16", ("up_gate",)),  # H = 64 (mod 128)
 }
 OAI = dict(alpha=1.702, beta=1.0, limit=7.0)
 TOL = 1e-2
@@ -85,6 +93,36 @@ class Model:
         return moe_reference(x, self.w13_f, self.w2_f, w, ids, self.activation, **self.ref_kw)[0]
 
 
+class StoredModel(Model):
+    """A problem's weights as a ModelOpt checkpoint stores them: gate and up quantized apart (two global
+    scales), W13 gate rows first or up rows first (`order`), optional biases; the reference in [gate | up]
+    order."""
+
+    def __init__(self, name: str, order: str):
+        h, i, e, top_k, activation, dtype, _ = STORED[name]
+        self.h, self.e, self.top_k, self.activation, self.dtype = h, e, top_k, activation, dtype
+        self.g = g = torch.Generator().manual_seed(zlib.crc32(f"{name} {order}".encode()))
+        gated = activation != "relu2"
+        halves = [quantize_nvfp4(torch.randn(e, i, h, generator=g) * s) for s in ((0.05, 0.2) if gated else (0.05,))]
+        self.w13_f = torch.cat([dequantize_modelopt(*q) for q in halves], dim=1).cuda()  # [gate | up]
+        stored = halves[::-1] if order == "up_gate" else halves
+        weight, weight_scale = (torch.cat([q[j] for q in stored], dim=1).cuda() for j in (0, 1))
+        scale_2 = (torch.stack([q[2] for q in halves], dim=1) if gated else halves[0][2]).cuda()
+        q2 = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05)
+        self.w2_f = dequantize_modelopt(*q2).cuda()
+        self.bias = {}
+        b13 = None
+        if "bias" in name:
+            self.bias = dict(b13=(torch.randn(e, 2 * i, generator=g) * 0.2).to(torch.bfloat16).cuda(),
+                             b2=(torch.randn(e, h, generator=g) * 0.2).to(torch.bfloat16).cuda())
+            b13 = self.bias["b13"]
+            if order == "up_gate":  # as the checkpoint stores it: up first
+                b13 = torch.cat((b13[:, i:], b13[:, :i]), dim=1)
+        self.w13 = prepare_w13_modelopt(weight, weight_scale, scale_2, dtype, order=order, gated=gated, bias=b13)
+        self.w2 = prepare_w2_modelopt(*(t.cuda() for t in q2), dtype, bias=self.bias.get("b2"))
+        self.ref_kw = dict(OAI if activation == "swigluoai" else {}, **self.bias)
+
+
 def assert_clean(layer) -> None:
     """Every lock word but the barrier's top bit back at zero: the micro kernel's counter and sums too."""
     locks = layer.workspace().locks.cpu()
@@ -108,6 +146,28 @@ def test_micro_layer_matches_reference(micro, rule, name, worst_errors):
             assert err <= TOL, f"{name} M={m} skewed={skewed}: rel err {err:.2e}"
             base = persistent(x, w, ids)
             assert rel_err(base, ref) <= TOL
+        assert_clean(layer)
+
+
+@pytest.mark.parametrize("name, order", [(n, o) for n, p in STORED.items() for o in p[-1]])
+def test_micro_stored_layer_matches_reference(micro, rule, name, order, worst_errors):
+    """The micro kernel on weights read as stored (FC2's k-contiguous rows loaded straight into registers, the
+    MMA's k slots relabelled), against the float32 reference and the persistent decode kernel."""
+    model = StoredModel(name, order)
+    layer, persistent = model.layer(micro), model.layer(rule)
+    assert layer.facts.weights.value == ("modelopt_w31" if order == "up_gate" else "modelopt")
+    for m in (1, 2, 1, 3):
+        fused = layer.resolve(m).kernels.get("fused")
+        assert bool(fused is not None and fused.spec.micro) == (m <= 2), f"M={m}: the plan is not the tested one"
+        for skewed in (False, True):
+            x, w, ids = model.inputs(m, skewed)
+            out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
+            ref = model.reference(x, w, ids)
+            assert not out.isnan().any(), f"{name} M={m}: a row was never written"
+            err = rel_err(out, ref)
+            worst_errors.record(f"micro {name} {order}", err)
+            assert err <= TOL, f"{name} {order} M={m} skewed={skewed}: rel err {err:.2e}"
+            assert rel_err(persistent(x, w, ids), ref) <= TOL
         assert_clean(layer)
 
 

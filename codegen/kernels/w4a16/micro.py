@@ -7,11 +7,13 @@ n-tile j; nothing waits for another CTA until the very end:
 
 1. FC1: the decode kernel's own whole-K tile (gemm.py `_tile`, direct routes, 8-row block), whose epilogue
    activates (gated epilogue, or relu2) and writes the tile's `micro_slice` activated columns of row r;
-2. FC2 over that slice of K into all H output columns: each warp takes 64-column slabs of the packed weights
-   (slab w, w + warps, ...); a lane's fragment words are exactly the 16 bytes it would have copied to shared
-   memory (the packed layout is in fragment order), so they are loaded straight into registers, a few slabs
-   ahead, with no shared memory and no barrier; the slice's activations (row r, read back after the CTA's
-   barrier) are the MMA's token column 0;
+2. FC2 over that slice of K into all H output columns: each warp takes 64-column slabs of the weights
+   (slab w, w + warps, ...); a lane's fragment words are loaded straight into registers, a few slabs ahead,
+   with no shared memory and no barrier: packed, exactly the 16 bytes it would have copied to shared memory
+   (the layout is in fragment order); read as stored (modelopt), 8 bytes of each of its rows' 32-byte piece
+   of each 64 k of the slice, with the MMA's k slots relabelled as the stored layout's mma.sync loop does
+   (docs/layouts.md);
+   the slice's activations (row r, read back after the CTA's barrier) are the MMA's token column 0;
 3. every partial, times FC2's global scale and the route's router weight, is added (red.add.f32) into the
    (M, H) float32 sums in `locks` (with biases, the route's first item also adds its weight x FC2's bias);
    each CTA then counts itself done, and the last one converts the sums into the dtype output and zeroes them
@@ -51,6 +53,8 @@ class W4A16MicroMoeKernel(FusedLaunch):
         self.rows = spec.micro_slice // 16  # 16-k rows of FC2 a work item multiplies
         self.slabs = self.n2 // 64
         self.slabs_per_warp = -(-self.slabs // self.warps)
+        self.stored = spec.fc2_gemm.modelopt  # FC2 read as ModelOpt stores it: (E, H, I/2) bytes, k-contiguous rows
+        self.parts = self.rows // 4  # stored: the slice's 64-k parts (a row's 32 bytes and 4 scale bytes each)
 
     @cute.kernel
     def kernel(self, a: cute.Pointer, w13: cute.Pointer, w2: cute.Pointer, fc1_out: cute.Pointer,
@@ -118,20 +122,24 @@ class W4A16MicroMoeKernel(FusedLaunch):
         g = lane // Int32(4)
         t = lane % Int32(4)
         first_row = j * Int32(rows)  # the slice's first 16-k row of FC2's K
-        # activations: (k = 2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-k row of the slice, row `route`
-        act = cute.make_rmem_tensor((rows, 2), Uint32)
-        act.fill(0)
-        if g == Int32(0):
-            k = Int64(first_row * Int32(16) + Int32(2) * t)
-            base = activated + (Int64(route) * Int64(s.intermediate_size) + k) * Int64(2)
-            for r in cutlass.range_constexpr(rows):
-                act[r, 0] = I.ld_global_u32(base + Int64(32 * r))
-                act[r, 1] = I.ld_global_u32(base + Int64(32 * r + 16))
-        # this lane's int4 of the slice's first 16-k row in slab 0, and its scale bytes there
-        q0 = qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(first_row) * Int64(self.n2 // 2)
-                        + Int64(lane)) * Int64(16)
-        s0 = (scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2)
-              + Int64(g * Int32(8)))
+        if cutlass.const_expr(self.stored):
+            act, q0, s0 = self._stored_operands(activated, qweight, scales, route, expert, first_row, g, t)
+        else:
+            # activations: (k = 2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-k row of the slice, row `route`
+            act = cute.make_rmem_tensor((rows, 2), Uint32)
+            act.fill(0)
+            if g == Int32(0):
+                k = Int64(first_row * Int32(16) + Int32(2) * t)
+                base = activated + (Int64(route) * Int64(s.intermediate_size) + k) * Int64(2)
+                for r in cutlass.range_constexpr(rows):
+                    act[r, 0] = I.ld_global_u32(base + Int64(32 * r))
+                    act[r, 1] = I.ld_global_u32(base + Int64(32 * r + 16))
+            # this lane's int4 of the slice's first 16-k row in slab 0, and its scale bytes there
+            q0 = qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(first_row) * Int64(self.n2 // 2)
+                            + Int64(lane)) * Int64(16)
+            s0 = (scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2)
+                  + Int64(g * Int32(8)))
+        selector = I.e4m3_pairs_selector(t)  # (stored: the lane's scale byte of each row)
         token = route // Int32(s.top_k)
         out_row = sums + Int64(token) * Int64(self.n2 * 4)
         count = self.slabs_per_warp
@@ -145,7 +153,10 @@ class W4A16MicroMoeKernel(FusedLaunch):
             if cutlass.const_expr(c >= 0):
                 words, pieces = loaded[c]
                 acc.fill(0.0)
-                self._multiply(acc, frag, words, pieces, act)
+                if cutlass.const_expr(self.stored):
+                    self._multiply_stored(acc, words, pieces, act, selector)
+                else:
+                    self._multiply(acc, frag, words, pieces, act)
                 slab = warp + Int32(c * self.warps)
                 self._add_slab(acc, out_row + Int64(slab * Int32(64)) * Int64(4), g, t, scale,
                                slab < Int32(self.slabs) if (c + 1) * self.warps > self.slabs else None)
@@ -188,8 +199,20 @@ class W4A16MicroMoeKernel(FusedLaunch):
 
     @cute.jit
     def _load_slab(self, q0: Int64, s0: Int64, slab: Int32):
-        """The lane's weight words (4 per 16-k row) and raw scale words (2 per row) of one slab."""
+        """The lane's weight words (4 per 16-k row) and raw scale words (2 per row) of one slab; stored: per
+        column block jj and half h, the v2 word pair and the scale word of row 16 jj + 8 h + g."""
         words, pieces = [], []
+        if cutlass.const_expr(self.stored):
+            row_bytes, scale_bytes = self.k2 // 2, self.k2 // 16
+            q = q0 + Int64(slab) * Int64(64 * row_bytes)
+            p = s0 + Int64(slab) * Int64(64 * scale_bytes)
+            for part in cutlass.range_constexpr(self.parts):
+                for jj in cutlass.range_constexpr(4):
+                    for h in cutlass.range_constexpr(2):
+                        row = 16 * jj + 8 * h
+                        words.append(I.ld_global_nc_v2_u32(q + Int64(row * row_bytes + 32 * part)))
+                        pieces.append(I.ld_global_nc_u32(p + Int64(row * scale_bytes + 4 * part)))
+            return words, pieces
         q = q0 + Int64(slab) * Int64(32 * 16)
         p = s0 + Int64(slab) * Int64(64)
         for r in cutlass.range_constexpr(self.rows):
@@ -210,6 +233,59 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 acc[jj, 1] = d1
                 acc[jj, 2] = d2
                 acc[jj, 3] = d3
+
+    # ------------------------------------------------------------------ FC2 read as stored (modelopt)
+
+    @cute.jit
+    def _stored_operands(self, activated: Int64, qweight: Int64, scales: Int64, route: Int32, expert: Int32,
+                         first_row: Int32, g: Int32, t: Int32):
+        """The slice's activations and this lane's first weight and scale addresses, weights read as stored.
+
+        Row n of FC2 holds its K codes contiguously, two a byte, so each 64-k part of the slice is 32 bytes of
+        each row, and 4 scale bytes.  Lane (g, t) takes bytes 8t .. 8t + 7 of a part (two words: k = 16t ..
+        16t + 7 and 16t + 8 .. 16t + 15 of it, one 16-k group, so one scale: byte t of the row's 4) of rows
+        16 jj + g and 16 jj + g + 8.  Each word decodes into pairs (code i, code i + 4), i = 0..3
+        (`_dequant_codes`); k-step (part, w, ks) takes word w's pairs 2ks (the fragment's slots 2t, 2t + 1) and
+        2ks + 1 (slots 2t + 8, 2t + 9), and the activations are paired alike (act[part, w, i] = k = 64 part +
+        16t + 8w + i, + i + 4), as the stored layout's mma.sync loop relabels its k slots (docs/layouts.md):
+        every product meets its own activation (tests/test_modelopt_dataflow.py plays it out)."""
+        s = self.s
+        first_k = first_row * Int32(16)
+        act = cute.make_rmem_tensor((self.parts, 2, 4), Uint32)  # [64-k part, word, pair]
+        act.fill(0)
+        if g == Int32(0):
+            base = activated + (Int64(route) * Int64(s.intermediate_size) + Int64(first_k + Int32(16) * t)) * Int64(2)
+            for part in cutlass.range_constexpr(self.parts):
+                for w in cutlass.range_constexpr(2):
+                    u = [I.ld_global_u32(base + Int64(128 * part + 16 * w + 4 * i)) for i in range(4)]
+                    for i in cutlass.range_constexpr(4):
+                        act[part, w, i] = I.pair_halves(u[i // 2], u[2 + i // 2], i % 2)
+        row_bytes, scale_bytes = self.k2 // 2, self.k2 // 16
+        row = Int64(expert) * Int64(self.n2) + Int64(g)
+        q0 = qweight + row * Int64(row_bytes) + Int64(first_row * Int32(8) + Int32(8) * t)
+        s0 = scales + row * Int64(scale_bytes) + Int64(first_row)
+        return act, q0, s0
+
+    @cute.jit
+    def _multiply_stored(self, acc: cute.Tensor, words, pieces, act: cute.Tensor, selector: Int32):
+        """One slab's MMAs over the slice, weights read as stored: column blocks (16 jj + g, + 8) x token column 0,
+        four k-steps (two per word)."""
+        for part in cutlass.range_constexpr(self.parts):
+            for jj in cutlass.range_constexpr(4):
+                at = 8 * part + 2 * jj  # (`_load_slab`'s order: part, column block, half)
+                scales = self.fc2._scale_pairs_e4m3(pieces[at], pieces[at + 1], selector)  # rows c0, c1
+                for w in cutlass.range_constexpr(2):
+                    pairs = [[self.fc2._pair_mul(r, scales[h]) for r in self.fc2._dequant_codes(words[at + h][w])]
+                             for h in range(2)]
+                    for ks in cutlass.range_constexpr(2):
+                        d0, d1, d2, d3 = self.fc2._mma(acc[jj, 0], acc[jj, 1], acc[jj, 2], acc[jj, 3],
+                                                       pairs[0][2 * ks], pairs[1][2 * ks], pairs[0][2 * ks + 1],
+                                                       pairs[1][2 * ks + 1], act[part, w, 2 * ks],
+                                                       act[part, w, 2 * ks + 1])
+                        acc[jj, 0] = d0
+                        acc[jj, 1] = d1
+                        acc[jj, 2] = d2
+                        acc[jj, 3] = d3
 
     # ------------------------------------------------------------------ the last CTA
 

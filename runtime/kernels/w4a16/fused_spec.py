@@ -184,13 +184,14 @@ class FusedSpec(SpecKey):
             self._check_micro()
 
     def _check_micro(self) -> None:
-        """What the micro kernel serves: decode, packed NVFP4 (MXFP4 packs into it) without an input-side router weight,
-        FC1 writing the activation itself, logical sizes equal to the stored ones, 64-column output slabs."""
+        """What the micro kernel serves: decode, NVFP4 packed (MXFP4 packs into it) or read as stored (modelopt,
+        modelopt_w31), without an input-side router weight, FC1 writing the activation itself, logical sizes
+        equal to the stored ones, 64-column output slabs."""
         why = []
         if not self.decode:
             why.append("decode (direct routes)")
-        if self.weights is not None:
-            why.append(f"packed NVFP4 weights (got {self.weight_format.value})")
+        if self.weight_format.layout not in ("packed", "modelopt"):
+            why.append(f"NVFP4 weights, packed or read as stored (got {self.weight_format.value})")
         if self.router_weight_on_input:
             why.append("the router weight on FC2's output")
         if self.mainloop is not Mainloop.MMA_SYNC:
