@@ -13,7 +13,8 @@ GEMMs' 128-row blocks on the 256-wide tile of two warpgroups, planning.WGMMA_TAL
 (decode launches that split K over every co-resident CTA where one wave of whole tiles would do) and
 "fusepack" (the fused kernel, packing its routes itself, where the rule runs two GEMM launches), "narrow"
 (128-row wgmma route blocks where the rule or "wide" packs 256-row ones for a layer run as two GEMMs) and
-"micro" (a decode launch on the barrier-free micro kernel, codegen/kernels/w4a16/micro.py).
+"micro" (a decode launch on the barrier-free micro kernel, codegen/kernels/w4a16/micro.py) and "microstored" (the
+same for weights read as stored: measured on them, `measure --weights modelopt`, the default for that knob).
 
     # 1. builder (CPU): the spec's bundle planned twice, by the rule and with the choice wherever it runs
     python -m benchmarks.tune_blocks build specs/moe-models.yaml --knob tall --targets h200 --out generated/tune
@@ -45,7 +46,7 @@ TABLE = ROOT / "codegen" / "kernels" / "w4a16" / "measured_blocks.json"
 POLICIES = ("rule", "always")
 # = planning.MEASURED_KNOBS (not imported: `record` runs without cutlass)
 KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide", "splitk",
-         "fusepack", "narrow", "micro")
+         "fusepack", "narrow", "micro", "microstored")
 
 
 def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> None:
@@ -56,7 +57,8 @@ def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> Non
     from cuteaot.codegen.kernels.w4a16 import planning
 
     for policy in POLICIES:
-        planning.POLICY[knob] = policy  # planning runs in this process; workers only compile
+        for one in knob.split(","):  # (several knobs: a bundle whose layers take one or the other, tiny-micro's)
+            planning.POLICY[one] = policy  # planning runs in this process; workers only compile
         dest = Path(out) / policy
         if policy != POLICIES[0] and not (dest / ".cache").exists():
             shutil.copytree(Path(out) / POLICIES[0] / ".cache", dest / ".cache")
@@ -65,24 +67,30 @@ def build(spec: str, knob: str, out: str, targets: str | None, jobs: int) -> Non
             raise SystemExit(f"building {spec} with POLICY[{knob!r}] = {policy!r} failed")
 
 
+# the weights a knob's layers are measured on where --weights is not given
+KNOB_WEIGHTS = {"microstored": "modelopt"}
+
+
 def measure(knob: str, rule: str, always: str, models: list[str], ms: list[int], rounds: int,
-            json_path: str | None, check: bool = False) -> None:
+            json_path: str | None, check: bool = False, weights: str | None = None) -> None:
     import torch
 
     from benchmarks.common import write_results
     from benchmarks.compare_layer import _problems, compare
     from cuteaot.runtime import load_bundle
 
+    weights = weights or KNOB_WEIGHTS.get(knob, "nvfp4")
     base = load_bundle(rule)
-    rows = compare(base, {"always": load_bundle(always)}, models, ms, rounds, check)
-    facts = _problems(base)
+    rows = compare(base, {"always": load_bundle(always)}, models, ms, rounds, check, weights)
+    facts = _problems(base, weights)
     for row in rows:
         f = facts[row["model"]]
         row["facts"] = {k: f[k] for k in ("hidden_size", "intermediate_size", "num_experts", "top_k", "activation")}
         row["profile"] = base.profile.name
         row["knob"] = knob
+        row["weights"] = weights
     path = write_results(json_path, f"tune-{knob}", _commit(), "benchmarks.tune_blocks measure: compare_layer "
-                         f"timing, {rounds} interleaved rounds, uniform routing", rows)
+                         f"timing, {rounds} interleaved rounds, uniform routing, {weights} weights", rows)
     print(f"{len(rows)} rows -> {path} ({torch.cuda.get_device_name()})")
 
 
@@ -249,7 +257,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="builder: the rule and the always-the-choice bundles of a spec")
     b.add_argument("spec")
-    b.add_argument("--knob", choices=KNOBS, required=True)
+    b.add_argument("--knob", required=True, help=f"one of {', '.join(KNOBS)}, or several, comma-separated")
     b.add_argument("--out", required=True)
     b.add_argument("--targets", default=None)
     b.add_argument("-j", "--jobs", type=int, default=2)
@@ -262,6 +270,8 @@ def main(argv=None) -> int:
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--json", default=None)
     m.add_argument("--check", action="store_true", help="also each output's error against the float32 reference")
+    m.add_argument("--weights", default=None, choices=("nvfp4", "modelopt", "nf3"),
+                   help="the layers' weights (default: modelopt for microstored, else nvfp4)")
     r = sub.add_parser("record", help="builder: measured rows -> the planner's table")
     r.add_argument("rows", nargs="+", help="rows JSON of one or several measure runs")
     r.add_argument("--margin", type=float, default=0.02)
@@ -270,9 +280,13 @@ def main(argv=None) -> int:
     h.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.cmd == "build":
+        unknown = [k for k in args.knob.split(",") if k not in KNOBS]
+        if unknown:
+            p.error(f"unknown knob(s) {unknown}; the knobs: {', '.join(KNOBS)}")
         build(args.spec, args.knob, args.out, args.targets, args.jobs)
     elif args.cmd == "measure":
-        measure(args.knob, args.rule, args.always, args.models, args.m, args.rounds, args.json, args.check)
+        measure(args.knob, args.rule, args.always, args.models, args.m, args.rounds, args.json, args.check,
+                args.weights)
     elif args.cmd == "holdout":
         summary = holdout(args.margin)
         if args.json:

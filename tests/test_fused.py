@@ -134,12 +134,19 @@ def test_micro_plans_decode_launches_it_can_serve(monkeypatch):
     g = plan_layer(1, glm, H200)  # a work item per 128-column FC1 tile: 8 x 22 = 176
     assert g.micro and g.fc1_tile == TileConfig(128, 128) and g.grid_x == 176
     assert plan_layer(1, facts(*GPT_OSS, "swigluoai", bias=True), H200).micro  # gpt-oss's checkpoint biases
-    # not served: packed routes, the stored layout, NF3, relu2 with I not a multiple of its 128-column slice
+    # not served: packed routes, NF3, relu2 with I not a multiple of its 128-column slice
     assert not plan_layer(64, qwen3, H200).micro
-    assert not plan_layer(1, facts(*QWEN3_30B, weights="modelopt"), H200).micro
     assert not plan_layer(1, facts(*QWEN3_30B, weights="nf3"), H200).micro
     assert not plan_layer(1, facts(2688, 1856, 128, 6, "relu2"), H200).micro
     assert plan_layer(1, facts(2688, 1792, 128, 6, "relu2"), H200).micro
+    # weights read as stored take their own knob ("microstored", measured on them), not the packed one's
+    stored = facts(*QWEN3_30B, weights="modelopt_w31")
+    assert not plan_layer(1, stored, H200).micro
+    monkeypatch.setitem(planning.POLICY, "microstored", "always")
+    s = plan_layer(1, stored, H200)
+    assert s.micro and s.grid_x == 8 * 12 and fused_spec_for(s, stored).micro
+    monkeypatch.setitem(planning.POLICY, "micro", "rule")
+    assert plan_layer(1, stored, H200).micro and not plan_layer(1, qwen3, H200).micro
 
 
 def test_shipped_micro_table():
@@ -160,7 +167,9 @@ def test_micro_spec_refuses_what_the_kernel_does_not_serve():
                 gated_epilogue=True, micro=True)
     assert FusedSpec(**base).micro_slice == 64
     assert "micro" not in FusedSpec(**{**base, "micro": None}).key().facts  # older keys keep their digests
+    assert FusedSpec(**{**base, "weights": "modelopt_w31", "scale_exponent": 15}).micro  # read as stored
     for change, why in (({"decode": False}, "decode"), ({"gated_epilogue": None}, "gated_epilogue"),
+                        ({"weights": "nf3"}, "NVFP4 weights"),
                         ({"router_weight_on_input": True}, "router weight"),
                         ({"activation": "relu2", "gated_epilogue": None, "intermediate_size": 320}, "intermediate_size"),
                         ({"micro": False}, "None or True")):

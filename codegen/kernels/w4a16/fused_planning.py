@@ -17,7 +17,8 @@ Two regimes, as in the seed:
   each CTA owns one whole tile (no split-K); where either GEMM would need a second
   wave, K is split over every co-resident CTA instead (measured 0.76-0.94x on the
   H200, see DECODE_ONE_WAVE).  Wide N tiles are chosen where they save a wave.  Where
-  planning.MEASURED_BLOCKS measured it faster (knob "micro"), a decode launch runs the
+  planning.MEASURED_BLOCKS measured it faster (knob "micro"; "microstored" for weights read as
+  stored), a decode launch runs the
   barrier-free micro kernel instead (FusedSpec.micro: one CTA per route and FC1 tile, FC2
   over that tile's slice of K, float32 sums in the lock words; `_micro_plan`).
 * packed: routes grouped by expert (pack_routes), FC2 writes route rows, a
@@ -499,7 +500,8 @@ def plan_layer(m: int, facts: MoeLayerFacts, profile: DeviceProfile) -> FusedPla
                       topk_sum=layer_choice("topksum", m, facts, profile),
                       stored_as_is=facts.weights.layout == "modelopt",
                       splitk=layer_choice("splitk", m, facts, profile))
-    if plan.decode and layer_choice("micro", m, facts, profile):
+    if plan.decode and layer_choice("microstored" if facts.weights.layout == "modelopt" else "micro", m, facts,
+                                    profile):
         plan = _micro_plan(plan, facts, profile)
     if plan.pack_routes:
         shared = fused_spec_for(plan, facts).shared_bytes

@@ -272,17 +272,20 @@ WGMMA_WIDE_MIN_K = 1024
 # 273 and 1.07x at 205: it turns on how each expert's routes fill the blocks, which a table per shape and M
 # records and no single threshold does.
 # A thirteenth, "micro", runs a decode launch on the barrier-free micro kernel (FusedSpec.micro,
-# codegen/kernels/w4a16/micro.py) wherever that can serve the layer.
+# codegen/kernels/w4a16/micro.py) wherever that can serve the layer; a fourteenth, "microstored", is the same
+# choice for weights read as stored (modelopt, modelopt_w31), measured on them: there both kernels read other
+# bytes (k-contiguous rows) than on the packed layout, so the packed table says nothing about them.
 MEASURED_BLOCKS = Path(__file__).with_name("measured_blocks.json")
 MEASURED_KNOBS = ("tall", "decode", "wide", "promote", "producer", "onewave", "topksum", "splitsum", "tallwide",
-                  "splitk", "fusepack", "narrow", "micro")
+                  "splitk", "fusepack", "narrow", "micro", "microstored")
 
 # What layer planning asks each knob for: "measured" (MEASURED_BLOCKS, else the rule), "rule" (the
 # rule alone) or "always" (the choice wherever it can run).  benchmarks/tune_blocks.py builds its
 # two candidate bundles with "rule" and "always"; shipped bundles use "measured".
 POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote": "measured", "producer": "measured",
           "onewave": "measured", "topksum": "measured", "splitsum": "measured", "tallwide": "measured",
-          "splitk": "measured", "fusepack": "measured", "narrow": "measured", "micro": "measured"}
+          "splitk": "measured", "fusepack": "measured", "narrow": "measured", "micro": "measured",
+          "microstored": "measured"}
 
 
 # A layer shape that no knob's table holds (a model nobody measured here) borrows, knob by knob, the
@@ -304,7 +307,7 @@ POLICY = {"tall": "measured", "decode": "measured", "wide": "measured", "promote
 # routes per expert does not describe, and no leave-one-out has checked it.
 BORROW = True
 BORROW_RADIUS = 2.0
-NOT_BORROWED = ("fusepack", "promote", "micro")
+NOT_BORROWED = ("fusepack", "promote", "micro", "microstored")
 
 Shape = tuple[int, int, int, int, bool]  # hidden, intermediate, experts, top_k, gated
 
