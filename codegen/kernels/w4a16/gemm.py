@@ -555,7 +555,11 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
               n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32,
-              pair=None):
+              pair=None, before_epilogue=None):
+        """One output tile over k-tiles [k_start, k_start + k_count): main loop, fold, split-K merge, epilogue.
+
+        `before_epilogue` (the micro kernel: its first FC2 loads): called once the main loop is done, before the
+        accumulators are folded and stored; _tile returns what it returns."""
         s = self.s
         scale_index = Int64(expert)
         if cutlass.const_expr(bool(s.split_global_scale) and s.epilogue.is_gated):
@@ -629,6 +633,9 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         acc.fill(0.0)
         self._mainloop(ops, t, smem, tid, acc, k_start, k_count, valid_rows)
         self._stamp(ops, tid, 2)
+        early = None
+        if cutlass.const_expr(before_epilogue is not None):
+            early = before_epilogue()
         self._fold_partials(acc, smem, tid)
         if slice_count > Int32(1):
             self._merge_split_k(ops, acc, tid, valid_rows, lock_slot, slice_idx, slice_count)
@@ -640,6 +647,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         elif slice_idx == slice_count - Int32(1):
             self._store_tile(ops, acc, smem, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
         self._stamp(ops, tid, 3)
+        return early
 
     @cute.jit
     def _keep_alive(self, ops, tid: Int32, values: list):

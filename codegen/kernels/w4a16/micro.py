@@ -12,8 +12,8 @@ n-tile j; nothing waits for another CTA until the very end:
    with no shared memory and no barrier: packed, exactly the 16 bytes it would have copied to shared memory
    (the layout is in fragment order); read as stored (modelopt), 8 bytes of each of its rows' 32-byte piece
    of each 64 k of the slice, with the MMA's k slots relabelled as the stored layout's mma.sync loop does
-   (docs/layouts.md);
-   the slice's activations (row r, read back after the CTA's barrier) are the MMA's token column 0;
+   (docs/layouts.md).  The first slabs' loads are issued before FC1's epilogue, which hides their latency.
+   The slice's activations (row r, read back after the CTA's barrier) are the MMA's token column 0;
 3. every partial, times FC2's global scale and the route's router weight, is added (red.add.f32) into the
    (M, H) float32 sums in `locks` (with biases, the route's first item also adds its weight x FC2's bias);
    each CTA then counts itself done, and the last one converts the sums into the dtype output and zeroes them
@@ -36,8 +36,15 @@ from .fused import FusedLaunch
 from .gemm import _Operands
 from .wgmma import gemm_kernel
 
-# Slabs a warp loads ahead of the one it multiplies: each is micro_slice / 16 x 24 bytes a lane in flight.
+# Slabs a warp loads ahead of the one it multiplies: each is micro_slice / 16 x 24 bytes a lane in flight; one CTA an
+# SM (blocks_per_sm 1) has the registers for as many as MICRO_AHEAD_ALONE_WORDS words a lane (4 slabs of 64-k slices).
 MICRO_LOOKAHEAD = 2
+MICRO_AHEAD_ALONE_WORDS = 96
+# The first slabs' loads are issued as FC1's main loop ends, before its epilogue (fold, activation, store), which
+# then hides their latency: as many as MICRO_EARLY_WORDS words a lane (live across the epilogue; 96 spilled).
+# Measured on the H100 against loading them after it: 0.95-0.98x the layer's time at Qwen3-30B M = 1-5, up to 1.008x
+# elsewhere (docs/benchmarks.md, thirty-third session).
+MICRO_EARLY_WORDS = 48
 
 
 class W4A16MicroMoeKernel(FusedLaunch):
@@ -53,6 +60,10 @@ class W4A16MicroMoeKernel(FusedLaunch):
         self.rows = spec.micro_slice // 16  # 16-k rows of FC2 a work item multiplies
         self.slabs = self.n2 // 64
         self.slabs_per_warp = -(-self.slabs // self.warps)
+        alone = MICRO_AHEAD_ALONE_WORDS // (6 * self.rows)  # (a slab: 6 words a lane per 16-k row, both layouts)
+        self.lookahead = min(max(alone, MICRO_LOOKAHEAD) if spec.blocks_per_sm == 1 else MICRO_LOOKAHEAD,
+                             self.slabs_per_warp)
+        self.early = min(self.lookahead, max(1, MICRO_EARLY_WORDS // (6 * self.rows)))
         self.stored = spec.fc2_gemm.modelopt  # FC2 read as ModelOpt stores it: (E, H, I/2) bytes, k-contiguous rows
         self.parts = self.rows // 4  # stored: the slice's 64-k parts (a row's 32 bytes and 4 scale bytes each)
 
@@ -93,11 +104,12 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 # FC2's per-route factors, loaded now so they are in registers when the slabs are
                 weight = I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4))
                 scale = I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4)) * weight
-                self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
-                               Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair)
+                q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
+                early = self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
+                                       Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair,
+                                       before_epilogue=lambda: self._first_slabs(q0, s0, tid))
                 cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
-                self._fc2_slice(I.gmem_address(activated), I.gmem_address(w2), I.gmem_address(w2_scales), sums,
-                                tid, route, expert, j, scale)
+                self._fc2_slice(I.gmem_address(activated), q0, s0, sums, tid, route, j, scale, early)
                 if cutlass.const_expr(s.bias):
                     if j == Int32(0):  # the route's FC2 bias, once (its first slice)
                         self._add_bias(I.gmem_address(w2_bias), sums, tid, route, expert, weight)
@@ -107,15 +119,37 @@ class W4A16MicroMoeKernel(FusedLaunch):
     # ------------------------------------------------------------------ FC2 over one slice of K
 
     @cute.jit
-    def _fc2_slice(self, activated: Int64, qweight: Int64, scales: Int64, sums: Int64, tid: Int32, route: Int32,
-                   expert: Int32, j: Int32, scale: Float32):
+    def _slab_addresses(self, qweight: Int64, scales: Int64, tid: Int32, expert: Int32, j: Int32):
+        """This lane's weight and scale addresses in slab 0 of FC1 tile j's slice of FC2 (packed: its int4 of the
+        slice's first 16-k row and its scale bytes there; stored: `_stored_addresses`)."""
+        lane = tid & Int32(31)
+        g = lane // Int32(4)
+        first_row = j * Int32(self.rows)  # the slice's first 16-k row of FC2's K
+        if cutlass.const_expr(self.stored):
+            return self._stored_addresses(qweight, scales, expert, first_row, g, lane % Int32(4))
+        q0 = qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(first_row) * Int64(self.n2 // 2)
+                        + Int64(lane)) * Int64(16)
+        s0 = (scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2)
+              + Int64(g * Int32(8)))
+        return q0, s0
+
+    @cute.jit
+    def _first_slabs(self, q0: Int64, s0: Int64, tid: Int32):
+        """The loads of the warp's first `early` slabs (issued before FC1's epilogue)."""
+        warp = tid // Int32(32)
+        return [self._load_slab(q0, s0, self._slab(warp, i)) for i in range(self.early)]
+
+    @cute.jit
+    def _fc2_slice(self, activated: Int64, q0: Int64, s0: Int64, sums: Int64, tid: Int32, route: Int32, j: Int32,
+                   scale: Float32, early):
         """sums[token of route, :] += scale * (activated[route, slice j] @ W2[expert][slice j, :]).
 
         Warp w multiplies slabs w, w + warps, ... (64 output columns each) over the slice's `rows` 16-k rows;
         lane (g, t) holds int4 `lane` of each 16-k row of the slab (four words: column blocks 16 jj + g, + 8)
         and the 8 bytes of scales its group g reads (docs/layouts.md), as the mma.sync loop's shared-memory
         reads would have given it.  The activations are the MMA's B operand, token column 0 only (lanes g = 0);
-        the results for that column sit in lanes t = 0: acc[jj, 0] (column 16 jj + g) and acc[jj, 2] (+ 8)."""
+        the results for that column sit in lanes t = 0: acc[jj, 0] (column 16 jj + g) and acc[jj, 2] (+ 8).
+        q0, s0: `_slab_addresses`; early: `_first_slabs`, already loaded."""
         s, rows = self.s, self.rows
         warp = tid // Int32(32)
         lane = tid & Int32(31)
@@ -123,7 +157,7 @@ class W4A16MicroMoeKernel(FusedLaunch):
         t = lane % Int32(4)
         first_row = j * Int32(rows)  # the slice's first 16-k row of FC2's K
         if cutlass.const_expr(self.stored):
-            act, q0, s0 = self._stored_operands(activated, qweight, scales, route, expert, first_row, g, t)
+            act = self._stored_activations(activated, route, first_row, g, t)
         else:
             # activations: (k = 2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-k row of the slice, row `route`
             act = cute.make_rmem_tensor((rows, 2), Uint32)
@@ -134,22 +168,20 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 for r in cutlass.range_constexpr(rows):
                     act[r, 0] = I.ld_global_u32(base + Int64(32 * r))
                     act[r, 1] = I.ld_global_u32(base + Int64(32 * r + 16))
-            # this lane's int4 of the slice's first 16-k row in slab 0, and its scale bytes there
-            q0 = qweight + (Int64(expert) * Int64(self.n2 * self.k2 // 32) + Int64(first_row) * Int64(self.n2 // 2)
-                            + Int64(lane)) * Int64(16)
-            s0 = (scales + Int64(expert) * Int64(self.n2 * self.k2 // 16) + Int64(first_row) * Int64(self.n2)
-                  + Int64(g * Int32(8)))
         selector = I.e4m3_pairs_selector(t)  # (stored: the lane's scale byte of each row)
         token = route // Int32(s.top_k)
         out_row = sums + Int64(token) * Int64(self.n2 * 4)
-        count = self.slabs_per_warp
+        count, ahead = self.slabs_per_warp, self.lookahead
         loaded = [None] * count
         acc = cute.make_rmem_tensor((4, 4), Float32)
         frag = cute.make_rmem_tensor((2, 2), Uint32)
-        for i in cutlass.range_constexpr(count + MICRO_LOOKAHEAD):
+        for i in cutlass.range_constexpr(count + ahead):
             if cutlass.const_expr(i < count):
-                loaded[i] = self._load_slab(q0, s0, self._slab(warp, i))
-            c = i - MICRO_LOOKAHEAD
+                if cutlass.const_expr(i < len(early)):
+                    loaded[i] = early[i]
+                else:
+                    loaded[i] = self._load_slab(q0, s0, self._slab(warp, i))
+            c = i - ahead
             if cutlass.const_expr(c >= 0):
                 words, pieces = loaded[c]
                 acc.fill(0.0)
@@ -237,9 +269,18 @@ class W4A16MicroMoeKernel(FusedLaunch):
     # ------------------------------------------------------------------ FC2 read as stored (modelopt)
 
     @cute.jit
-    def _stored_operands(self, activated: Int64, qweight: Int64, scales: Int64, route: Int32, expert: Int32,
-                         first_row: Int32, g: Int32, t: Int32):
-        """The slice's activations and this lane's first weight and scale addresses, weights read as stored.
+    def _stored_addresses(self, qweight: Int64, scales: Int64, expert: Int32, first_row: Int32, g: Int32, t: Int32):
+        """Weights read as stored: this lane's first weight and scale addresses (`_stored_activations` says which
+        bytes)."""
+        row_bytes, scale_bytes = self.k2 // 2, self.k2 // 16
+        row = Int64(expert) * Int64(self.n2) + Int64(g)
+        q0 = qweight + row * Int64(row_bytes) + Int64(first_row * Int32(8) + Int32(8) * t)
+        s0 = scales + row * Int64(scale_bytes) + Int64(first_row)
+        return q0, s0
+
+    @cute.jit
+    def _stored_activations(self, activated: Int64, route: Int32, first_row: Int32, g: Int32, t: Int32):
+        """The slice's activations, paired for weights read as stored.
 
         Row n of FC2 holds its K codes contiguously, two a byte, so each 64-k part of the slice is 32 bytes of
         each row, and 4 scale bytes.  Lane (g, t) takes bytes 8t .. 8t + 7 of a part (two words: k = 16t ..
@@ -260,11 +301,7 @@ class W4A16MicroMoeKernel(FusedLaunch):
                     u = [I.ld_global_u32(base + Int64(128 * part + 16 * w + 4 * i)) for i in range(4)]
                     for i in cutlass.range_constexpr(4):
                         act[part, w, i] = I.pair_halves(u[i // 2], u[2 + i // 2], i % 2)
-        row_bytes, scale_bytes = self.k2 // 2, self.k2 // 16
-        row = Int64(expert) * Int64(self.n2) + Int64(g)
-        q0 = qweight + row * Int64(row_bytes) + Int64(first_row * Int32(8) + Int32(8) * t)
-        s0 = scales + row * Int64(scale_bytes) + Int64(first_row)
-        return act, q0, s0
+        return act
 
     @cute.jit
     def _multiply_stored(self, acc: cute.Tensor, words, pieces, act: cute.Tensor, selector: Int32):
