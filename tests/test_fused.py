@@ -150,15 +150,15 @@ def test_micro_plans_decode_launches_it_can_serve(monkeypatch):
 
 
 def test_shipped_micro_table():
-    """The measured "micro" table (H200, docs/benchmarks.md, thirty-second session): gpt-oss at M = 1 and
-    Qwen3-30B at M = 2 run the micro kernel, Qwen3-30B at M = 1 and Mixtral keep the persistent decode kernel."""
+    """The measured "micro" table (H100, docs/benchmarks.md, thirty-third session): gpt-oss and Qwen3-30B at M = 1 and
+    Qwen3-30B at M = 2 run the micro kernel, Mixtral and the tp4 shard at M = 1 keep the persistent decode kernel."""
     def plan(m, hidden, inter, experts, top_k, activation="silu"):
         return plan_layer(m, MoeLayerFacts(dtype="bf16", hidden_size=hidden, intermediate_size=inter,
                                            num_experts=experts, top_k=top_k, activation=activation), H200)
 
-    assert plan(1, *GPT_OSS, "swigluoai").micro and plan(2, *QWEN3_30B).micro
-    assert not plan(1, *QWEN3_30B).micro and not plan(1, 4096, 14336, 8, 2).micro
-    assert plan(1, *QWEN3_30B).decode
+    assert plan(1, *GPT_OSS, "swigluoai").micro and plan(2, *QWEN3_30B).micro and plan(1, *QWEN3_30B).micro
+    assert not plan(1, 4096, 14336, 8, 2).micro and not plan(1, 4096, 384, 128, 8).micro
+    assert plan(1, 4096, 384, 128, 8).decode
 
 
 def test_micro_spec_refuses_what_the_kernel_does_not_serve():
