@@ -129,33 +129,10 @@ def assert_clean(layer) -> None:
     assert int(locks[0]) & 0x7FFFFFFF == 0 and int(locks[1:].abs().sum()) == 0, "dirty workspace"
 
 
-@pytest.mark.parametrize("name", list(PROBLEMS))
-def test_micro_layer_matches_reference(micro, rule, name, worst_errors):
-    model = Model(name)
+def check_against_reference(model, micro, rule, label: str, worst_errors) -> MoeLayer:
+    """M = 1, 2 on the micro kernel, back to 1 after a larger launch (the sums were cleaned), then 3 (not micro);
+    uniform and skewed routing; the persistent kernel on the same inputs; the workspace clean after each M."""
     layer, persistent = model.layer(micro), model.layer(rule)
-    for m in (1, 2, 1, 3):  # back to M = 1 after a larger launch: the sums were cleaned; M = 3 is not micro
-        fused = layer.resolve(m).kernels.get("fused")
-        assert bool(fused is not None and fused.spec.micro) == (m <= 2), f"M={m}: the plan is not the tested one"
-        for skewed in (False, True):
-            x, w, ids = model.inputs(m, skewed)
-            out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
-            ref = model.reference(x, w, ids)
-            assert not out.isnan().any(), f"{name} M={m}: a row was never written"
-            err = rel_err(out, ref)
-            worst_errors.record(f"micro {name}", err)
-            assert err <= TOL, f"{name} M={m} skewed={skewed}: rel err {err:.2e}"
-            base = persistent(x, w, ids)
-            assert rel_err(base, ref) <= TOL
-        assert_clean(layer)
-
-
-@pytest.mark.parametrize("name, order", [(n, o) for n, p in STORED.items() for o in p[-1]])
-def test_micro_stored_layer_matches_reference(micro, rule, name, order, worst_errors):
-    """The micro kernel on weights read as stored (FC2's k-contiguous rows loaded straight into registers, the
-    MMA's k slots relabelled), against the float32 reference and the persistent decode kernel."""
-    model = StoredModel(name, order)
-    layer, persistent = model.layer(micro), model.layer(rule)
-    assert layer.facts.weights.value == ("modelopt_w31" if order == "up_gate" else "modelopt")
     for m in (1, 2, 1, 3):
         fused = layer.resolve(m).kernels.get("fused")
         assert bool(fused is not None and fused.spec.micro) == (m <= 2), f"M={m}: the plan is not the tested one"
@@ -163,12 +140,26 @@ def test_micro_stored_layer_matches_reference(micro, rule, name, order, worst_er
             x, w, ids = model.inputs(m, skewed)
             out = layer(x, w, ids, out=poisoned(m, model.h, model.dtype))
             ref = model.reference(x, w, ids)
-            assert not out.isnan().any(), f"{name} M={m}: a row was never written"
+            assert not out.isnan().any(), f"{label} M={m}: a row was never written"
             err = rel_err(out, ref)
-            worst_errors.record(f"micro {name} {order}", err)
-            assert err <= TOL, f"{name} {order} M={m} skewed={skewed}: rel err {err:.2e}"
+            worst_errors.record(f"micro {label}", err)
+            assert err <= TOL, f"{label} M={m} skewed={skewed}: rel err {err:.2e}"
             assert rel_err(persistent(x, w, ids), ref) <= TOL
         assert_clean(layer)
+    return layer
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_micro_layer_matches_reference(micro, rule, name, worst_errors):
+    check_against_reference(Model(name), micro, rule, name, worst_errors)
+
+
+@pytest.mark.parametrize("name, order", [(n, o) for n, p in STORED.items() for o in p[-1]])
+def test_micro_stored_layer_matches_reference(micro, rule, name, order, worst_errors):
+    """The micro kernel on weights read as stored (FC2's k-contiguous rows loaded straight into registers, the
+    MMA's k slots relabelled), against the float32 reference and the persistent decode kernel."""
+    layer = check_against_reference(StoredModel(name, order), micro, rule, f"{name} {order}", worst_errors)
+    assert layer.facts.weights.value == ("modelopt_w31" if order == "up_gate" else "modelopt")
 
 
 def test_micro_biases(micro, worst_errors):

@@ -41,7 +41,9 @@ from .wgmma import gemm_kernel
 MICRO_LOOKAHEAD = 2
 MICRO_AHEAD_ALONE_WORDS = 96
 # The first slabs' loads are issued as FC1's main loop ends, before its epilogue (fold, activation, store), which
-# then hides their latency: as many as MICRO_EARLY_WORDS words a lane (live across the epilogue; 96 spilled).
+# then hides their latency: as many as MICRO_EARLY_WORDS words a lane (live across the epilogue; 96 spilled), none
+# where FC1's epilogue adds a bias in a CTA of 128 registers (two an SM: gpt-oss with biases spilled 8 bytes even
+# with one slab early, whose addresses then live across FC1's main loop).
 # Measured on the H100 against loading them after it: 0.95-0.98x the layer's time at Qwen3-30B M = 1-5, up to 1.008x
 # elsewhere (docs/benchmarks.md, thirty-third session).
 MICRO_EARLY_WORDS = 48
@@ -64,6 +66,8 @@ class W4A16MicroMoeKernel(FusedLaunch):
         self.lookahead = min(max(alone, MICRO_LOOKAHEAD) if spec.blocks_per_sm == 1 else MICRO_LOOKAHEAD,
                              self.slabs_per_warp)
         self.early = min(self.lookahead, max(1, MICRO_EARLY_WORDS // (6 * self.rows)))
+        if spec.bias and spec.blocks_per_sm > 1:
+            self.early = 0
         self.stored = spec.fc2_gemm.modelopt  # FC2 read as ModelOpt stores it: (E, H, I/2) bytes, k-contiguous rows
         self.parts = self.rows // 4  # stored: the slice's 64-k parts (a row's 32 bytes and 4 scale bytes each)
 
@@ -104,11 +108,18 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 # FC2's per-route factors, loaded now so they are in registers when the slabs are
                 weight = I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4))
                 scale = I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4)) * weight
-                q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
-                early = self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
-                                       Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair,
-                                       before_epilogue=lambda: self._first_slabs(q0, s0, tid))
-                cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
+                if cutlass.const_expr(self.early > 0):
+                    q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
+                    early = self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
+                                           Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair,
+                                           before_epilogue=lambda: self._first_slabs(q0, s0, tid))
+                else:
+                    self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
+                                   Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair)
+                    early = []
+                cute.arch.sync_threads()
+                if cutlass.const_expr(self.early == 0):
+                    q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)  # the tile's activated columns are in `activated`; smem is free again
                 self._fc2_slice(I.gmem_address(activated), q0, s0, sums, tid, route, j, scale, early)
                 if cutlass.const_expr(s.bias):
                     if j == Int32(0):  # the route's FC2 bias, once (its first slice)
