@@ -117,9 +117,9 @@ class W4A16MicroMoeKernel(FusedLaunch):
                     self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
                                    Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair)
                     early = []
-                cute.arch.sync_threads()
+                cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
                 if cutlass.const_expr(self.early == 0):
-                    q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)  # the tile's activated columns are in `activated`; smem is free again
+                    q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
                 self._fc2_slice(I.gmem_address(activated), q0, s0, sums, tid, route, j, scale, early)
                 if cutlass.const_expr(s.bias):
                     if j == Int32(0):  # the route's FC2 bias, once (its first slice)
