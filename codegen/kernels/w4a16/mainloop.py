@@ -359,7 +359,12 @@ class MainloopMixin:
         """modelopt: one row's 16-byte chunk k = 8t .. 8t+7 as the pairs (k, k + 4), k = 8t .. 8t+3:
         the pairing of the stored codes' decode (code j with code j + 4), so each product meets
         its own activation."""
-        u = I.ld_shared_v4_u32(addr)
+        return self._chunk_pairs(I.ld_shared_v4_u32(addr))
+
+    @staticmethod
+    def _chunk_pairs(u) -> list:
+        """The four words of a 16-byte activation chunk (k .. k + 7, two a word) as pairs (k + j, k + j + 4),
+        j = 0..3: how the stored layout's decode pairs its codes (the micro kernel's FC2 slice pairs alike)."""
         return [I.pair_halves(u[j // 2], u[2 + j // 2], j % 2) for j in range(4)]
 
     @cute.jit

@@ -108,14 +108,13 @@ class W4A16MicroMoeKernel(FusedLaunch):
                 # FC2's per-route factors, loaded now so they are in registers when the slabs are
                 weight = I.ld_global_nc_f32(I.gmem_address(topk_weights) + Int64(route) * Int64(4))
                 scale = I.ld_global_nc_f32(I.gmem_address(w2_global_scale) + Int64(expert) * Int64(4)) * weight
+                # FC2's slab addresses: before FC1 where its first slabs load before FC1's epilogue, else after
                 if cutlass.const_expr(self.early > 0):
                     q0, s0 = self._slab_addresses(I.gmem_address(w2), I.gmem_address(w2_scales), tid, expert, j)
-                    early = self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
-                                           Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair,
-                                           before_epilogue=lambda: self._first_slabs(q0, s0, tid))
+                    early = self._fc1_tile(fc1_ops, smem, tid, tokens, route, expert, j, pair,
+                                           lambda: self._first_slabs(q0, s0, tid))
                 else:
-                    self.fc1._tile(fc1_ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
-                                   Int32(s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair)
+                    self._fc1_tile(fc1_ops, smem, tid, tokens, route, expert, j, pair, None)
                     early = []
                 cute.arch.sync_threads()  # the tile's activated columns are in `activated`; smem is free again
                 if cutlass.const_expr(self.early == 0):
@@ -126,6 +125,15 @@ class W4A16MicroMoeKernel(FusedLaunch):
                         self._add_bias(I.gmem_address(w2_bias), sums, tid, route, expert, weight)
             item += grid_x
         self._finish(I.gmem_address(fc2_out), lock_base + Int64(MICRO_COUNTER_WORD * 4), sums, tid, grid_x, tokens)
+
+    @cute.jit
+    def _fc1_tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route: Int32, expert: Int32, j: Int32, pair,
+                  before_epilogue):
+        """FC1 tile j of the route over the whole K, activated in its epilogue (gemm.py `_tile`); returns what
+        `before_epilogue` (None, or the first FC2 slabs' loads) returns."""
+        return self.fc1._tile(ops, smem, tid, tokens, route, expert, Int32(0), j, Int32(0),
+                              Int32(self.s.fc1_gemm.k_tiles), Int32(1), Int32(0), Int32(0), pair,
+                              before_epilogue=before_epilogue)
 
     # ------------------------------------------------------------------ FC2 over one slice of K
 
@@ -309,9 +317,10 @@ class W4A16MicroMoeKernel(FusedLaunch):
             base = activated + (Int64(route) * Int64(s.intermediate_size) + Int64(first_k + Int32(16) * t)) * Int64(2)
             for part in cutlass.range_constexpr(self.parts):
                 for w in cutlass.range_constexpr(2):
-                    u = [I.ld_global_u32(base + Int64(128 * part + 16 * w + 4 * i)) for i in range(4)]
+                    pairs = self.fc2._chunk_pairs([I.ld_global_u32(base + Int64(128 * part + 16 * w + 4 * i))
+                                                   for i in range(4)])
                     for i in cutlass.range_constexpr(4):
-                        act[part, w, i] = I.pair_halves(u[i // 2], u[2 + i // 2], i % 2)
+                        act[part, w, i] = pairs[i]
         return act
 
     @cute.jit
