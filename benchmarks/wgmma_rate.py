@@ -12,7 +12,10 @@ throughput that the shared one does not, and how many integer instructions a row
     # builder (CuTeDSL): one cubin per variant, and their launch facts
     python -m benchmarks.wgmma_rate build --out generated/wgmma-rate [--in-flight 1,2]
     # GPU (torch + cuda-python only): every variant timed with CUDA events, TFLOP/s printed and written
-    python -m benchmarks.wgmma_rate run --dir generated/wgmma-rate --json rate.json
+    python -m benchmarks.wgmma_rate run --dir generated/wgmma-rate --json rate.json [--per-sm 1]
+
+`--per-sm 1` launches one CTA an SM instead: whether a warpgroup alone keeps the tensor cores busy, or the loop
+needs its SM's second CTA in its main loop to reach the rate.
 """
 
 from __future__ import annotations
@@ -77,21 +80,21 @@ def _integer_sass(cubin: Path) -> int:
     return sum(1 for line in sass.splitlines() if any(f" {op}" in line for op in ("LOP3", "SHF", "IMAD", "IADD3", "LEA")))
 
 
-def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
+def run(directory: Path, iters: int, reps: int, json_path: str | None, per_sm: int | None = None) -> None:
     import torch
     from cuda.bindings import driver
 
     from cuteaot.runtime.abi import ArgBuffer, Pointee, Signature, i32, ptr
     from cuteaot.runtime.bundle import check_cu
 
-    from .peers import eager_us
+    from .common import device_us
 
     signature = Signature((ptr("out", Pointee.I32, "two words a thread"), i32("iters", "loop iterations a CTA")))
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # the primary context
     meta = json.loads((directory / "variants.json").read_text())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid = sms * meta["grid_per_sm"]
+    grid = sms * (per_sm or meta["grid_per_sm"])
     out = torch.zeros(2 * grid * meta["threads"], dtype=torch.int32, device="cuda")
     rows = []
     base = {(v["mode"], v["in_flight"]): v["integer_sass"] for v in meta["variants"] if v["alu"] == 0}  # no chains
@@ -102,13 +105,12 @@ def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
                                            meta["smem"]), "cuFuncSetAttribute")
         buffer = ArgBuffer(signature)  # kept alive: `params` points into it
         params = buffer.set(out=out.data_ptr(), iters=iters)
-        stream = torch.cuda.current_stream().cuda_stream
 
-        def launch():
-            check_cu(driver.cuLaunchKernel(fn, grid, 1, 1, meta["threads"], 1, 1, meta["smem"], stream, params, 0),
-                     "cuLaunchKernel")
+        def launch():  # on the current stream: device_us captures the launches into a graph on its own
+            check_cu(driver.cuLaunchKernel(fn, grid, 1, 1, meta["threads"], 1, 1, meta["smem"],
+                                           torch.cuda.current_stream().cuda_stream, params, 0), "cuLaunchKernel")
 
-        us = eager_us(launch, lambda: None, reps)  # CUDA events around each launch, median
+        us = device_us(launch, iters=4, reps=reps)  # graph replays of 4 launches timed with CUDA events, median
         tflops = grid * iters * FLOPS_PER_ITER_CTA / (us * 1e-6) / 1e12
         per_row = (v["integer_sass"] - base[(v["mode"], v["in_flight"])]) / ROWS
         rows.append({"mode": v["mode"], "alu": v["alu"], "in_flight": v["in_flight"], "integer_sass_per_row": per_row,
@@ -122,6 +124,7 @@ def run(directory: Path, iters: int, reps: int, json_path: str | None) -> None:
               f"{r['integer_sass_per_row']:.0f} | {r['tflops']:.0f} |")
     if json_path:
         Path(json_path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "iters": iters, "grid": grid,
+                                               "ctas_per_sm": grid // sms,
                                                "rows": rows}, indent=1))
 
 
@@ -136,11 +139,14 @@ def main(argv=None) -> int:
     r.add_argument("--iters", type=int, default=2000)
     r.add_argument("--reps", type=int, default=11)
     r.add_argument("--json", default=None)
+    r.add_argument("--per-sm", type=int, default=None,
+                   help="CTAs an SM (default: the build's, 2); 1 asks whether one warpgroup alone keeps the tensor "
+                        "cores busy")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args.out, tuple(int(g) for g in args.in_flight.split(",")))
     else:
-        run(args.dir, args.iters, args.reps, args.json)
+        run(args.dir, args.iters, args.reps, args.json, args.per_sm)
     return 0
 
 

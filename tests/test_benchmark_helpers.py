@@ -188,3 +188,37 @@ def test_prepare_weights_times_both_projections_of_a_layer(fmt, monkeypatch):
     scales = weights // (16 if fmt == "nvfp4" else 32)
     global_scales = {"nvfp4": 3 * 4 * 3, "mxfp4": 0, "nf3": 3 * 4 * 2}[fmt]
     assert row["input_bytes"] == codes + scales + global_scales
+
+
+def _imports_of(path):
+    """(module, name, line) of every `from X import name` in a benchmark tool, function-level ones included."""
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            module = ("benchmarks." if node.level else "") + node.module
+            if module.startswith(("benchmarks", "cuteaot", "tests")):
+                for alias in node.names:
+                    yield module, alias.name, node.lineno
+
+
+def test_every_name_a_benchmark_tool_imports_from_the_project_exists():
+    """The GPU tools import most of their helpers inside functions (they run on a machine without CuTeDSL), so a
+    name removed from a sibling module surfaces only there, after a device call: wgmma_rate still imported
+    peers.eager_us for ten sessions after it was removed.  Checked here statically, on every tool."""
+    import importlib
+    from pathlib import Path
+
+    missing = []
+    for path in sorted(Path(__file__).resolve().parents[1].joinpath("benchmarks").glob("*.py")):
+        for module, name, line in _imports_of(path):
+            if module.startswith("cuteaot.codegen") or name == "*":
+                continue  # CuTeDSL modules import cutlass (there on the builder, not needed to check names)
+            target = importlib.import_module(module)
+            if not hasattr(target, name):
+                try:  # a submodule imported by name
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{path.name}:{line}: {module}.{name}")
+    assert not missing, missing
