@@ -35,7 +35,8 @@ group.  After issuing row kk's group a thread waits until at most GROUPS_IN_FLIG
 groups run (rows kk-1 and kk), decodes row kk+1 from the words it loaded from shared
 memory one row earlier, and loads row kk+2's; at the end of a cycle of stages it drains
 (see the comment in `_wg_mainloop`).  Stages
-are refilled with cp.async as in the mma.sync loop; shared data written by
+are refilled with cp.async as in the mma.sync loop, at row GROUPS_IN_FLIGHT - 1 of a k-tile
+(after that row's wait and the next row's decode); shared data written by
 cp.async is published to wgmma's async proxy with `fence.proxy.async` before the
 barrier that precedes its use.
 
@@ -414,19 +415,20 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             # the previous row's group is done: its A registers are free for the next decode,
             # and after row 0 so is the previous tile's stage
             I.wgmma_wait_group(0 if last and drain else GROUPS_IN_FLIGHT)
-            # once the previous tile's last row is done (GROUPS_IN_FLIGHT rows into this one) its
-            # stage may be refilled
+            if cutlass.const_expr(not last):
+                self._wg_decode(frag, words, t, kk + 1)  # row kk + 1, loaded a row ago
+                if cutlass.const_expr(kk + 2 < s.k_blocks):
+                    self._wg_words(words, t, pipe, kk + 2)
+            # once the previous tile's last row is done (GROUPS_IN_FLIGHT rows into this one) its stage may
+            # be refilled: after the next row's decode, which then follows the wait directly (with the
+            # copies first the layer took 1.02-1.03x the time at 2048-4096 tokens, H100, docs/benchmarks.md)
             if cutlass.const_expr(kk == GROUPS_IN_FLIGHT - 1):
                 fetch = tile_idx + Int32(s.stages - 1)
                 if fetch < k_tiles:
                     self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch, rows)
                 else:
                     cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(not last):
-                self._wg_decode(frag, words, t, kk + 1)  # row kk + 1, loaded a row ago
-                if cutlass.const_expr(kk + 2 < s.k_blocks):
-                    self._wg_words(words, t, pipe, kk + 2)
-            else:
+            if cutlass.const_expr(last):
                 self._wg_publish(s.stages - 2)
                 if cutlass.const_expr(drain):
                     if tile_idx + Int32(1) < k_tiles:
