@@ -120,3 +120,60 @@ def test_cli_inspect_and_list(built, capsys):
     assert "sm_90a: 18 kernels" in text and "sm_120a: 18 kernels" in text and "regs" in text
     assert cli(["list", str(TINY_SPEC)]) == 0
     assert "18 specializations, 36 kernels" in capsys.readouterr().out
+
+
+def _splice_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "splice_kernels.py"
+    spec = importlib.util.spec_from_file_location("splice_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_splice_recompiles_the_selected_kernels_into_a_copy(built, tmp_path):
+    """benchmarks/scripts/splice_kernels.py: the selected kernels compiled again from these sources are the built
+    ones byte for byte; the copy verifies, keeps the resolution table and is marked spliced (never up to date)."""
+    root, _ = built
+    splice = _splice_module()
+    source = read_manifest(root / "tiny")
+    out = tmp_path / "tiny"
+    changes = splice.splice(root / "tiny", out, {"family": "moe_activation", "arch": "sm_90a"}, [], jobs=1)
+    assert changes and all(old == new for _, old, new in changes)
+    spliced = verify_bundle(out)
+    assert spliced["resolution"] == source["resolution"]
+    assert spliced["plan_fingerprint"].startswith("spliced") and spliced["source_fingerprint"].startswith("spliced")
+    picked = splice.selected(source["kernels"], {"family": "moe_activation", "arch": "sm_90a"}, [])
+    assert {k["key"] for k in picked} == {key for key, _, _ in changes}
+    assert all(k["family"] == "moe_activation" and k["arch"] == "sm_90a" for k in picked)
+
+
+def test_splice_patch_holds_the_manifest_and_the_changed_cubins_only(built, tmp_path):
+    root, _ = built
+    splice = _splice_module()
+    source = read_manifest(root / "tiny")
+    first, second = [k["key"] for k in source["kernels"] if k["arch"] == "sm_90a"][:2]
+
+    def fake_compile(record):  # the first kernel "changes", the second compiles to what it was
+        cubin = (root / "tiny" / record["file"]).read_bytes()
+        return {"registers": 7}, cubin + b"\0" * (record["key"] == first)
+
+    out, patch = tmp_path / "tiny", tmp_path / "patch"
+    changes = splice.splice(root / "tiny", out, {"arch": "sm_90a"}, [first[:12], second[:12]], jobs=1, patch=patch,
+                            compile_fn=fake_compile)
+    assert sorted((key, old != new) for key, old, new in changes) == sorted([(first, True), (second, False)])
+    spliced = verify_bundle(out)  # sha256 and sizes recorded for the new cubin
+    assert {(k["key"], k["arch"]): k["registers"] for k in spliced["kernels"]}[first, "sm_90a"] == 7
+    files = sorted(p.relative_to(patch).as_posix() for p in patch.rglob("*") if p.is_file())
+    assert files == sorted(["manifest.json", next(k["file"] for k in source["kernels"]
+                                                  if k["key"] == first and k["arch"] == "sm_90a")])
+    rebuilt = tmp_path / "rebuilt"  # the GPU machine's way: the bundle, then the patch over it
+    shutil.copytree(root / "tiny", rebuilt)
+    for path in patch.rglob("*"):
+        if path.is_file():
+            target = rebuilt / path.relative_to(patch)
+            target.unlink()
+            shutil.copy(path, target)
+    assert verify_bundle(rebuilt)["kernels"] == spliced["kernels"]
