@@ -27,12 +27,13 @@ from pathlib import Path
 
 
 def _compile(record: dict) -> tuple[dict, bytes]:
-    """(manifest record, cubin) of the kernel `record` names, compiled from the sources as they are now."""
-    from cuteaot.codegen.build import _compile_job
+    """(manifest record, cubin) of the kernel `record` names, compiled from the sources `cuteaot` imports now (the
+    checkout the editable install points at)."""
+    from cuteaot.codegen.compile import compile_kernel
+    from cuteaot.runtime.keys import KernelKey
 
-    canonical = json.dumps({"family": record["family"], "version": record["version"], "facts": record["facts"]},
-                           sort_keys=True)
-    return _compile_job(canonical, record["arch"])
+    compiled = compile_kernel(KernelKey(record["family"], record["version"], record["facts"]), record["arch"])
+    return compiled.record, compiled.cubin
 
 
 def _where(assignments: list[str]) -> dict:

@@ -412,16 +412,15 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         for kk in cutlass.range_constexpr(s.k_blocks):
             self._wg_mma(acc, frag, t, pipe, kk, rows)
             last = kk + 1 == s.k_blocks
-            # the previous row's group is done: its A registers are free for the next decode,
-            # and after row 0 so is the previous tile's stage
+            # row kk - GROUPS_IN_FLIGHT's group is done: its A registers are free for the next decode
             I.wgmma_wait_group(0 if last and drain else GROUPS_IN_FLIGHT)
             if cutlass.const_expr(not last):
                 self._wg_decode(frag, words, t, kk + 1)  # row kk + 1, loaded a row ago
                 if cutlass.const_expr(kk + 2 < s.k_blocks):
                     self._wg_words(words, t, pipe, kk + 2)
-            # once the previous tile's last row is done (GROUPS_IN_FLIGHT rows into this one) its stage may
-            # be refilled: after the next row's decode, which then follows the wait directly (with the
-            # copies first the layer took 1.02-1.03x the time at 2048-4096 tokens, H100, docs/benchmarks.md)
+            # GROUPS_IN_FLIGHT rows into this k-tile the previous one's last row is done, so its stage may be
+            # refilled: after the next row's decode, which then follows the wait directly (with the copies
+            # first the layer took 1.02-1.03x the time at 2048-4096 tokens, H100, docs/benchmarks.md)
             if cutlass.const_expr(kk == GROUPS_IN_FLIGHT - 1):
                 fetch = tile_idx + Int32(s.stages - 1)
                 if fetch < k_tiles:
