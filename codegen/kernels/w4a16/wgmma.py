@@ -38,7 +38,7 @@ memory one row earlier, and loads row kk+2's; at the end of a cycle of stages it
 are refilled with cp.async as in the mma.sync loop, at row GROUPS_IN_FLIGHT - 1 of a k-tile
 (after that row's wait and the next row's decode); shared data written by
 cp.async is published to wgmma's async proxy with `fence.proxy.async` before the
-barrier that precedes its use.
+barrier that precedes its use, at a k-tile's last row between issuing its group and the wait.
 
 Gated FC1 (`Epilogue.SILU` / `SWIGLUOAI`): the first half of a tile's 64-column slabs is copied
 from the gate half of W13 and the second from the up half (`_source_slab`), so the staged output
@@ -422,16 +422,16 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 self._wg_decode(frag, words, t, kk + 1)  # row kk + 1, loaded a row ago
                 if cutlass.const_expr(kk + 2 < s.k_blocks):
                     self._wg_words(words, t, pipe, kk + 2)
-            # GROUPS_IN_FLIGHT rows into this k-tile the previous one's last row is done, so its stage may be
-            # refilled: after the next row's decode, which then follows the wait directly (with the copies
-            # first the layer took 1.02-1.03x the time at 2048-4096 tokens, H100, docs/benchmarks.md)
-            if cutlass.const_expr(kk == GROUPS_IN_FLIGHT - 1):
-                fetch = tile_idx + Int32(s.stages - 1)
-                if fetch < k_tiles:
-                    self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch, rows)
-                else:
-                    cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(last):
+                # GROUPS_IN_FLIGHT rows into this k-tile the previous one's last row is done, so its stage may
+                # be refilled: after the next row's decode, which then follows the wait directly (with the
+                # copies first the layer took 1.02-1.03x the time at 2048-4096 tokens, H100, docs/benchmarks.md)
+                if cutlass.const_expr(kk == GROUPS_IN_FLIGHT - 1):
+                    fetch = tile_idx + Int32(s.stages - 1)
+                    if fetch < k_tiles:
+                        self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch, rows)
+                    else:
+                        cute.arch.cp_async_commit_group()
+            else:
                 if cutlass.const_expr(drain):
                     if tile_idx + Int32(1) < k_tiles:
                         self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
