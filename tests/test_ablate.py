@@ -1,5 +1,6 @@
 """The GEMM tiles' ablation switch (codegen/kernels/w4a16/ablate.py; benchmarks/scripts/ablate_tile.sh): off in
-the tree, named consistently by the study script, and each part really taken out of both main loops."""
+the tree, named consistently by the study script, and each part really taken out of both main loops; the tile
+trace (benchmarks/tile_trace.py) off in the tree too."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_ablate_is_off_in_the_tree_and_the_script_names_known_parts():
     from cuteaot.codegen.kernels.w4a16 import ablate  # no CuTeDSL: the switch module imports nothing
 
     assert ablate.ABLATE == frozenset() and ablate.active() == frozenset()
+    assert "TRACE = False" in source.splitlines() and ablate.TRACE is False  # no tile records in a served bundle
     for parts in default[1].split():
         assert parts == "none" or set(parts.split("+")) <= ablate.PARTS, parts
 

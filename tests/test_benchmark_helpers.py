@@ -222,3 +222,27 @@ def test_every_name_a_benchmark_tool_imports_from_the_project_exists():
                 except ImportError:
                     missing.append(f"{path.name}:{line}: {module}.{name}")
     assert not missing, missing
+
+
+def test_tile_trace_tells_lockstep_from_alternating_main_loops():
+    from benchmarks.tile_trace import analyse
+    from cuteaot.codegen.kernels.w4a16 import ablate
+
+    r = torch.zeros(ablate.TRACE_CTAS, ablate.TRACE_TILES, ablate.TRACE_SLOTS, 2, dtype=torch.int64)
+    # tiles of 100 cycles (prologue 10, main loop 70, epilogue 20); SM 0's two CTAs together, SM 1's half a tile
+    # apart
+    for cta, offset in ((0, 0), (1, 0), (2, 0), (3, 50)):
+        for i in range(10):
+            t0 = 1000 + 100 * i + offset
+            r[cta, i, 0, 0] = cta // 2
+            for point, t in enumerate((t0, t0 + 10, t0 + 80, t0 + 100)):
+                r[cta, i, point + 1] = torch.tensor([7, t])
+    lockstep = analyse(r[:2])
+    assert lockstep["sms"] == 1 and lockstep["tiles"] == 20 and lockstep["offset_per_tile"] == 0.0
+    assert lockstep["sm_time_with_loops"]["0"] == pytest.approx(0.3) and lockstep["sm_time_with_loops"]["1"] == 0
+    assert lockstep["cta_time"] == {"prologue": 0.1, "main loop": 0.7, "epilogue": 0.2, "between tiles": 0.0}
+    alternating = analyse(r[2:4])  # no main loop only before CTA 3's first and after CTA 3's last
+    assert alternating["sm_time_with_loops"]["0"] == pytest.approx(30 / 1050) and alternating["offset_per_tile"] == 0.5
+    r[3, 0] = 0  # a tile the CTA skipped (its expert out of range) has no record; the SM is read from the next
+    assert analyse(r[2:4])["tiles"] == 19 and analyse(r[2:4])["sms"] == 1
+    assert analyse(torch.zeros_like(r)) == {}

@@ -11,12 +11,24 @@ place what each one costs the layer:
 
 Any part out makes the outputs wrong.  Read while compiling and not a key fact: set it only to build a
 separate bundle for that study, never a served one (tests/test_ablate.py checks that it is empty here).
+
+TRACE (benchmarks/tile_trace.py) leaves the tiles whole and records when each part of every warpgroup-MMA tile
+runs: thread 0 of a CTA stores (%smid, %nsmid) and then (%globaltimer, %clock64) at the tile's start, once its
+routes are staged (the main loop's prologue follows), after the main loop and after the store, into record
+n (its n-th scheduled tile) of its CTA in c_tmp from TRACE_OFFSET on.  Launches whose tiles multiply by the
+router weight (FC2) write the second half of the records.  The benchmark gives the layer a c_tmp that large;
+like ABLATE, off in the tree (the test checks it).
 """
 
 from __future__ import annotations
 
 ABLATE: frozenset[str] = frozenset()
 PARTS = frozenset({"copy", "sync", "decode", "epilogue"})
+TRACE = False
+TRACE_OFFSET = 64 << 20  # bytes into c_tmp: past the split-K partials of any traced launch
+TRACE_CTAS = 1024  # CTA records a phase
+TRACE_TILES = 128  # tile records a CTA (later tiles are not recorded)
+TRACE_SLOTS = 5  # 16-byte slots a tile record: (smid, nsmid), then (globaltimer, clock64) at the four points
 CONSTANT_FRAGMENT = 0x3C003C00  # "decode": every weight register of both loops holds the bf16 pair (2^-7, 2^-7)
 
 

@@ -133,6 +133,7 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
         n_tile = Int32(0)
         if iters == Int32(0) and full_grid_mn_iters == Int32(0):
             has_work = Int32(0)
+        scheduled = Int32(0)  # ablate.TRACE: this CTA's tiles so far (the record a tile writes)
 
         while has_work != Int32(0):
             k_count = Int32(0)
@@ -198,12 +199,13 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
                 if expert >= Int32(0) and expert < ops.num_experts:
                     if cutlass.const_expr(self.direct):  # (the wgmma loops serve packed routes only)
                         self._tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, reduce_k_tile, k_count,
-                                   slice_count, slice_idx, lock_slot, pair)
+                                   slice_count, slice_idx, lock_slot, pair, record=scheduled)
                     else:
                         self._tile(ops, smem, tid, tokens, route_block, expert, route, n_tile, reduce_k_tile,
-                                   k_count, slice_count, slice_idx, lock_slot)
+                                   k_count, slice_count, slice_idx, lock_slot, record=scheduled)
 
             if has_work != Int32(0):
+                scheduled += Int32(1)
                 if in_tail == Int32(0):
                     work_mn_tile += grid_x
                 else:
@@ -555,11 +557,12 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
     @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
               n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32,
-              pair=None, before_epilogue=None):
+              pair=None, before_epilogue=None, record=None):
         """One output tile over k-tiles [k_start, k_start + k_count): main loop, fold, split-K merge, epilogue.
 
         `before_epilogue` (the micro kernel: its first FC2 loads): called once the main loop is done, before the
-        accumulators are folded and stored; _tile returns what it returns."""
+        accumulators are folded and stored; _tile returns what it returns.  `record`: the tile's number in
+        this CTA's schedule (ablate.TRACE, which only the warpgroup-MMA tile records)."""
         s = self.s
         scale_index = Int64(expert)
         if cutlass.const_expr(bool(s.split_global_scale) and s.epilogue.is_gated):
@@ -657,6 +660,20 @@ class W4A16GemmKernel(MainloopMixin, EpilogueMixin):
             total = total + v
         if total == Float32(-1.0e38):
             I.st_global_v4_f32(ops.c_tmp + Int64(tid) * Int64(16), total, total, total, total)
+
+    @cute.jit
+    def _trace(self, ops, tid: Int32, record: Int32, point: cutlass.Constexpr[int]):
+        """ablate.TRACE: thread 0 stores both clocks at `point` (0-3) of tile record `record`, and at point 0
+        its SM."""
+        if cutlass.const_expr(ablate.TRACE):
+            if tid == Int32(0) and record < Int32(ablate.TRACE_TILES):
+                cta, _, _ = cute.arch.block_idx()
+                phase = 1 if self.s.mul_topk_weights else 0
+                index = (Int64(phase * ablate.TRACE_CTAS) + Int64(cta)) * Int64(ablate.TRACE_TILES) + Int64(record)
+                at = ops.c_tmp + Int64(ablate.TRACE_OFFSET) + index * Int64(16 * ablate.TRACE_SLOTS)
+                if cutlass.const_expr(point == 0):
+                    I.st_global_v2_i64(at, *I.read_sm_ids())
+                I.st_global_v2_i64(at + Int64(16 * (point + 1)), *I.read_timers())
 
     @cute.jit
     def _stamp(self, ops, tid: Int32, event: cutlass.Constexpr[int]):

@@ -583,15 +583,19 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
 
     @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
-              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32,
+              record=None):
+        self._trace(ops, tid, record, 0)
         scale_index = Int64(expert)
         if cutlass.const_expr(self.s.split_global_scale):  # (E, 2): [gate, up], by this warp's slab's half
             scale_index = self._split_scale_index(expert, self._source_slab(n_tile, self._column_group(tid)))
         global_scale = I.ld_global_nc_f32(ops.global_scale + scale_index * Int64(4))
         valid_rows = self._read_block(ops, smem, tid, route_block, route, tokens)
+        self._trace(ops, tid, record, 1)
         acc = cute.make_rmem_tensor((self.nw, self.acc_n), Float32)
         acc.fill(0.0)
         self._wg_mainloop_for_rows(ops, smem, tid, expert, n_tile, valid_rows, acc, k_start, k_count)
+        self._trace(ops, tid, record, 2)
         t = self._wg_plan(ops, smem, tid, expert, n_tile, valid_rows)
         if slice_count > Int32(1):
             self._wg_merge_split_k(ops, acc, tid, lock_slot, slice_idx, slice_count)
@@ -599,6 +603,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
             self._keep_alive(ops, tid, [acc[jj, i] for jj in range(self.nw) for i in range(self.acc_n)])
         elif slice_idx == slice_count - Int32(1):
             self._wg_store(ops, acc, smem, t, tid, n_tile, valid_rows, global_scale, self._bias_row(ops, expert))
+        self._trace(ops, tid, record, 3)
 
 
 def gemm_kernel(spec, timeline_slot: int | None = None, shared_routes: bool = False) -> W4A16GemmKernel:

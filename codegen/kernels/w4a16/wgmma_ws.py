@@ -114,7 +114,8 @@ class W4A16WgmmaWsGemmKernel(W4A16WgmmaGemmKernel):
 
     @cute.jit
     def _tile(self, ops, smem: Int32, tid: Int32, tokens: Int32, route_block: Int32, expert: Int32, route: Int32,
-              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32):
+              n_tile: Int32, k_start: Int32, k_count: Int32, slice_count: Int32, slice_idx: Int32, lock_slot: Int32,
+              record=None):
         if cutlass.const_expr(self.producing):
             self._produce_tile(ops, smem, tid - Int32(self.compute), tokens, route_block, expert, n_tile, k_start,
                                k_count)
