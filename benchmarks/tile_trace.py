@@ -35,13 +35,15 @@ from cuteaot.codegen.kernels.w4a16 import ablate  # the switch module imports no
 PHASES = ("fc1", "fc2")
 
 
-def _traced_workspace(layer) -> torch.Tensor:
+def _traced_workspace(layer, m: int) -> torch.Tensor:
     """Give the layer's workspace a c_tmp with room for the records; return the records' int64 view
     (phase, CTA, tile, slot, 2)."""
     ws = layer.workspace()
-    assert ws.c_tmp.numel() * 4 <= ablate.TRACE_OFFSET, "the split-K partials would reach the records"
+    used = layer.resolve(m).launch.sizes.get("c_tmp_floats", 0)  # what an m-token call's partials take
+    assert used * 4 <= ablate.TRACE_OFFSET, "the split-K partials would reach the records"
     record_bytes = 2 * ablate.TRACE_CTAS * ablate.TRACE_TILES * 16 * ablate.TRACE_SLOTS
-    c_tmp = torch.zeros((ablate.TRACE_OFFSET + record_bytes) // 4, dtype=torch.float32, device=ws.c_tmp.device)
+    floats = max(ws.c_tmp.numel(), (ablate.TRACE_OFFSET + record_bytes) // 4)
+    c_tmp = torch.zeros(floats, dtype=torch.float32, device=ws.c_tmp.device)
     ws.c_tmp, ws.c_tmp_address = c_tmp, c_tmp.data_ptr()
     layer._prepared.clear()  # fused launches packed the old address
     return c_tmp[ablate.TRACE_OFFSET // 4:].view(torch.int64).view(
@@ -63,11 +65,14 @@ def _levels(intervals: list[tuple[int, int]], start: int, stop: int) -> list[int
 def analyse(r: torch.Tensor) -> dict:
     """One launch's records (CTA, tile, slot, 2) -> per-level shares, per-part shares, CTA offsets."""
     by_sm: dict[int, list[list[tuple[int, int, int, int]]]] = {}
+    spans = []
     for records in r.tolist():
         recorded = [rec for rec in records if rec[1][1] != 0]
         if recorded:
             tiles = [tuple(slot[1] for slot in rec[1:]) for rec in recorded]
             by_sm.setdefault(recorded[0][0][0], []).append(tiles)
+            # %globaltimer (ns, one clock for the GPU) and the SM's clock at the CTA's first start, last end
+            spans.append((recorded[0][1][0], recorded[-1][4][0], recorded[0][1][1], recorded[-1][4][1]))
     if not by_sm:
         return {}
     levels = [0, 0, 0]
@@ -94,6 +99,8 @@ def analyse(r: torch.Tensor) -> dict:
     total = sum(parts.values())
     span = sum(levels)
     return {
+        "span_us": (max(b for _, b, _, _ in spans) - min(a for a, _, _, _ in spans)) / 1e3,
+        "sm_ghz": statistics.median((d - c) / (b - a) for a, b, c, d in spans if b > a),
         "sms": len(by_sm), "ctas_per_sm": sorted(set(ctas_per_sm)), "tiles": len(tile_cycles),
         "median_tile_cycles": tile,
         "sm_time_with_loops": {str(i): levels[i] / span for i in range(3)},
@@ -126,8 +133,8 @@ def main(argv=None) -> int:
         for m in args.m:
             x, w, ids = uniform_routing(m, f["hidden_size"], f["num_experts"], f["top_k"], g)
             out = torch.empty_like(x)
-            layer(x, w, ids, out=out)  # workspace and prepared launches exist
-            records = _traced_workspace(layer)
+            records = _traced_workspace(layer, m)  # before any call: a traced launch writes past a plain c_tmp
+            layer(x, w, ids, out=out)
             reps = []
             for _ in range(args.reps):
                 flush()
@@ -146,7 +153,8 @@ def main(argv=None) -> int:
                         continue
                     lv = a["sm_time_with_loops"]
                     ct = a["cta_time"]
-                    print(f"  {phase} rep {i}: {a['sms']} SMs x {a['ctas_per_sm']} CTAs, {a['tiles']} tiles, "
+                    print(f"  {phase} rep {i}: {a['span_us']:.1f} us from the first tile's start to the last's end, "
+                          f"SMs at {a['sm_ghz']:.2f} GHz; {a['sms']} SMs x {a['ctas_per_sm']} CTAs, {a['tiles']} tiles, "
                           f"median tile {a['median_tile_cycles'] / 1e3:.1f} kcycles; SM time with 0 / 1 / 2 main "
                           f"loops {lv['0']:.3f} / {lv['1']:.3f} / {lv['2']:.3f}; CTA time prologue "
                           f"{ct['prologue']:.3f}, loop {ct['main loop']:.3f}, epilogue {ct['epilogue']:.3f}, "

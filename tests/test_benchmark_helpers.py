@@ -236,9 +236,10 @@ def test_tile_trace_tells_lockstep_from_alternating_main_loops():
             t0 = 1000 + 100 * i + offset
             r[cta, i, 0, 0] = cta // 2
             for point, t in enumerate((t0, t0 + 10, t0 + 80, t0 + 100)):
-                r[cta, i, point + 1] = torch.tensor([7, t])
+                r[cta, i, point + 1] = torch.tensor([t, 2 * t])  # (ns, cycles): SMs at 2 GHz
     lockstep = analyse(r[:2])
     assert lockstep["sms"] == 1 and lockstep["tiles"] == 20 and lockstep["offset_per_tile"] == 0.0
+    assert lockstep["sm_ghz"] == 2.0 and lockstep["span_us"] == 1.0 and lockstep["median_tile_cycles"] == 200
     assert lockstep["sm_time_with_loops"]["0"] == pytest.approx(0.3) and lockstep["sm_time_with_loops"]["1"] == 0
     assert lockstep["cta_time"] == {"prologue": 0.1, "main loop": 0.7, "epilogue": 0.2, "between tiles": 0.0}
     alternating = analyse(r[2:4])  # no main loop only before CTA 3's first and after CTA 3's last
