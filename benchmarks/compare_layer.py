@@ -52,6 +52,20 @@ def _layer(bundle, facts, w13, w2):
                     swiglu_limit=facts.get("swiglu_limit"), fast_math=facts.get("fast_math", True))
 
 
+def random_layers(bundle, models=None):
+    """(name, facts, layer, generator) for each packed-NVFP4 layer of the bundle's table (those named in `models`
+    when given), on random weights from the generator seeded by the name; the layer is freed after its turn."""
+    for name, facts in sorted(_problems(bundle).items()):
+        if models and name not in models:
+            continue
+        g = torch.Generator(device="cuda").manual_seed(len(name))
+        q13, q2 = random_layer_weights(facts, g)
+        layer = _layer(bundle, facts, *_prepared(facts, q13, q2, "nvfp4"))
+        yield name, facts, layer, g
+        del layer
+        torch.cuda.empty_cache()
+
+
 def reference_params(facts: dict) -> dict:
     """moe_reference's swiglu alpha / beta / limit for a layer's facts: swigluoai's defaults where the facts
     leave them unset, as the layer does."""

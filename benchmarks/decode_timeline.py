@@ -29,7 +29,7 @@ import statistics
 import torch
 
 from benchmarks.common import FlushedTimer, comma_list, uniform_routing
-from benchmarks.compare_layer import _layer, _prepared, _problems, random_layer_weights
+from benchmarks.compare_layer import random_layers
 
 EVENTS = ("entry", "waited", "fc1 routes", "fc1 stage0", "fc1 loop", "fc1 stored", "barrier", "fc2 routes",
           "fc2 stage0", "fc2 loop", "fc2 stored", "exit")
@@ -98,12 +98,7 @@ def main(argv=None) -> int:
     bundle = load_bundle(args.bundle)
     timer = FlushedTimer()
     rows = []
-    for name, f in sorted(_problems(bundle).items()):
-        if args.models and name not in args.models:
-            continue
-        g = torch.Generator(device="cuda").manual_seed(len(name))
-        q13, q2 = random_layer_weights(f, g)
-        layer = _layer(bundle, f, *_prepared(f, q13, q2, "nvfp4"))
+    for name, f, layer, g in random_layers(bundle, args.models):
         for m in args.m:
             resolved = layer.resolve(m)
             spec = resolved.kernels.get("fused")
@@ -125,8 +120,6 @@ def main(argv=None) -> int:
             print("| event | CTAs | median us | max us |\n| --- | ---: | ---: | ---: |")
             for e in EVENTS:
                 print(f"| {e} | {ev[e]['ctas']} | {ev[e]['median']:.2f} | {ev[e]['max']:.2f} |")
-        del layer
-        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

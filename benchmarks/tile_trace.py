@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
 from benchmarks.common import FlushedTimer, comma_list, uniform_routing
-from benchmarks.compare_layer import _layer, _prepared, _problems, random_layer_weights
+from benchmarks.compare_layer import random_layers
 from cuteaot.codegen.kernels.w4a16 import ablate  # the switch module imports nothing (no CuTeDSL)
 
 PHASES = ("fc1", "fc2")
@@ -124,12 +125,7 @@ def main(argv=None) -> int:
     bundle = load_bundle(args.bundle)
     flush = FlushedTimer().flush
     rows = []
-    for name, f in sorted(_problems(bundle).items()):
-        if args.models and name not in args.models:
-            continue
-        g = torch.Generator(device="cuda").manual_seed(len(name))
-        q13, q2 = random_layer_weights(f, g)
-        layer = _layer(bundle, f, *_prepared(f, q13, q2, "nvfp4"))
+    for name, f, layer, g in random_layers(bundle, args.models):
         for m in args.m:
             x, w, ids = uniform_routing(m, f["hidden_size"], f["num_experts"], f["top_k"], g)
             out = torch.empty_like(x)
@@ -161,11 +157,8 @@ def main(argv=None) -> int:
                           f"between {ct['between tiles']:.3f}; start offset / tile median "
                           f"{a['offset_per_tile'] if a['offset_per_tile'] is None else round(a['offset_per_tile'], 3)}"
                           f" (quartiles {a['offset_quartiles']})")
-        del layer
-        torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 
