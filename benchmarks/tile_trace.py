@@ -13,7 +13,7 @@ four clocks per tile (read while compiling, so it is set in the source for that 
 
 (on the GPU machine, copy `generated/moe-models` and the patch over it, as for any spliced bundle).  The layer's
 c_tmp is swapped for one that holds the records past `ablate.TRACE_OFFSET`; each rep flushes L2, zeroes them
-and calls the layer eagerly.  Printed per launch (FC1; FC2, whose tiles multiply by the router weight): the
+and calls the layer eagerly.  Printed per launch (FC1 and FC2): its span and the SMs' clock, the
 share of the SMs' time (each SM's clock64 from its first tile's start to its last tile's end) with 0, 1 and 2
 CTAs in a main loop; each CTA's time in prologue, main loop, epilogue and between tiles; and how far apart the
 two CTAs of an SM start the same tile number, as a share of the median tile (0: in lockstep, 0.5: alternating).
@@ -34,6 +34,12 @@ from benchmarks.compare_layer import random_layers
 from cuteaot.codegen.kernels.w4a16 import ablate  # the switch module imports nothing (no CuTeDSL)
 
 PHASES = ("fc1", "fc2")
+
+
+def record_phases(facts: dict) -> tuple[str, str]:
+    """The GEMMs whose records fill the first and the second half: the second is the launch whose tiles multiply
+    by the router weight (`ablate.TRACE`), FC2 unless the layer applies it to FC1's input."""
+    return ("fc2", "fc1") if facts.get("router_weight_on_input") else PHASES
 
 
 def _traced_workspace(layer, m: int) -> torch.Tensor:
@@ -97,6 +103,7 @@ def analyse(r: torch.Tensor) -> dict:
             a, b = ctas
             offsets += [abs(a[j][1] - b[j][1]) for j in range(1, min(len(a), len(b)))]  # tile 0 starts together
     tile = statistics.median(tile_cycles)
+    shares = sorted(o / tile for o in offsets)
     total = sum(parts.values())
     span = sum(levels)
     return {
@@ -106,9 +113,8 @@ def analyse(r: torch.Tensor) -> dict:
         "median_tile_cycles": tile,
         "sm_time_with_loops": {str(i): levels[i] / span for i in range(3)},
         "cta_time": {k: v / total for k, v in parts.items()},
-        "offset_per_tile": statistics.median([o / tile for o in offsets]) if offsets else None,
-        "offset_quartiles": ([o / tile for o in sorted(offsets)][len(offsets) // 4],
-                             [o / tile for o in sorted(offsets)][3 * len(offsets) // 4]) if offsets else None,
+        "offset_per_tile": statistics.median(shares) if shares else None,
+        "offset_quartiles": (shares[len(shares) // 4], shares[3 * len(shares) // 4]) if shares else None,
     }
 
 
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
                 layer(x, w, ids, out=out)
                 torch.cuda.synchronize()
                 r = records.cpu()
-                reps.append({phase: analyse(r[i]) for i, phase in enumerate(PHASES)})
+                reps.append({phase: analyse(r[i]) for i, phase in enumerate(record_phases(f))})
             row = {"model": name, "M": m, "plan": layer.resolve(m).describe(), "reps": reps}
             rows.append(row)
             print(f"\n{name} M={m}  {row['plan']}")

@@ -225,7 +225,7 @@ def test_every_name_a_benchmark_tool_imports_from_the_project_exists():
 
 
 def test_tile_trace_tells_lockstep_from_alternating_main_loops():
-    from benchmarks.tile_trace import analyse
+    from benchmarks.tile_trace import analyse, record_phases
     from cuteaot.codegen.kernels.w4a16 import ablate
 
     r = torch.zeros(ablate.TRACE_CTAS, ablate.TRACE_TILES, ablate.TRACE_SLOTS, 2, dtype=torch.int64)
@@ -247,3 +247,6 @@ def test_tile_trace_tells_lockstep_from_alternating_main_loops():
     r[3, 0] = 0  # a tile the CTA skipped (its expert out of range) has no record; the SM is read from the next
     assert analyse(r[2:4])["tiles"] == 19 and analyse(r[2:4])["sms"] == 1
     assert analyse(torch.zeros_like(r)) == {}
+    # the second half of the records is the launch that multiplies by the router weight
+    assert record_phases({"router_weight_on_input": False}) == ("fc1", "fc2")
+    assert record_phases({"router_weight_on_input": True}) == ("fc2", "fc1")

@@ -16,8 +16,8 @@ TRACE (benchmarks/tile_trace.py) leaves the tiles whole and records when each pa
 runs: thread 0 of a CTA stores (%smid, %nsmid) and then (%globaltimer, %clock64) at the tile's start, once its
 routes are staged (the main loop's prologue follows), after the main loop and after the store, into record
 n (its n-th scheduled tile) of its CTA in c_tmp from TRACE_OFFSET on.  Launches whose tiles multiply by the
-router weight (FC2) write the second half of the records.  The benchmark gives the layer a c_tmp that large;
-like ABLATE, off in the tree (the test checks it).
+router weight (FC2, or FC1 where the layer applies it to the input) write the second half of the records.  The
+benchmark gives the layer a c_tmp that large; like ABLATE, off in the tree (the test checks it).
 """
 
 from __future__ import annotations
