@@ -99,6 +99,13 @@ ROW_STEPS = {WGMMA_TALL_BLOCK: 32, WGMMA_WIDE_BLOCK: 64}
 # wgmma groups (16-k rows) left running while the next row's fragments decode: 1 holds two
 # fragment sets in registers, 2 three (more time for the decode to hide behind the tensor cores).
 GROUPS_IN_FLIGHT = 2
+# Route blocks (moe_block_size) whose drained k-tiles (the last of each straight-line cycle) decode the next
+# k-tile's first row before their wait_group 0, while its last two groups run, instead of after it with the
+# tensor pipe idle.  A/B on the H100 (compare_layer, identical operands, docs/benchmarks.md thirty-seventh
+# section), every wgmma kernel changed: 0.986-0.991x the layer at 4096 tokens and 0.990-0.996x at 2048 (128-row
+# blocks), 0.997-1.003x at 256-1024 (16- to 64-row blocks), but 1.12-1.18x where 48-row blocks run (Qwen3-30B
+# at 512, gpt-oss-120b at 1024); so the blocks where it won.
+EARLY_TILE_START_BLOCKS = frozenset({WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK})
 
 
 class W4A16WgmmaGemmKernel(W4A16GemmKernel):
@@ -118,6 +125,7 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # the main loop's wgmma N by valid rows: the narrowest of these that covers them
         step = ROW_STEPS.get(spec.moe_block_size, spec.moe_block_size)
         self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
+        self.early_tile_start = spec.moe_block_size in EARLY_TILE_START_BLOCKS
 
     # ------------------------------------------------------------------ addressing
 
@@ -416,6 +424,11 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                 # the next stage's copies, proxy fence and barrier while this row's MMAs run, not after
                 # the wait: 0.965-0.994x the layer at 2048-16384 tokens (H100, docs/benchmarks.md)
                 self._wg_publish(s.stages - 2)
+                if cutlass.const_expr(drain and self.early_tile_start):
+                    # the next k-tile's row 0 decodes while this k-tile's last groups run, as every other
+                    # row's does, instead of after the drain.  Unconditional, so no branch joins while groups
+                    # run: past the last k-tile it reads a stage nothing refilled, and nothing uses the result.
+                    self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
             # row kk - GROUPS_IN_FLIGHT's group is done: its A registers are free for the next decode
             I.wgmma_wait_group(0 if last and drain else GROUPS_IN_FLIGHT)
             if cutlass.const_expr(not last):
@@ -433,8 +446,9 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                         cute.arch.cp_async_commit_group()
             else:
                 if cutlass.const_expr(drain):
-                    if tile_idx + Int32(1) < k_tiles:
-                        self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
+                    if cutlass.const_expr(not self.early_tile_start):
+                        if tile_idx + Int32(1) < k_tiles:
+                            self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
                 else:
                     self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
 
@@ -446,7 +460,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         (the back-edge of a cycle, the per-tile branches of the remainder), the loop-carried
         fragments may move to other registers and the old ones be reused by the next decode
         while a running wgmma still reads them: the H200 showed sporadic inf rows.  So each
-        cycle and each remainder tile ends drained (wait_group 0).
+        cycle and each remainder tile ends drained (wait_group 0); with 128- and 256-row blocks the next
+        k-tile's first row decodes just before that wait, while the last groups run (EARLY_TILE_START_BLOCKS).
         """
         s = self.s
         for pipe in cutlass.range_constexpr(s.stages - 1):
