@@ -171,7 +171,7 @@ WGMMA_REGISTERS_SM90 = {(16, 256): 178, (16, 128): 111, (32, 256): 188, (32, 128
 # (packed: one and a half), so its tiles are 128 wide (the 256-wide tile's four blocks spilled).  The short
 # blocks' counts are ptxas's at 4 / 4 / 3 CTAs an SM, the gated FC1 epilogue's or the plain one's, whichever is
 # more (the 48-row block spills 32-40 B at 4).
-WGMMA_REGISTERS_SM90_MODELOPT = {(16, 128): 113, (32, 128): 128, (48, 128): 152, (64, 128): 173, (128, 128): 254,
+WGMMA_REGISTERS_SM90_MODELOPT = {(16, 128): 113, (32, 128): 128, (48, 128): 152, (64, 128): 173, (128, 128): 252,
                                  (256, 128): 226}
 # 16-, 32- and 48-row route blocks (WGMMA_SHORT_BLOCKS, wgmma N = the block) take the wgmma loop on
 # sm_90a too, on 128-wide tiles.  A/B on the H200 against the mma.sync loop (benchmarks/compare_layer.py,

@@ -104,7 +104,8 @@ GROUPS_IN_FLIGHT = 2
 # tensor pipe idle.  A/B on the H100 (compare_layer, identical operands, docs/benchmarks.md thirty-seventh
 # section), every wgmma kernel changed: 0.986-0.991x the layer at 4096 tokens and 0.990-0.996x at 2048 (128-row
 # blocks), 0.997-1.003x at 256-1024 (16- to 64-row blocks), but 1.12-1.18x where 48-row blocks run (Qwen3-30B
-# at 512, gpt-oss-120b at 1024); so the blocks where it won.
+# at 512, gpt-oss-120b at 1024); so the blocks where it won, packed layout only (NVFP4 read as stored was not
+# measured with it).
 EARLY_TILE_START_BLOCKS = frozenset({WGMMA_TALL_BLOCK, WGMMA_WIDE_BLOCK})
 
 
@@ -125,7 +126,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # the main loop's wgmma N by valid rows: the narrowest of these that covers them
         step = ROW_STEPS.get(spec.moe_block_size, spec.moe_block_size)
         self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
-        self.early_tile_start = spec.moe_block_size in EARLY_TILE_START_BLOCKS
+        # (the packed layout: the stored one's 128/256-row kernels were not measured with it)
+        self.early_tile_start = spec.moe_block_size in EARLY_TILE_START_BLOCKS and not spec.modelopt
 
     # ------------------------------------------------------------------ addressing
 
