@@ -126,7 +126,6 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         # the main loop's wgmma N by valid rows: the narrowest of these that covers them
         step = ROW_STEPS.get(spec.moe_block_size, spec.moe_block_size)
         self.row_variants = tuple(range(step, spec.moe_block_size + 1, step))
-        # (the packed layout: the stored one's 128/256-row kernels were not measured with it)
         self.early_tile_start = spec.moe_block_size in EARLY_TILE_START_BLOCKS and not spec.modelopt
 
     # ------------------------------------------------------------------ addressing
@@ -446,12 +445,10 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
                         self._wg_stage(ops, t, (pipe + s.stages - 1) % s.stages, k_start + fetch, rows)
                     else:
                         cute.arch.cp_async_commit_group()
-            else:
-                if cutlass.const_expr(drain):
-                    if cutlass.const_expr(not self.early_tile_start):
-                        if tile_idx + Int32(1) < k_tiles:
-                            self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
-                else:
+            elif cutlass.const_expr(not drain):
+                self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
+            elif cutlass.const_expr(not self.early_tile_start):  # (otherwise decoded before the wait, above)
+                if tile_idx + Int32(1) < k_tiles:
                     self._wg_tile_start(frag, words, t, (pipe + 1) % s.stages)
 
     @cute.jit
@@ -462,8 +459,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         (the back-edge of a cycle, the per-tile branches of the remainder), the loop-carried
         fragments may move to other registers and the old ones be reused by the next decode
         while a running wgmma still reads them: the H200 showed sporadic inf rows.  So each
-        cycle and each remainder tile ends drained (wait_group 0); with 128- and 256-row blocks the next
-        k-tile's first row decodes just before that wait, while the last groups run (EARLY_TILE_START_BLOCKS).
+        cycle and each remainder tile ends drained (wait_group 0); with packed 128- and 256-row blocks the
+        next k-tile's first row decodes just before that wait, while the last groups run (EARLY_TILE_START_BLOCKS).
         """
         s = self.s
         for pipe in cutlass.range_constexpr(s.stages - 1):
