@@ -10,6 +10,10 @@ cuModuleLoadData and launches them raw.  Every variant runs the packed 8-row GEM
 tile) through shared memory, `stages` deep, touching one word per thread per stage:
 
 * cp16: every thread issues 16-byte `cp.async`s, `cp.async.wait_group` + bar.sync per stage;
+* cp16 + proxy fence: the same with `fence.proxy.async.shared::cta` between the wait and the
+  barrier, as the wgmma loop publishes a stage to the tensor cores (`_wg_publish`).  ptxas lowers
+  that fence to `MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S`: if the membar also waited for the thread's
+  copies still in flight, the stream would fall to about one stage in flight;
 * bulk: `cp.async.bulk` of 1 KB rows (or the whole 4 KB) issued by 4 (1) threads,
   completion counted on one mbarrier per stage.
 
@@ -27,12 +31,14 @@ import os
 STAGE = 4096  # bytes per stage
 THREADS = 128
 CTAS_PER_SM = 4
-VARIANTS = {  # name: (mode, stages, bulk copies per stage)
-    "cp16 4 stages": ("cp16", 4, 0),
-    "cp16 8 stages": ("cp16", 8, 0),
-    "bulk 4 stages 4x1K": ("bulk", 4, 4),
-    "bulk 8 stages 4x1K": ("bulk", 8, 4),
-    "bulk 4 stages 1x4K": ("bulk", 4, 1),
+VARIANTS = {  # name: (mode, stages, bulk copies per stage, proxy fence after each wait)
+    "cp16 4 stages": ("cp16", 4, 0, False),
+    "cp16 4 stages + proxy fence": ("cp16", 4, 0, True),
+    "cp16 8 stages": ("cp16", 8, 0, False),
+    "cp16 8 stages + proxy fence": ("cp16", 8, 0, True),
+    "bulk 4 stages 4x1K": ("bulk", 4, 4, False),
+    "bulk 8 stages 4x1K": ("bulk", 8, 4, False),
+    "bulk 4 stages 1x4K": ("bulk", 4, 1, False),
 }
 
 
@@ -50,8 +56,8 @@ def build(out: str) -> None:
     from cuteaot.codegen import intrinsics as I
 
     class StreamKernel:
-        def __init__(self, mode: str, stages: int, copies: int):
-            self.mode, self.stages, self.copies = mode, stages, copies
+        def __init__(self, mode: str, stages: int, copies: int, fence: bool):
+            self.mode, self.stages, self.copies, self.fence = mode, stages, copies, fence
 
         @cute.jit
         def __call__(self, src: cute.Pointer, sink: cute.Pointer, iters: Int32, stream):
@@ -99,6 +105,8 @@ def build(out: str) -> None:
                     if it < iters:
                         if cutlass.const_expr(self.mode == "cp16"):
                             cute.arch.cp_async_wait_group(self.stages - 2)
+                            if cutlass.const_expr(self.fence):
+                                I.fence_proxy_async_shared()
                         else:
                             I.mbarrier_wait_parity(bars + Int32(8 * p), (it // Int32(self.stages)) & Int32(1))
                         cute.arch.sync_threads()  # data visible to all; buffer p - 1 free to refill
@@ -115,9 +123,9 @@ def build(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     ptr = make_ptr(cutlass.Uint8, 16, cute.AddressSpace.gmem, assumed_align=16)
     index = {}
-    for name, (mode, stages, copies) in VARIANTS.items():
+    for name, (mode, stages, copies, fence) in VARIANTS.items():
         with tempfile.TemporaryDirectory() as d:
-            cute.compile(StreamKernel(mode, stages, copies), ptr, ptr, Int32(1), make_fake_stream(),
+            cute.compile(StreamKernel(mode, stages, copies, fence), ptr, ptr, Int32(1), make_fake_stream(),
                          options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {d}")
             ptx = open(glob.glob(f"{d}/**/*.ptx", recursive=True)[0]).read()
             file = name.replace(" ", "_") + ".cubin"
