@@ -58,7 +58,8 @@ def test_each_part_taken_out_leaves_its_instructions_out(monkeypatch, tokens, mm
     with pytest.raises(AssertionError, match="unknown parts"):
         gemm_kernel(spec)
     ops = {}
-    for parts in (frozenset(), ablate.PARTS):
+    sets = (frozenset(), ablate.PARTS) + ((frozenset({"fence"}),) if mma == "HGMMA" else ())
+    for parts in sets:
         monkeypatch.setattr(ablate, "ABLATE", parts)
         ops[parts] = _sass_ops(compile_kernel(spec.key(), "sm_90a").cubin)
     full, bare = ops[frozenset()], ops[ablate.PARTS]
@@ -66,3 +67,7 @@ def test_each_part_taken_out_leaves_its_instructions_out(monkeypatch, tokens, mm
     assert "LDGSTS" not in bare and "HMUL2" not in bare  # copy, decode
     assert bare["STG"] < full["STG"] and "STSM" not in bare  # epilogue (split-K partials are still stored)
     assert bare[mma] == full[mma]  # the MMAs stay
+    if mma == "HGMMA":  # fence alone: the wgmma loop's proxy fences go, its waits and barriers stay
+        fenceless = ops[frozenset({"fence"})]
+        assert full["FENCE"] > fenceless.get("FENCE", 0) and fenceless["BAR"] == full["BAR"]
+        assert fenceless["LDGSTS"] == full["LDGSTS"] and fenceless[mma] == full[mma]

@@ -5,6 +5,8 @@ place what each one costs the layer:
 
     copy      the stages are never filled from global memory (their copy groups are still committed)
     sync      a stage is used without waiting for its copies or for the CTA barrier
+    fence     the warpgroup-MMA loop waits and syncs as shipped but leaves out the proxy fence that hands a stage to
+              the tensor cores (what that fence costs; `sync` takes it out with the wait and barrier)
     decode    no weight or scale words are loaded from shared memory; the weight fragments are constants
               (packed and NF3 layouts; the stored layout keeps its decode)
     epilogue  no output is staged or stored; the accumulators feed one never-taken store, so no MMA is dead
@@ -23,7 +25,7 @@ benchmark gives the layer a c_tmp that large; like ABLATE, off in the tree (the 
 from __future__ import annotations
 
 ABLATE: frozenset[str] = frozenset()
-PARTS = frozenset({"copy", "sync", "decode", "epilogue"})
+PARTS = frozenset({"copy", "sync", "fence", "decode", "epilogue"})
 TRACE = False
 TRACE_OFFSET = 64 << 20  # bytes into c_tmp: past the split-K partials of any traced launch
 TRACE_CTAS = 1024  # CTA records a phase

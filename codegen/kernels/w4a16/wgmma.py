@@ -294,7 +294,8 @@ class W4A16WgmmaGemmKernel(W4A16GemmKernel):
         if cutlass.const_expr("sync" in self.ablate):
             return
         cute.arch.cp_async_wait_group(pending)
-        I.fence_proxy_async_shared()
+        if cutlass.const_expr("fence" not in self.ablate):
+            I.fence_proxy_async_shared()
         cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ fragments
