@@ -9,6 +9,9 @@
 #   bash benchmarks/scripts/ablate_tile.sh run     # GPU, carrying generated/ablate: compare_layer, JSON under $OUT
 #
 # PARTS overrides the sets built and run ("+"-joined parts, "none" = as shipped); MS / MODELS / ROUNDS the points.
+# `fence` (not in the default sets) takes out only the wgmma loop's proxy fence, keeping its waits and barriers:
+# PARTS="none fence" times what that fence costs (a quicker A/B of only the kernels it changes: splice them into
+# a built bundle with benchmarks/scripts/splice_kernels.py while ABLATE holds "fence").
 set -euo pipefail
 PARTS=${PARTS:-"none copy copy+sync decode epilogue copy+sync+decode copy+sync+decode+epilogue"}
 SRC=codegen/kernels/w4a16/ablate.py
