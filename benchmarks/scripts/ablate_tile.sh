@@ -22,16 +22,7 @@ build)
   cp "$SRC" "$SRC.shipped"
   trap 'mv "$SRC.shipped" "$SRC"' EXIT  # the source goes back however the builds end
   for parts in $PARTS; do
-    python3 - "$SHIPPED" "$parts" "$SRC.shipped" "$SRC" <<'PY'
-import sys
-shipped, parts, src, dst = sys.argv[1:]
-members = ", ".join(repr(p) for p in parts.split("+") if p != "none")
-text = open(src).read()
-assert text.count(shipped + "\n") == 1
-line = f"ABLATE: frozenset[str] = frozenset({{{members}}})\n" if members else shipped + "\n"
-open(dst, "w").write(text.replace(shipped + "\n", line))
-print(f"== {parts}: ABLATE = {{{members}}}")
-PY
+    python3 benchmarks/scripts/set_ablate.py "$SRC.shipped" "$SRC" "$parts"
     python3 -m cuteaot.codegen.cli build specs/bench-ablate.yaml --out "generated/ablate/$parts" --targets h200 -j 2
   done
   ;;

@@ -21,13 +21,7 @@ build)
   [ -f generated/moe-models/manifest.json ] || python3 -m cuteaot.codegen.cli build specs/moe-models.yaml --targets h200 -j 2
   cp "$SRC" "$SRC.shipped"
   trap 'mv "$SRC.shipped" "$SRC"' EXIT  # the source goes back however the splice ends
-  python3 - "$SRC" "$SHIPPED" <<'PY'
-import sys
-path, shipped = sys.argv[1:]
-text = open(path).read()
-assert text.count(shipped + "\n") == 1
-open(path, "w").write(text.replace(shipped + "\n", 'ABLATE: frozenset[str] = frozenset({"fence"})\n'))
-PY
+  python3 benchmarks/scripts/set_ablate.py "$SRC.shipped" "$SRC" fence
   rm -rf generated/nofence generated/nofence-patch
   python3 benchmarks/scripts/splice_kernels.py generated/moe-models generated/nofence \
     --where mainloop="'wgmma'" moe_block_size=128 --patch generated/nofence-patch -j 2
