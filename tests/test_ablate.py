@@ -19,9 +19,10 @@ def test_ablate_is_off_in_the_tree_and_the_script_names_known_parts():
     source = SWITCH_SOURCE.read_text()
     assert SHIPPED_LINE in source.splitlines(), "a served bundle must never take a part of the tile out"
     script = SCRIPT.read_text()
-    # the script builds only from the shipped line and rewrites exactly that line
-    assert f"SHIPPED='{SHIPPED_LINE}'" in script
-    assert "SRC=codegen/kernels/w4a16/ablate.py" in script
+    # the script builds through set_ablate.py, which starts only from the shipped line and rewrites exactly that line
+    assert "benchmarks/scripts/set_ablate.py \"$parts\" --" in script
+    set_ablate = _set_ablate()
+    assert set_ablate.SOURCE == SWITCH_SOURCE and set_ablate.SHIPPED == SHIPPED_LINE + "\n"
     default = re.search(r'PARTS=\$\{PARTS:-"([^"]+)"\}', script)
     assert default is not None
     from cuteaot.codegen.kernels.w4a16 import ablate  # no CuTeDSL: the switch module imports nothing
@@ -30,6 +31,36 @@ def test_ablate_is_off_in_the_tree_and_the_script_names_known_parts():
     assert "TRACE = False" in source.splitlines() and ablate.TRACE is False  # no tile records in a served bundle
     for parts in default[1].split():
         assert parts == "none" or set(parts.split("+")) <= ablate.PARTS, parts
+
+
+def _set_ablate():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("set_ablate", ROOT / "benchmarks" / "scripts" / "set_ablate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_set_ablate_runs_the_command_with_the_parts_and_restores_the_source(tmp_path, monkeypatch):
+    set_ablate = _set_ablate()
+    source = tmp_path / "ablate.py"
+    shipped = f"x = 1\n{SHIPPED_LINE}\ny = 2\n"
+    source.write_text(shipped)
+    monkeypatch.setattr(set_ablate, "SOURCE", source)
+    seen = tmp_path / "seen"
+    copy = ["python3", "-c", f"import shutil; shutil.copy({str(source)!r}, {str(seen)!r})"]
+    assert set_ablate.main(["copy+fence", "--", *copy]) == 0
+    assert "ABLATE: frozenset[str] = frozenset({'copy', 'fence'})" in seen.read_text().splitlines()
+    assert source.read_text() == shipped
+    assert set_ablate.main(["none", "--", *copy]) == 0 and seen.read_text() == shipped
+    assert set_ablate.main(["decode", "--", "python3", "-c", "raise SystemExit(3)"]) == 3  # the command's status
+    assert source.read_text() == shipped  # back after a failing command too
+    source.write_text(shipped.replace(SHIPPED_LINE, "ABLATE: frozenset[str] = frozenset({'copy'})"))
+    with pytest.raises(SystemExit, match="shipped empty set"):  # never from a source with parts already out
+        set_ablate.main(["fence", "--", "true"])
+    with pytest.raises(SystemExit):
+        set_ablate.main(["fence", "true"])
 
 
 def _sass_ops(cubin: bytes) -> dict[str, int]:

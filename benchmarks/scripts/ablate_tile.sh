@@ -10,20 +10,15 @@
 #
 # PARTS overrides the sets built and run ("+"-joined parts, "none" = as shipped); MS / MODELS / ROUNDS the points.
 # `fence` (not in the default sets) takes out only the wgmma loop's proxy fence, keeping its waits and barriers:
-# PARTS="none fence" times what that fence costs (a quicker A/B of only the kernels it changes: splice them into
-# a built bundle with benchmarks/scripts/splice_kernels.py while ABLATE holds "fence").
+# PARTS="none fence" times what that fence costs (benchmarks/scripts/fence_ab.sh: a quicker A/B of only the
+# kernels it changes, spliced into the peer bundle).
 set -euo pipefail
 PARTS=${PARTS:-"none copy copy+sync decode epilogue copy+sync+decode copy+sync+decode+epilogue"}
-SRC=codegen/kernels/w4a16/ablate.py
 case "${1:-}" in
 build)
-  SHIPPED='ABLATE: frozenset[str] = frozenset()'
-  grep -qxF "$SHIPPED" "$SRC" || { echo "$SRC: no line '$SHIPPED' (ABLATE must be the shipped empty set)" >&2; exit 1; }
-  cp "$SRC" "$SRC.shipped"
-  trap 'mv "$SRC.shipped" "$SRC"' EXIT  # the source goes back however the builds end
-  for parts in $PARTS; do
-    python3 benchmarks/scripts/set_ablate.py "$SRC.shipped" "$SRC" "$parts"
-    python3 -m cuteaot.codegen.cli build specs/bench-ablate.yaml --out "generated/ablate/$parts" --targets h200 -j 2
+  for parts in $PARTS; do  # set_ablate.py: ABLATE = parts for the build, the shipped line back however it ends
+    python3 benchmarks/scripts/set_ablate.py "$parts" -- \
+      python3 -m cuteaot.codegen.cli build specs/bench-ablate.yaml --out "generated/ablate/$parts" --targets h200 -j 2
   done
   ;;
 run)

@@ -13,18 +13,12 @@
 # Read new / base: about 1.00 means the fence costs nothing and the hypothesis is closed; a few percent under 1
 # is what a fence-free stage fill (bulk copies on an mbarrier for FC2's activations) could win.
 set -euo pipefail
-SRC=codegen/kernels/w4a16/ablate.py
-SHIPPED='ABLATE: frozenset[str] = frozenset()'
 case "${1:-}" in
 build)
-  grep -qxF "$SHIPPED" "$SRC" || { echo "$SRC: no line '$SHIPPED' (ABLATE must be the shipped empty set)" >&2; exit 1; }
   [ -f generated/moe-models/manifest.json ] || python3 -m cuteaot.codegen.cli build specs/moe-models.yaml --targets h200 -j 2
-  cp "$SRC" "$SRC.shipped"
-  trap 'mv "$SRC.shipped" "$SRC"' EXIT  # the source goes back however the splice ends
-  python3 benchmarks/scripts/set_ablate.py "$SRC.shipped" "$SRC" fence
   rm -rf generated/nofence generated/nofence-patch
-  python3 benchmarks/scripts/splice_kernels.py generated/moe-models generated/nofence \
-    --where mainloop="'wgmma'" moe_block_size=128 --patch generated/nofence-patch -j 2
+  python3 benchmarks/scripts/set_ablate.py fence -- python3 benchmarks/scripts/splice_kernels.py generated/moe-models \
+    generated/nofence --where mainloop="'wgmma'" moe_block_size=128 --patch generated/nofence-patch -j 2
   rm -rf generated/nofence  # the patch (manifest + changed cubins) is what travels
   python3 -m benchmarks.stream_probe build --out generated/stream-probe
   ;;

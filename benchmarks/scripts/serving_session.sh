@@ -68,10 +68,8 @@ modelopt)
   echo "memcheck modelopt rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_modelopt.log" | tail -3
   [ -d generated/bench-modelopt ] && { timeout 200 python3 -m benchmarks.modelopt --bundle generated/bench-modelopt \
     --rounds 3 --json "$OUT/modelopt.json" > "$OUT/modelopt.txt" 2>&1; echo "modelopt bench rc=$?"; tail -22 "$OUT/modelopt.txt"; }
-  timeout 100 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
-    -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and relu2-tail" \
-    > "$OUT/racecheck_modelopt.log" 2>&1
-  echo "racecheck modelopt rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_modelopt.log" | tail -3
+  BUDGET=100 bash benchmarks/scripts/race_tests.sh \
+    "tests/gpu/test_modelopt_gpu.py::test_modelopt_layer_matches_reference[relu2-tail-gate_up]"
   ;;
 peers)
   shift
@@ -102,10 +100,8 @@ host)
   done
   ;;
 race)
-  timeout 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
-    -p no:cacheprovider -m gpu tests/gpu/test_moe_fused_gpu.py -k "fused_layer_matches_reference and (silu-bf16 or relu2)" \
-    > "$OUT/racecheck_fused.log" 2>&1
-  echo "racecheck fused rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_fused.log" | tail -3
+  BUDGET=200 bash benchmarks/scripts/race_tests.sh "tests/gpu/test_moe_fused_gpu.py::test_fused_layer_matches_reference[silu-bf16]" \
+    "tests/gpu/test_moe_fused_gpu.py::test_fused_layer_matches_reference[relu2]"
   timeout 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 -m benchmarks.sanitize_gemm \
     > "$OUT/racecheck_gemm.log" 2>&1
   echo "racecheck gemm rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/racecheck_gemm.log" | tail -2
