@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device call of the serving-hardening work (issues 13, 17, 18). Usage on the GPU machine:
 #   bash benchmarks/scripts/serving_session.sh tests        # every GPU test + memcheck of the bad-id paths
+#   bash benchmarks/scripts/serving_session.sh layers       # the layer test files alone (bundles tiny, probes, tiny-fused,
+#                                                           # tiny-modelopt, tune-micro: ~52 MiB with the tree, where
+#                                                           # `tests` with every bundle is over the 64 MiB a call carries),
+#                                                           # then racecheck of the fused tests 17-36 in the time left
 #   bash benchmarks/scripts/serving_session.sh bench        # layer benchmarks: moe, large-M study, decoder example
 #   bash benchmarks/scripts/serving_session.sh peers        # benchmarks/scripts/peers.sh (carry .whl)
 #   bash benchmarks/scripts/serving_session.sh tails        # memcheck of the masked N / K tiles (tiny-gemm, tiny-fused)
@@ -34,6 +38,28 @@ tests)
   timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
     tests/gpu/test_bad_ids_gpu.py -k "decode_path or packed_path or gemm_drops" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  ;;
+layers)
+  # END: seconds of the call this mode may take (the racecheck gets what the tests leave, one test at a time)
+  export CUTEAOT_RESULTS="$OUT/gpu_results.jsonl"; T=tests/gpu; F=$T/test_moe_fused_gpu.py
+  timeout 280 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 $T/test_bad_ids_gpu.py $T/test_capture_gpu.py \
+    $T/test_checkpoint_gpu.py $T/test_concurrent_gpu.py $T/test_example_gpu.py $T/test_modelopt_gpu.py $F \
+    $T/test_moe_workspace_gpu.py $T/test_moe_micro_gpu.py > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"
+  grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
+  sed -n '/worst relative error/,/^=/p' "$OUT/gpu_tests.log" | head -60
+  # fused tests 17-36 (1-16 ran under racecheck in the thirty-seventh session), one kernel family after another
+  PER_TEST=110 BUDGET=$((${END:-570} - SECONDS)) bash benchmarks/scripts/race_tests.sh \
+    "$F::test_gated_fc1_epilogue[silu-bf16]" "$F::test_fused_kernel_activates_in_fc1[silu-bf16]" \
+    "$F::test_mxfp4_checkpoint_layer" "$F::test_nf3_layer_matches_reference[silu]" \
+    "$F::test_biases_in_both_epilogues[swigluoai]" "$F::test_fc2_reads_fc1_wide_packing_as_narrow_blocks" \
+    "$F::test_nvfp4_nf3_hybrid_layer" "$F::test_bias_of_one_projection_only" "$F::test_in_kernel_route_packing" \
+    "$F::test_torch_compile" "$F::test_fused_kernel_activates_in_fc1[swigluoai-whole-bias]" \
+    "$F::test_gated_fc1_epilogue[swigluoai-whole-bias]" "$F::test_biases_in_both_epilogues[relu2-bias-fp16]" \
+    "$F::test_nf3_layer_matches_reference[relu2]" "$F::test_nf3_layer_matches_reference[swigluoai]" \
+    "$F::test_nf3_graph_replay_equals_eager" "$F::test_gated_fc1_epilogue[silu-fp16]" \
+    "$F::test_fused_kernel_activates_in_fc1[silu-fp16]" "$F::test_bias_layer_needs_bias_kernels" \
+    "$F::test_nf3_layer_refuses_mixed_formats"
   ;;
 bench)
   timeout 200 python3 -m benchmarks.moe --bundle generated/moe-models --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1
