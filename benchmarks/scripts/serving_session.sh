@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the serving-hardening work (issues 13, 17, 18). Usage on the GPU machine:
 #   bash benchmarks/scripts/serving_session.sh tests        # every GPU test + memcheck of the bad-id paths
-#   bash benchmarks/scripts/serving_session.sh layers       # the layer test files alone (bundles tiny, probes, tiny-fused,
-#                                                           # tiny-modelopt, tune-micro: ~52 MiB with the tree, where
+#   bash benchmarks/scripts/serving_session.sh layers       # the layer test files alone (bundles tiny, probes, tiny-gemm,
+#                                                           # tiny-fused, tiny-modelopt, tune-micro: ~57 MiB with the tree, where
 #                                                           # `tests` with every bundle is over the 64 MiB a call carries),
 #                                                           # then racecheck of the fused tests 17-36 in the time left
 #   bash benchmarks/scripts/serving_session.sh bench        # layer benchmarks: moe, large-M study, decoder example
