@@ -18,9 +18,13 @@ NODE_ID = re.compile(r"(\$[A-Z]::[^\s\"']+|(?:\$[A-Z]|tests/)[^\s\"':]*\.py::[^\
 def named_node_ids(script: Path) -> set[str]:
     text = script.read_text()
     variables: dict[str, str] = {}
+
+    def expand(word: str) -> str:
+        return re.sub(r"\$([A-Z])", lambda m: variables.get(m[1], m[0]), word)
+
     for name, value in ASSIGNMENT.findall(text):
-        variables[name] = re.sub(r"\$([A-Z])", lambda m: variables.get(m[1], m[0]), value)
-    return {re.sub(r"\$([A-Z])", lambda m: variables.get(m[1], m[0]), node) for node in NODE_ID.findall(text)}
+        variables[name] = expand(value)
+    return {expand(node) for node in NODE_ID.findall(text)}
 
 
 def test_the_parser_reads_the_racecheck_list():
