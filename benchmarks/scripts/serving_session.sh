@@ -26,15 +26,20 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
+# a pytest log's last counts, its failures (and lines matching the extra pattern $2, e.g. "|mismatch") and the
+# worst relative errors the tests recorded
+report_tests() {
+  grep -E "passed|failed" "$1" | tail -2
+  grep -E "^(FAILED|ERROR)${2:-}" "$1" | head -30
+  sed -n '/worst relative error/,/^=/p' "$1" | head -60
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 case "${1:-tests}" in
 tests)
   export CUTEAOT_RESULTS="$OUT/gpu_results.jsonl"
   timeout 430 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 tests ${2:+-k "$2"} \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"
-  grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
-  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
-  sed -n '/worst relative error/,/^=/p' "$OUT/gpu_tests.log" | head -60
+  report_tests "$OUT/gpu_tests.log"
   timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
     tests/gpu/test_bad_ids_gpu.py -k "decode_path or packed_path or gemm_drops" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
@@ -45,11 +50,9 @@ layers)
   timeout 280 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 $T/test_bad_ids_gpu.py $T/test_capture_gpu.py \
     $T/test_checkpoint_gpu.py $T/test_concurrent_gpu.py $T/test_example_gpu.py $T/test_modelopt_gpu.py $F \
     $T/test_moe_workspace_gpu.py $T/test_moe_micro_gpu.py > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"
-  grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
-  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
-  sed -n '/worst relative error/,/^=/p' "$OUT/gpu_tests.log" | head -60
-  # fused tests 17-36 (1-16 ran under racecheck in the thirty-seventh session), one kernel family after another;
-  # the first takes ~180 s under racecheck on an H100 (forty-third session), the others 5-85 s
+  report_tests "$OUT/gpu_tests.log"
+  # fused tests 17-36 (1-16: `race_tests.sh` over the file's first 16; all 36 were clean by the forty-third session),
+  # one kernel family after another; the first takes ~180 s under racecheck on an H100, the others 5-85 s
   PER_TEST=200 BUDGET=$((${END:-570} - SECONDS)) bash benchmarks/scripts/race_tests.sh \
     "$F::test_gated_fc1_epilogue[silu-bf16]" "$F::test_fused_kernel_activates_in_fc1[silu-bf16]" \
     "$F::test_mxfp4_checkpoint_layer" "$F::test_nf3_layer_matches_reference[silu]" \
@@ -85,9 +88,7 @@ modelopt)
   export CUTEAOT_RESULTS="$OUT/gpu_results.jsonl"
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 tests/gpu/test_modelopt_gpu.py \
     tests/gpu/test_intrinsics_gpu.py -k "modelopt or e2m1_codes or e4m3_pair" > "$OUT/modelopt_tests.log" 2>&1
-  echo "pytest rc=$?"; grep -E "passed|failed" "$OUT/modelopt_tests.log" | tail -2
-  grep -E "^(FAILED|ERROR)|probe e|mismatch" "$OUT/modelopt_tests.log" | head -20
-  sed -n '/worst relative error/,/^=/p' "$OUT/modelopt_tests.log" | head -20
+  echo "pytest rc=$?"; report_tests "$OUT/modelopt_tests.log" "|probe e|mismatch"
   # memcheck of the layer tests whose sizes are 64 mod 128 (a last N tile masked) and one on whole tiles
   timeout 170 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q \
     -p no:cacheprovider -m gpu tests/gpu/test_modelopt_gpu.py -k "matches_reference and (silu-fp16 or tail)" \
